@@ -1,0 +1,34 @@
+"""graphpar: a Caffe2-style graph-building data-parallel compiler whose operators run on PyTorch kernels.
+
+Submodules load on first use, so `import graphpar` is cheap; `from graphpar import brew` and
+`graphpar.Parallelize` work as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_MODULES = ("core", "workspace", "model_helper", "brew", "optimizer", "data_parallel_model",
+            "checkpoint", "models", "ops", "passes", "errors", "naming", "devices")
+_NAMES = {
+    "Parallelize": "data_parallel_model",
+    "FinalizeAfterCheckpoint": "data_parallel_model",
+    "GetCheckpointParams": "data_parallel_model",
+    "ModelHelper": "model_helper",
+}
+__all__ = [*_MODULES, *_NAMES, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"graphpar.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"graphpar.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'graphpar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

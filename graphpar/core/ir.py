@@ -1,0 +1,178 @@
+"""The IR: devices, blob references, operators and nets as plain, mutable data.
+
+Passes edit `OperatorDef`s and `NetDef`s in place; nothing here knows kernels or workspaces.
+`NetDef.validate()` checks the invariants every pass must keep (the analogue of torch.fx's `lint`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import namedtuple
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class DeviceType(IntEnum):
+    """Where an operator runs: CPU or a CUDA device."""
+
+    CPU = 0
+    CUDA = 1
+
+
+CPU = DeviceType.CPU
+CUDA = DeviceType.CUDA
+
+
+@dataclass(frozen=True)
+class DeviceOption:
+    """A device placement: type and index. Immutable and hashable, so ops may share one."""
+
+    device_type: DeviceType = CPU
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_type, (int, DeviceType)) or int(self.device_type) not in (0, 1):
+            raise TypeError(f"device_type must be graphpar.core.CPU or CUDA, got {self.device_type!r}")
+        if not isinstance(self.device_id, int) or isinstance(self.device_id, bool) or self.device_id < 0:
+            raise TypeError(f"device_id must be a non-negative int, got {self.device_id!r}")
+        object.__setattr__(self, "device_type", DeviceType(self.device_type))
+
+    def __repr__(self) -> str:
+        return f"DeviceOption({self.device_type.name}, {self.device_id})"
+
+
+def device_option_equal(a: DeviceOption | None, b: DeviceOption | None) -> bool:
+    """Caffe2's comparison: an unset option means CPU 0."""
+    return (a or DeviceOption()) == (b or DeviceOption())
+
+
+GradientSlice = namedtuple("GradientSlice", ["indices", "values"])
+GradientSlice.__doc__ = "A sparse gradient: rows `indices` of a parameter receive `values`."
+
+
+class BlobReference(str):
+    """A blob name (a `str` subclass: it hashes and compares as its name) that may know its net.
+
+    `ref.Relu([], "y")` is sugar for `net.Relu([ref], "y")`.
+    """
+
+    __slots__ = ("_net",)
+
+    def __new__(cls, name: str, net: Any = None) -> BlobReference:
+        if not isinstance(name, str):
+            raise TypeError(f"a blob name must be a str, got {type(name).__name__}: {name!r}")
+        self = super().__new__(cls, name)
+        self._net = net
+        return self
+
+    def __repr__(self) -> str:
+        return f"BlobReference({str.__repr__(self)})"
+
+    def __add__(self, other: str) -> BlobReference:
+        return BlobReference(str(self) + str(other), self._net)
+
+    def __radd__(self, other: str) -> BlobReference:
+        return BlobReference(str(other) + str(self), self._net)
+
+    def Net(self) -> Any:  # noqa: N802 - Caffe2 name
+        return self._net
+
+    def GetNameScope(self) -> str:  # noqa: N802
+        cut = self.rfind("/")
+        return str(self[: cut + 1]) if cut >= 0 else ""
+
+    def GetUnscopedName(self) -> str:  # noqa: N802
+        return str(self[self.rfind("/") + 1 :])
+
+    def __getattr__(self, op_type: str) -> Any:
+        if op_type.startswith("_") or self._net is None:
+            raise AttributeError(op_type)
+        net = self._net
+
+        def make(inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
+            inputs = [] if inputs is None else ([inputs] if isinstance(inputs, str) else list(inputs))
+            return getattr(net, op_type)([self, *inputs], *args, **kwargs)
+
+        return make
+
+
+@dataclass(eq=False)
+class OperatorDef:
+    """One recorded operator. `source` is where it was recorded (file:line), for error messages."""
+
+    type: str
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+    device_option: DeviceOption | None = None
+    name: str = ""
+    engine: str = ""
+    control_inputs: list[str] = field(default_factory=list)
+    is_gradient_op: bool = False
+    source: str = ""
+
+    def copy(self) -> OperatorDef:
+        """A copy whose lists and args can be edited without touching this op (NetDef args are deep-copied)."""
+        args = {k: (copy.deepcopy(v) if isinstance(v, NetDef) else v) for k, v in self.args.items()}
+        return OperatorDef(self.type, list(self.inputs), list(self.outputs), args, self.device_option,
+                           self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source)
+
+    def __repr__(self) -> str:
+        extra = f", args={self.args}" if self.args else ""
+        dev = f", device={self.device_option}" if self.device_option is not None else ""
+        return f"{self.type}({self.inputs} -> {self.outputs}{extra}{dev})"
+
+
+@dataclass(eq=False)
+class NetDef:
+    """An ordered list of operators (program order is the semantics) plus the net's metadata."""
+
+    name: str = ""
+    ops: list[OperatorDef] = field(default_factory=list)
+    external_inputs: list[str] = field(default_factory=list)
+    external_outputs: list[str] = field(default_factory=list)
+    type: str = "simple"
+    num_workers: int = 1
+    device_option: DeviceOption | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def copy(self, name: str | None = None) -> NetDef:
+        """An independent copy (ops copied one by one: much cheaper than deepcopy on big nets)."""
+        return NetDef(self.name if name is None else name, [op.copy() for op in self.ops],
+                      list(self.external_inputs), list(self.external_outputs), self.type,
+                      self.num_workers, self.device_option, dict(self.args))
+
+    def op_device(self, op: OperatorDef) -> DeviceOption:
+        """The device an op runs on: its own option, else the net's, else CPU 0."""
+        return op.device_option or self.device_option or DeviceOption()
+
+    def validate(self) -> NetDef:
+        """Check the invariants passes must keep; raise ValueError/TypeError naming the first violation.
+
+        Every op type is registered, input/output counts and arguments fit its schema, in-place
+        pairs are allowed (and enforced ones respected), names are non-empty strings, and every
+        declared external output is produced or is an external input.
+        """
+        from graphpar.ops.registry import check_operator  # core -> schemas only, never kernels
+
+        if self.type not in ("simple", "dag"):
+            raise ValueError(f"net {self.name!r}: type must be 'simple' or 'dag', got {self.type!r}")
+        defined = set(self.external_inputs)
+        for index, op in enumerate(self.ops):
+            where = f"net {self.name!r} op #{index} ({op.type})"
+            for blob in (*op.inputs, *op.outputs, *op.control_inputs):
+                if not isinstance(blob, str) or not blob:
+                    raise TypeError(f"{where}: blob names must be non-empty strings, got {blob!r}")
+            if op.device_option is not None and not isinstance(op.device_option, DeviceOption):
+                raise TypeError(f"{where}: device_option must be a DeviceOption, got {op.device_option!r}")
+            check_operator(op, where)
+            defined.update(op.outputs)
+        missing = [b for b in self.external_outputs if b not in defined]
+        if missing:
+            raise ValueError(f"net {self.name!r}: external outputs {missing} are produced by no op")
+        return self
+
+    def __repr__(self) -> str:
+        body = "\n".join(f"  {i}: {op!r}" for i, op in enumerate(self.ops))
+        return f"NetDef({self.name!r}, type={self.type!r}, {len(self.ops)} ops)\n{body}"

@@ -1,0 +1,58 @@
+"""Thread-local name and device scopes; nesting restores the previous value on exit."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from graphpar.core.ir import BlobReference, DeviceOption
+
+_state = threading.local()
+
+
+def CurrentNameScope() -> str:  # noqa: N802 - Caffe2 name
+    """The current name scope, '' or ending in '/'."""
+    return getattr(_state, "name_scope", "")
+
+
+def CurrentDeviceScope() -> DeviceOption | None:  # noqa: N802
+    """The device option new ops get, or None outside any DeviceScope."""
+    return getattr(_state, "device_option", None)
+
+
+@contextmanager
+def NameScope(prefix: str | None, reset: bool = False) -> Iterator[None]:  # noqa: N802
+    """Append `prefix/` to the name scope (replace it with `reset=True`); '' or None adds nothing."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"NameScope prefix must be a str, got {type(prefix).__name__}")
+    old = CurrentNameScope()
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    _state.name_scope = prefix if reset else old + prefix
+    try:
+        yield
+    finally:
+        _state.name_scope = old
+
+
+@contextmanager
+def DeviceScope(device_option: DeviceOption | None) -> Iterator[None]:  # noqa: N802
+    """Ops created inside get `device_option` (None clears the device scope)."""
+    if device_option is not None and not isinstance(device_option, DeviceOption):
+        raise TypeError(f"DeviceScope needs a DeviceOption, got {type(device_option).__name__}")
+    old = CurrentDeviceScope()
+    _state.device_option = device_option
+    try:
+        yield
+    finally:
+        _state.device_option = old
+
+
+def ScopedName(name: str) -> str:  # noqa: N802
+    """`name` prefixed with the current name scope."""
+    return CurrentNameScope() + name
+
+
+def ScopedBlobReference(name: str, net: object = None) -> BlobReference:  # noqa: N802
+    """A BlobReference to `name` inside the current name scope."""
+    return BlobReference(ScopedName(name), net)

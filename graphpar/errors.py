@@ -1,0 +1,34 @@
+"""Project exception classes: each names what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class GraphparError(Exception):
+    """Base class of graphpar's own errors."""
+
+
+class UnknownOperatorError(AttributeError, GraphparError):
+    """An operator type that is not registered (an AttributeError, as in Caffe2)."""
+
+
+class MissingBlobError(KeyError, GraphparError):
+    """A blob an operator or a caller needs does not exist in the workspace."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class OperatorError(RuntimeError, GraphparError):
+    """A kernel failed; the message names the net, the op, its inputs and where it was recorded."""
+
+
+class GradientError(ValueError, GraphparError):
+    """Automatic differentiation cannot produce a correct gradient for the net as recorded."""
+
+
+class ParallelizeError(ValueError, GraphparError):
+    """A misuse of Parallelize or one of its helpers, found before the model was changed."""
+
+
+class CheckpointError(ValueError, GraphparError):
+    """A checkpoint file is corrupt or does not match the workspace or model."""

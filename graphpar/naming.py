@@ -1,0 +1,72 @@
+"""Blob naming conventions, in one place: gradients, optimizer state, device scopes."""
+
+from __future__ import annotations
+
+from graphpar.core.ir import GradientSlice
+
+SCOPE_SEPARATOR = "/"
+
+
+def grad_name(blob: str) -> str:
+    """The dense gradient blob of `blob` (Caffe2: `x` -> `x_grad`)."""
+    return f"{blob}_grad"
+
+
+def autosplit_grad_name(grad: str, k: int) -> str:
+    """The k-th renamed partial gradient that a `Sum` later accumulates into `grad`."""
+    return f"_{grad}_autosplit_{k}"
+
+
+def name_scope_of(blob: str) -> str:
+    """Everything up to and including the last '/', e.g. 'gpu_1/' for 'gpu_1/fc_w'."""
+    cut = blob.rfind(SCOPE_SEPARATOR)
+    return blob[: cut + 1] if cut >= 0 else ""
+
+
+def unscoped_name(blob: str) -> str:
+    """The part after the last '/'."""
+    return blob[blob.rfind(SCOPE_SEPARATOR) + 1 :]
+
+
+def device_prefix(cpu_device: bool) -> str:
+    """The replica name-scope prefix: 'cpu' or 'gpu'."""
+    return "cpu" if cpu_device else "gpu"
+
+
+def device_scope_name(prefix: str, device_id: int) -> str:
+    """The replica name scope without the trailing '/', e.g. 'gpu_3'."""
+    return f"{prefix}_{device_id}"
+
+
+def device_scoped(prefix: str, device_id: int, name: str) -> str:
+    """`name` inside replica `device_id`'s scope, e.g. 'gpu_3/fc_w'."""
+    return f"{prefix}_{device_id}{SCOPE_SEPARATOR}{name}"
+
+
+def parse_device_scope(blob: str) -> tuple[str, int] | None:
+    """('gpu', 3) for 'gpu_3/...' (also 'cpu_1/...'); None for a blob outside any replica scope."""
+    head, sep, _ = blob.partition(SCOPE_SEPARATOR)
+    if not sep:
+        return None
+    prefix, _, index = head.rpartition("_")
+    if prefix not in ("gpu", "cpu") or not index.isdigit():
+        return None
+    return prefix, int(index)
+
+
+def stripBlobName(blob: str | GradientSlice) -> str:  # noqa: N802 - Caffe2 name
+    """The name without its replica scope: 'gpu_0/fc_w' -> 'fc_w'; unscoped names come back unchanged.
+
+    Caffe2 used `str.index('/')`, which raised on unscoped names; graphpar accepts them.
+    """
+    if isinstance(blob, GradientSlice):
+        return f"{stripBlobName(blob.indices)}:{stripBlobName(blob.values)}"
+    return blob.split(SCOPE_SEPARATOR, 1)[1] if SCOPE_SEPARATOR in blob else str(blob)
+
+
+def momentum_name(param: str) -> str:
+    return f"{param}_momentum"
+
+
+def adam_moment_names(param: str) -> tuple[str, str]:
+    return f"{param}_first_moment", f"{param}_second_moment"
