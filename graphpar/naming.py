@@ -70,3 +70,7 @@ def momentum_name(param: str) -> str:
 
 def adam_moment_names(param: str) -> tuple[str, str]:
     return f"{param}_first_moment", f"{param}_second_moment"
+
+
+OPTIMIZER_ITERATION = "optimizer_iteration"  # the model's one unscoped CPU iteration counter (Caffe2's name)
+LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection` (Caffe2's name)

@@ -12,6 +12,19 @@ settings.register_profile("graphpar", deadline=None, max_examples=25, derandomiz
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "graphpar"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_workspace() -> None:
+    """Every test starts in a fresh "default" workspace (the only one) with fixed seeds."""
+    import numpy as np
+    import torch
+
+    from graphpar import workspace
+
+    workspace.reset_all(seed=0)
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

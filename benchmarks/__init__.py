@@ -1,0 +1,1 @@
+"""Benchmarks, each runnable as `python -m benchmarks.NAME`; results land in benchmarks/results/."""

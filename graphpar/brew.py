@@ -1,0 +1,309 @@
+"""brew: layer helpers that create a layer's parameters and record its op, with Caffe2's names.
+
+Every helper takes the model first: `brew.fc(model, "data", "fc1", dim_in=64, dim_out=32)` creates
+`fc1_w` [32, 64] (XavierFill) and `fc1_b` [32] (ConstantFill 0) in `model.param_init_net` and records
+`FC([data, fc1_w, fc1_b], fc1)` in `model.net`. Keyword arguments merge in increasing priority:
+`model.arg_scope` (only the keys a helper names, unless it takes **kwargs, whose extra keys go to the
+op as arguments), then active `brew.arg_scope` contexts, then the call's own arguments (positional
+ones included). `brew.Register` adds custom helpers that get the same merging.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from graphpar.core.ir import CPU, BlobReference, DeviceOption
+from graphpar.core.scope import DeviceScope
+from graphpar.model_helper import Initializer, ModelHelper, ParameterTags
+
+_HELPERS: dict[str, Callable[..., Any]] = {}
+_scope = threading.local()
+
+
+def _current_arg_scope() -> dict[str, dict[str, Any]]:
+    """Helper name -> the keyword arguments active `arg_scope` contexts give it."""
+    return getattr(_scope, "helpers", {})
+
+
+def Register(helper: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802 - Caffe2 name
+    """Make `helper(model, ...)` available as `brew.<helper name>` with arg-scope merging; return it.
+
+    Raises:
+        ValueError: a helper of that name already exists.
+    """
+    name = helper.__name__
+    if name in _HELPERS:
+        raise ValueError(f"brew helper {name!r} already exists; give your helper another name")
+    signature = inspect.signature(helper)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    named = frozenset(signature.parameters)
+
+    @functools.wraps(helper)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        if not isinstance(model, ModelHelper):
+            raise TypeError(f"brew.{name}: the first argument must be a ModelHelper, got "
+                            f"{type(model).__name__}")
+        merged = {k: v for k, v in model.arg_scope.items() if takes_kwargs or k in named}
+        merged.update(_current_arg_scope().get(name, {}))
+        for bound in signature.bind_partial(*args).arguments:  # positional arguments win over scopes
+            merged.pop(bound, None)
+        merged.update(kwargs)
+        return helper(*args, **merged)
+
+    _HELPERS[name] = call
+    return call
+
+
+def __getattr__(name: str) -> Callable[..., Any]:
+    """Helpers added with `Register` after import."""
+    helper = _HELPERS.get(name)
+    if helper is None:
+        raise AttributeError(f"module 'graphpar.brew' has no helper {name!r} (helpers: "
+                             f"{', '.join(sorted(_HELPERS))}; add one with brew.Register)")
+    return helper
+
+
+@contextmanager
+def arg_scope(helpers: Callable[..., Any] | Sequence[Callable[..., Any]], **kwargs: Any) -> Iterator[None]:
+    """Within the block, `helpers` (one or a list of brew helpers) get `kwargs` as defaults.
+
+    Nested scopes add to (and override) the outer ones; explicit arguments still win.
+
+    Raises:
+        TypeError: something that is not a registered brew helper.
+    """
+    helpers = [helpers] if callable(helpers) else list(helpers)
+    for helper in helpers:
+        if _HELPERS.get(getattr(helper, "__name__", None)) is not helper:
+            raise TypeError(f"brew.arg_scope takes brew helpers (e.g. brew.fc), got {helper!r}")
+    old = _current_arg_scope()
+    _scope.helpers = {**old, **{h.__name__: {**old.get(h.__name__, {}), **kwargs} for h in helpers}}
+    try:
+        yield
+    finally:
+        _scope.helpers = old
+
+
+def _suffixed(blob: str, suffix: str, prefix: str = "") -> str:
+    """`prefix + name + suffix` inside the blob's own name scope ('gpu_0/d' -> 'gpu_0/_d_mask').
+
+    A str stays a str (the net name-scopes it); a BlobReference stays one (taken as is). Caffe2
+    prepended the prefix to the whole name, putting '_' before the scope; graphpar keeps the scope.
+    """
+    if not isinstance(blob, str):
+        raise TypeError(f"brew: output blob names must be strings, got {type(blob).__name__} {blob!r}")
+    cut = blob.rfind("/") + 1
+    name = blob[:cut] + prefix + blob[cut:] + suffix
+    return BlobReference(name) if isinstance(blob, BlobReference) else name
+
+
+def _initializer(cls: type | None, op_and_kwargs: Sequence[Any] | None,
+                 default: tuple[str, dict[str, Any]]) -> Initializer:
+    """Caffe2's `update_initializer`: `cls` (default Initializer) built from `(op_name, kwargs)`."""
+    op_and_kwargs = default if op_and_kwargs is None else op_and_kwargs
+    if (not isinstance(op_and_kwargs, (tuple, list)) or len(op_and_kwargs) != 2
+            or not isinstance(op_and_kwargs[0], str) or not isinstance(op_and_kwargs[1], dict)):
+        raise TypeError(f"brew: an initializer is an (op_name, kwargs) pair such as ('GaussianFill', "
+                        f"{{'std': 0.01}}), got {op_and_kwargs!r}")
+    return (cls or Initializer)(op_and_kwargs[0], **op_and_kwargs[1])
+
+
+def _kernel_args(kernel: int | Sequence[int]) -> tuple[tuple[int, int], dict[str, int]]:
+    """((kh, kw), the Conv arguments naming them) for an int or a [kh, kw] kernel."""
+    if isinstance(kernel, int):
+        return (kernel, kernel), {"kernel": kernel}
+    if isinstance(kernel, (list, tuple)) and len(kernel) == 2 and all(isinstance(k, int) for k in kernel):
+        return (kernel[0], kernel[1]), {"kernel_h": kernel[0], "kernel_w": kernel[1]}
+    raise ValueError(f"brew.conv: kernel must be an int or [kernel_h, kernel_w] (2-D only), got {kernel!r}")
+
+
+@Register
+def fc(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: int,
+       weight_init: tuple[str, dict] | None = None, bias_init: tuple[str, dict] | None = None,
+       WeightInitializer: type | None = None, BiasInitializer: type | None = None,  # noqa: N803
+       **kwargs: Any) -> BlobReference:
+    """FC: `<out>_w` [dim_out, dim_in] XavierFill (WEIGHT), `<out>_b` [dim_out] ConstantFill 0 (BIAS).
+
+    `weight_init`/`bias_init` are `(op_name, kwargs)` pairs; `WeightInitializer`/`BiasInitializer`
+    are Initializer classes; other kwargs (e.g. `axis`) go to the FC op.
+    """
+    weight = model.create_param(_suffixed(blob_out, "_w"), [dim_out, dim_in],
+                                _initializer(WeightInitializer, weight_init, ("XavierFill", {})),
+                                ParameterTags.WEIGHT)
+    bias = model.create_param(_suffixed(blob_out, "_b"), [dim_out],
+                              _initializer(BiasInitializer, bias_init, ("ConstantFill", {})),
+                              ParameterTags.BIAS)
+    return model.net.FC([blob_in, weight, bias], blob_out, **kwargs)
+
+
+@Register
+def conv(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: int,
+         kernel: int | Sequence[int], weight_init: tuple[str, dict] | None = None,
+         bias_init: tuple[str, dict] | None = None, WeightInitializer: type | None = None,  # noqa: N803
+         BiasInitializer: type | None = None, group: int = 1, order: str = "NCHW",  # noqa: N803
+         **kwargs: Any) -> BlobReference:
+    """2-D Conv: `<out>_w` [dim_out, dim_in/group, kh, kw] XavierFill, `<out>_b` [dim_out] unless no_bias.
+
+    `stride`, `pad`, `dilation` and other kwargs go to the Conv op; `group` is passed when not 1.
+
+    Raises:
+        ValueError: a layout other than NCHW, a bad kernel, or dim_in not divisible by group.
+    """
+    if order != "NCHW":
+        raise ValueError(f"brew.conv({blob_out!r}): graphpar supports order='NCHW' only, got {order!r}")
+    if group < 1 or dim_in % group:
+        raise ValueError(f"brew.conv({blob_out!r}): dim_in={dim_in} must be divisible by group={group}")
+    (kh, kw), kernel_args = _kernel_args(kernel)
+    no_bias = bool(kwargs.pop("no_bias", False))
+    inputs = [blob_in, model.create_param(
+        _suffixed(blob_out, "_w"), [dim_out, dim_in // group, kh, kw],
+        _initializer(WeightInitializer, weight_init, ("XavierFill", {})), ParameterTags.WEIGHT)]
+    if not no_bias:
+        inputs.append(model.create_param(_suffixed(blob_out, "_b"), [dim_out],
+                                         _initializer(BiasInitializer, bias_init, ("ConstantFill", {})),
+                                         ParameterTags.BIAS))
+    if group != 1:
+        kwargs["group"] = group
+    return model.net.Conv(inputs, blob_out, **kernel_args, order=order, **kwargs)
+
+
+@Register
+def spatial_bn(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, init_scale: float = 1.0,
+               init_bias: float = 0.0, ScaleInitializer: type | None = None,  # noqa: N803
+               BiasInitializer: type | None = None, RunningMeanInitializer: type | None = None,  # noqa: N803
+               RunningVarianceInitializer: type | None = None, order: str = "NCHW",  # noqa: N803
+               **kwargs: Any) -> BlobReference:
+    """SpatialBN with `<out>_s` (init_scale), `<out>_b` (init_bias) and computed `<out>_rm` 0, `<out>_riv` 1.
+
+    Training (the default) records outputs [out, rm, riv, `<out>_sm`, `<out>_siv`] with the running
+    stats updated in place; `is_test=True` records the single output. `epsilon`, `momentum` and other
+    kwargs go to the op.
+    """
+    def param(suffix: str, cls: type | None, value: float, tag: str) -> BlobReference:
+        init = (cls or Initializer)("ConstantFill", value=float(value))
+        return model.create_param(_suffixed(blob_out, suffix), [dim_in], init, tag)
+
+    scale = param("_s", ScaleInitializer, init_scale, ParameterTags.WEIGHT)
+    bias = param("_b", BiasInitializer, init_bias, ParameterTags.BIAS)
+    running_mean = param("_rm", RunningMeanInitializer, 0.0, ParameterTags.COMPUTED_PARAM)
+    running_var = param("_riv", RunningVarianceInitializer, 1.0, ParameterTags.COMPUTED_PARAM)
+    inputs = [blob_in, scale, bias, running_mean, running_var]
+    if kwargs.get("is_test"):
+        return model.net.SpatialBN(inputs, blob_out, order=order, **kwargs)
+    outputs = [blob_out, running_mean, running_var, _suffixed(blob_out, "_sm"), _suffixed(blob_out, "_siv")]
+    return model.net.SpatialBN(inputs, outputs, order=order, **kwargs)[0]
+
+
+@Register
+def relu(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """Relu (may run in place: `brew.relu(model, h, h)`)."""
+    return model.net.Relu(blob_in, blob_out, **kwargs)
+
+
+@Register
+def leaky_relu(model: ModelHelper, blob_in: str, blob_out: str, alpha: float | None = None) -> BlobReference:
+    """LeakyRelu; `alpha` is passed only when given (the op's default is Caffe2's 0.01)."""
+    extra = {} if alpha is None else {"alpha": alpha}
+    return model.net.LeakyRelu(blob_in, blob_out, **extra)
+
+
+@Register
+def sigmoid(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """Sigmoid."""
+    return model.net.Sigmoid(blob_in, blob_out, **kwargs)
+
+
+@Register
+def tanh(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """Tanh."""
+    return model.net.Tanh(blob_in, blob_out, **kwargs)
+
+
+@Register
+def softmax(model: ModelHelper, blob_in: str, blob_out: str | None = None, **kwargs: Any) -> BlobReference:
+    """Softmax (auto-named output when `blob_out` is None)."""
+    return model.net.Softmax(blob_in, blob_out, **kwargs)
+
+
+@Register
+def max_pool(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """MaxPool; `kernel`, `stride`, `pad`, `global_pooling` go to the op."""
+    return model.net.MaxPool(blob_in, blob_out, **kwargs)
+
+
+@Register
+def average_pool(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """AveragePool; `kernel`, `stride`, `pad`, `global_pooling` go to the op."""
+    return model.net.AveragePool(blob_in, blob_out, **kwargs)
+
+
+@Register
+def dropout(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """Dropout into [out, `_<out>_mask`]; `is_test` is required (as in Caffe2), `ratio` optional.
+
+    Raises:
+        TypeError: `is_test` was not given.
+    """
+    if "is_test" not in kwargs:
+        raise TypeError(f"brew.dropout({blob_out!r}): argument 'is_test' is required (False for "
+                        f"training, True for inference)")
+    return model.net.Dropout(blob_in, [blob_out, _suffixed(blob_out, "_mask", prefix="_")], **kwargs)[0]
+
+
+@Register
+def concat(model: ModelHelper, blobs_in: Sequence[str], blob_out: str, axis: int | None = None,
+           order: str = "NCHW", **kwargs: Any) -> BlobReference:
+    """Concat into [out, `_<out>_concat_dims`]; along `axis`, else the channel axis of `order`.
+
+    Caffe2 passed `order` to the op and dropped it only when `axis` was truthy (so axis=0 failed);
+    graphpar always resolves one `axis`.
+
+    Raises:
+        ValueError: an unknown `order`.
+    """
+    if axis is None:
+        if order not in ("NCHW", "NHWC"):
+            raise ValueError(f"brew.concat({blob_out!r}): order must be 'NCHW' or 'NHWC', got {order!r}")
+        axis = 1 if order == "NCHW" else 3
+    outputs = [blob_out, _suffixed(blob_out, "_concat_dims", prefix="_")]
+    return model.net.Concat(blobs_in, outputs, axis=axis, **kwargs)[0]
+
+
+@Register
+def sum(model: ModelHelper, blob_in: Sequence[str], blob_out: str, **kwargs: Any) -> BlobReference:
+    """Sum of the input blobs (elementwise; may write input 0 in place)."""
+    return model.net.Sum(blob_in, blob_out, **kwargs)
+
+
+@Register
+def flatten(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
+    """Flatten to 2-D at `axis` (default 1)."""
+    return model.net.Flatten(blob_in, blob_out, **kwargs)
+
+
+@Register
+def accuracy(model: ModelHelper, blob_in: Sequence[str], blob_out: str, top_k: int = 1,
+             **kwargs: Any) -> BlobReference:
+    """Accuracy of [prediction, label] (top-k); no gradient.
+
+    Caffe2 dropped `top_k` on CPU and copied GPU inputs to the host for top_k > 1; graphpar's
+    kernel runs on any device and always honours `top_k`.
+    """
+    return model.net.Accuracy(blob_in, blob_out, top_k=top_k, **kwargs)
+
+
+@Register
+def iter(model: ModelHelper, blob_out: str) -> BlobReference:
+    """An int64 CPU counter: ConstantFill 0 (shape [1]) in param_init_net and `Iter` in net, both on CPU.
+
+    Unlike Caffe2 it takes no op kwargs: neither op has arguments worth passing.
+    """
+    with DeviceScope(DeviceOption(CPU, 0)):
+        model.param_init_net.ConstantFill([], blob_out, shape=[1], value=0, dtype="int64")
+        return model.net.Iter(blob_out, blob_out)

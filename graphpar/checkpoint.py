@@ -1,0 +1,226 @@
+"""Checkpoint files: named blobs in a safetensors file (no pickle, so loading never runs code).
+
+The file's safetensors metadata holds one JSON document under the key "graphpar":
+`{"format_version": 1, "blobs": [...], "iteration": int | null, "sha256": hex, "metadata": {...}}`.
+`iteration` is the value of the optimizer's `optimizer_iteration` counter when it is saved; `sha256` covers
+the tensors' bytes in blob order, so a flipped byte anywhere in the data is caught on load.
+
+`save` writes atomically (a temporary file in the same directory, flushed and fsynced, then renamed over
+the target and the directory fsynced), so a crash never leaves a truncated file under the final name.
+`load` reads and checks everything before it feeds a single blob, so a bad file changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as serialize
+
+from graphpar.core.ir import CPU, CUDA, DeviceOption
+from graphpar.devices import device_option_for_blob
+from graphpar.errors import CheckpointError
+from graphpar.naming import OPTIMIZER_ITERATION
+from graphpar.workspace import Workspace, get_workspace
+
+FORMAT_VERSION = 1
+_KEY = "graphpar"
+
+
+def _workspace(workspace: Workspace | str | None) -> Workspace:
+    """The Workspace object for `workspace` (a Workspace, a workspace name, or None for the current one)."""
+    return workspace if isinstance(workspace, Workspace) else get_workspace(workspace)
+
+
+def _names(blobs: Iterable[str], what: str) -> list[str]:
+    if isinstance(blobs, str):
+        raise TypeError(f"checkpoint.{what}: blobs must be a list of blob names, not the single string "
+                        f"{blobs!r}; wrap it in a list")
+    names = list(dict.fromkeys(str(b) for b in blobs))
+    if not names:
+        raise ValueError(f"checkpoint.{what}: no blob names given")
+    return names
+
+
+def _digest(tensors: Mapping[str, torch.Tensor], names: list[str]) -> str:
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy (safetensors refuses tensors that share storage, as aliased blobs may)."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write `data` to `path` so that the file is either the old one or the complete new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspace | str | None = None,
+         metadata: Mapping[str, Any] | None = None) -> None:
+    """Write the named blobs of a workspace to a safetensors checkpoint at `path`, atomically.
+
+    Args:
+        path: the file to (over)write.
+        blobs: blob names (e.g. `data_parallel_model.GetCheckpointParams(model)`).
+        workspace: a Workspace, a workspace name, or None for the current workspace.
+        metadata: JSON-serialisable user data stored in the file.
+
+    Raises:
+        CheckpointError: a named blob does not exist (nothing is written).
+        TypeError: `metadata` is not JSON-serialisable.
+        OSError: the file could not be written (the previous file, if any, is left intact).
+    """
+    ws = _workspace(workspace)
+    names = _names(blobs, "save")
+    missing = [n for n in names if not ws.has_blob(n)]
+    if missing:
+        raise CheckpointError(f"checkpoint.save({os.fspath(path)!r}): blobs {missing} do not exist in the "
+                              f"workspace; run the init net first or check the names")
+    tensors = {n: _host_copy(ws.fetch_tensor(n)) for n in names}
+    iteration = tensors.get(OPTIMIZER_ITERATION)
+    header = {"format_version": FORMAT_VERSION, "blobs": names, "sha256": _digest(tensors, names),
+              "iteration": None if iteration is None else int(iteration.reshape(-1)[0]),
+              "metadata": dict(metadata or {})}
+    try:
+        text = json.dumps(header)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"checkpoint.save: metadata must be JSON-serialisable: {exc}") from None
+    _atomic_write(os.fspath(path), serialize(tensors, metadata={_KEY: text}))
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's header: format_version, blobs, iteration, sha256 and the user's metadata.
+
+    Raises:
+        CheckpointError: the file is unreadable, not a safetensors file, or not a graphpar checkpoint.
+    """
+    return _read(os.fspath(path), tensors=False)[0]
+
+
+def _read(path: str, tensors: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and (optionally) every tensor of the file, checked for integrity."""
+    try:
+        with safe_open(path, framework="pt") as file:
+            header = _parse_header(path, (file.metadata() or {}).get(_KEY), set(file.keys()))
+            data = {name: file.get_tensor(name) for name in header["blobs"]} if tensors else {}
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types, OSError, ValueError...
+        raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc}); "
+                              f"the file is missing, truncated or not a safetensors file") from exc
+    if tensors and _digest(data, header["blobs"]) != header["sha256"]:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: its tensor data does not match the "
+                              f"checksum written with it")
+    return header, data
+
+
+def _parse_header(path: str, text: str | None, keys: set[str]) -> dict[str, Any]:
+    if text is None:
+        raise CheckpointError(f"{path!r} is a safetensors file but not a graphpar checkpoint "
+                              f"(no {_KEY!r} metadata)")
+    try:
+        header = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata: {exc}") from None
+    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+        version = header.get("format_version") if isinstance(header, dict) else None
+        raise CheckpointError(f"checkpoint {path!r} has format version {version!r}; this graphpar "
+                              f"reads version {FORMAT_VERSION}")
+    blobs = header.get("blobs")
+    if not isinstance(blobs, list) or set(blobs) != keys or not isinstance(header.get("sha256"), str):
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: its blob list does not match its tensors")
+    return header
+
+
+def _device_of(name: str, existing: torch.Tensor | None) -> DeviceOption:
+    """Where a loaded blob goes: its name scope's device, else the existing blob's device, else CPU."""
+    option = device_option_for_blob(name)
+    if option is not None:
+        return option
+    if existing is not None and existing.device.type == "cuda":
+        return DeviceOption(CUDA, existing.device.index or 0)
+    return DeviceOption(CPU)
+
+
+def _conflicts(ws: Workspace, data: Mapping[str, torch.Tensor], names: list[str]) -> list[str]:
+    problems = []
+    for name in names:
+        if ws.has_blob(name):
+            old, new = ws.fetch_tensor(name), data[name]
+            if old.shape != new.shape or old.dtype != new.dtype:
+                problems.append(f"{name}: workspace {tuple(old.shape)} {old.dtype}, "
+                                f"file {tuple(new.shape)} {new.dtype}")
+    return problems
+
+
+def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None, workspace: Workspace | str | None = None) -> list[str]:
+    """Feed blobs from a checkpoint into a workspace, onto their devices; return the names fed.
+
+    Everything is read and checked first; only then are the blobs fed, so any error leaves the
+    workspace unchanged. A blob goes to the device its name scope implies (`gpu_1/...` -> CUDA 1),
+    else to the device of the existing blob of that name, else to the CPU.
+
+    Args:
+        path: a file written by `save`.
+        blobs: the names to load (default: every blob in the file).
+        workspace: a Workspace, a workspace name, or None for the current workspace.
+
+    Raises:
+        CheckpointError: the file is unreadable, corrupt or of another format version; a requested blob
+            is not in it; or a tensor's shape or dtype differs from the existing blob of the same name.
+    """
+    path = os.fspath(path)
+    ws = _workspace(workspace)
+    header, data = _read(path)
+    names = list(header["blobs"]) if blobs is None else _names(blobs, "load")
+    absent = [n for n in names if n not in data]
+    if absent:
+        raise CheckpointError(f"checkpoint {path!r} has no blobs {absent}; it holds {header['blobs']}")
+    problems = _conflicts(ws, data, names)
+    if problems:
+        raise CheckpointError(f"checkpoint {path!r} does not match the workspace (shape/dtype):\n  "
+                              + "\n  ".join(problems))
+    _feed_all(ws, path, {n: data[n] for n in names})
+    return names
+
+
+def _feed_all(ws: Workspace, path: str, data: Mapping[str, torch.Tensor]) -> None:
+    """Feed every blob, or (if placing one fails, e.g. on a missing CUDA device) none of them."""
+    old = {name: ws.blobs.get(name) for name in data}
+    try:
+        for name, tensor in data.items():
+            ws.feed_blob(name, tensor, device_option=_device_of(name, old[name]))
+    except Exception as exc:
+        for name, tensor in old.items():
+            if tensor is None:
+                ws.blobs.pop(name, None)
+            else:
+                ws.blobs[name] = tensor
+        raise CheckpointError(f"checkpoint {path!r}: cannot place blob {name!r}: {exc}; "
+                              f"nothing was loaded") from exc

@@ -1,0 +1,102 @@
+"""Graph views of a NetDef (networkx): op dependencies, blob lifetimes, blob devices.
+
+One fact, one place: passes, the DAG executor and the memory optimiser take dependencies from here
+and never re-derive them. Control inputs count as reads everywhere (Caffe2's DAG nets treat them so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import networkx as nx
+
+from graphpar.core.ir import DeviceOption, NetDef
+
+EDGE_KINDS = ("raw", "waw", "war")
+
+
+def dependency_graph(netdef: NetDef) -> nx.DiGraph:
+    """The DAG over op indices: edge i -> j means op j must run after op i.
+
+    Edges: read-after-write (j reads, as input or control input, what i last wrote), write-after-write
+    (j overwrites what i wrote) and write-after-read (j overwrites what i read since the last write).
+    Each edge has `kind` in EDGE_KINDS and `blob`; when one pair has several reasons, the first found
+    is kept (op j's reads before its writes, blobs in order). No self-edges: an in-place op reads its
+    input before writing it. Every op is a node, even without edges.
+    """
+    edges: dict[tuple[int, int], tuple[str, str]] = {}  # first reason per pair, in insertion order
+    last_writer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    for j, op in enumerate(netdef.ops):
+        for blob in (*op.inputs, *op.control_inputs):
+            if blob in last_writer:
+                edges.setdefault((last_writer[blob], j), ("raw", blob))
+            readers.setdefault(blob, []).append(j)
+        for blob in op.outputs:
+            if blob in last_writer:
+                edges.setdefault((last_writer[blob], j), ("waw", blob))
+            for i in readers.pop(blob, ()):
+                edges.setdefault((i, j), ("war", blob))
+            last_writer[blob] = j
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(netdef.ops)))
+    graph.add_edges_from((i, j, {"kind": kind, "blob": blob})
+                         for (i, j), (kind, blob) in edges.items() if i != j)
+    return graph
+
+
+def blob_lifetimes(netdef: NetDef) -> dict[str, tuple[int, int]]:
+    """{blob: (index of the first op that uses it, index of the last)}; uses are reads, control inputs
+    and writes. External outputs are not extended to the end of the net: callers that keep blobs
+    alive past the net handle that themselves."""
+    spans: dict[str, tuple[int, int]] = {}
+    for index, op in enumerate(netdef.ops):
+        for blob in (*op.inputs, *op.control_inputs, *op.outputs):
+            span = spans.get(blob)
+            spans[blob] = (index, index) if span is None else (span[0], index)
+    return spans
+
+
+def producers(netdef: NetDef) -> dict[str, list[int]]:
+    """{blob: indices of the ops that write it, in program order}."""
+    found: dict[str, list[int]] = {}
+    for index, op in enumerate(netdef.ops):
+        for blob in dict.fromkeys(op.outputs):
+            found.setdefault(blob, []).append(index)
+    return found
+
+
+def consumers(netdef: NetDef) -> dict[str, list[int]]:
+    """{blob: indices of the ops that read it as a data input (not a control input), in program order}."""
+    found: dict[str, list[int]] = {}
+    for index, op in enumerate(netdef.ops):
+        for blob in dict.fromkeys(op.inputs):
+            found.setdefault(blob, []).append(index)
+    return found
+
+
+def blob_devices(netdefs: NetDef | Iterable[NetDef],
+                 default: DeviceOption | None = None) -> dict[str, DeviceOption]:
+    """{blob: the device it lives on}: that of the first op, across `netdefs` in order, that reads or
+    writes it.
+
+    An op's device is its own option, else its net's, else `default`, else CPU 0. A schema's
+    `device_inference(op, device) -> (input_devices, output_devices)` hook overrides it per blob (Iter
+    counters and copies live on the CPU); a None or missing entry means the op's device. Control
+    inputs place nothing.
+    """
+    from graphpar.ops.registry import get_schema
+
+    if isinstance(netdefs, NetDef):
+        netdefs = [netdefs]
+    placed: dict[str, DeviceOption] = {}
+    for netdef in netdefs:
+        for op in netdef.ops:
+            device = op.device_option or netdef.device_option or default or DeviceOption()
+            infer = get_schema(op.type).device_inference
+            in_devs, out_devs = infer(op, device) if infer is not None else ((), ())
+            for blobs, devs in ((op.inputs, in_devs), (op.outputs, out_devs)):
+                for k, blob in enumerate(blobs):
+                    if blob not in placed:
+                        placed[blob] = (devs[k] if k < len(devs) else None) or device
+    return placed

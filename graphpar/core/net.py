@@ -1,0 +1,413 @@
+"""The Net builder: records operators into a `NetDef`, the way Caffe2's `core.Net` does.
+
+`net.Relu("x", "y")` validates `Relu` against the operator registry, name-scopes plain string names
+(a `BlobReference` is taken as is), auto-names missing outputs, records inputs no earlier op produced
+as external inputs, stamps the current `DeviceScope` and the user's call site, and appends the op.
+
+Look-up tables (blobs produced, external inputs) keep op creation O(1) on nets of 100k ops. `Proto()`
+hands out the live `NetDef`; because its caller may edit it, the tables are rebuilt (O(ops)) before
+the next op is recorded, as in Caffe2. Code that alternates `Proto()` and op creation on a huge net
+should fetch the proto once.
+
+The registry is imported inside functions: `graphpar.ops` imports `graphpar.core.ir`, so a module-level
+import here would make `import graphpar.core` and `import graphpar.ops` depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+from graphpar.core.ir import CUDA, BlobReference, DeviceOption, GradientSlice, NetDef, OperatorDef
+from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
+from graphpar.errors import UnknownOperatorError
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The model zoo and the examples are builder code like a user's: their frames are call sites.
+_USER_CODE_DIRS = tuple(f"{_PACKAGE_DIR}{sub}{os.sep}" for sub in ("models", "examples"))
+
+BlobNames = str | Iterable[str] | None
+
+
+def _call_site() -> str:
+    """'file:line' of the first stack frame outside the graphpar library (the user's builder call)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR) and (
+            not frame.f_code.co_filename.startswith(_USER_CODE_DIRS)):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+
+
+def _names(blobs: BlobNames, what: str, op_type: str, scope: str | None = None) -> list[str]:
+    """Blob names as plain strs; with `scope`, plain strs (not BlobReferences) get that prefix."""
+    if blobs is None:
+        return []
+    if type(blobs) is str and blobs:  # the common case, fast
+        return [blobs if scope is None else scope + blobs]
+    if isinstance(blobs, str):
+        blobs = [blobs]
+    elif not isinstance(blobs, Iterable):
+        raise TypeError(f"{op_type}: {what} must be a blob name or a list of them, got "
+                        f"{type(blobs).__name__} {blobs!r}")
+    names = []
+    for blob in blobs:
+        if not isinstance(blob, str) or not blob:
+            raise TypeError(f"{op_type}: {what} must be non-empty blob names (str or BlobReference), "
+                            f"got {type(blob).__name__} {blob!r}")
+        scoped = scope is not None and not isinstance(blob, BlobReference)
+        names.append(scope + blob if scoped else str(blob))
+    return names
+
+
+def _plain_arg(value: Any) -> Any:
+    """An argument value as stored in the OperatorDef: Nets become NetDef copies, arrays lists."""
+    if isinstance(value, Net):
+        return value._net.copy()
+    if isinstance(value, str):
+        return str(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()  # numpy arrays and scalars, torch tensors
+    if isinstance(value, (list, tuple)):
+        return [_plain_arg(v) for v in value]
+    return value
+
+
+def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
+              device_option: DeviceOption | None, engine: str, control_inputs: list[str],
+              args: dict[str, Any], where: str) -> OperatorDef:
+    """Validate against the registry and build the OperatorDef; nothing is recorded anywhere."""
+    from graphpar.ops.registry import check_operator
+
+    if device_option is not None and not isinstance(device_option, DeviceOption):
+        raise TypeError(f"{where}: device_option must be a DeviceOption, got {device_option!r}")
+    name, engine = name or "", engine or ""  # Caffe2 code passes None for "unset"
+    if not isinstance(name, str) or not isinstance(engine, str):
+        raise TypeError(f"{where}: name and engine must be str, got {name!r} and {engine!r}")
+    op = OperatorDef(op_type, inputs, outputs, {k: _plain_arg(v) for k, v in args.items()},
+                     device_option if device_option is not None else CurrentDeviceScope(),
+                     name, engine, control_inputs, source=_call_site())
+    check_operator(op, where)
+    return op
+
+
+def CreateOperator(  # noqa: N802 - Caffe2 name
+    type: str,  # noqa: A002 - Caffe2's keyword
+    inputs: BlobNames,
+    outputs: BlobNames,
+    name: str = "",
+    device_option: DeviceOption | None = None,
+    engine: str = "",
+    control_input: BlobNames = None,
+    **args: Any,
+) -> OperatorDef:
+    """Build one OperatorDef, checked against its schema; names are stored as given (no scoping).
+
+    Args: the op type; input, output and control-input blob names (a name or a list); an optional
+    op name, device option (default: the current DeviceScope) and engine; the op's arguments.
+    Raises: UnknownOperatorError (an AttributeError) for an unregistered type, naming close matches;
+    TypeError for a wrong or unknown argument or a bad blob name; ValueError for wrong input/output
+    counts or a forbidden in-place pair.
+    """
+    _schema(type)
+    return _build_op(type, _names(inputs, "inputs", type), _names(outputs, "outputs", type), name,
+                     device_option, engine, _names(control_input, "control_input", type), args,
+                     f"operator {type}")
+
+
+def _schema(op_type: str) -> Any:
+    from graphpar.ops.registry import get_schema
+
+    if not isinstance(op_type, str):
+        raise TypeError(f"an operator type must be a str, got {type(op_type).__name__} {op_type!r}")
+    return get_schema(op_type)
+
+
+class Net:
+    """A builder that records operators into a live NetDef (Caffe2's `core.Net`).
+
+    `Net(name)` starts an empty net; `Net(netdef)` starts from a copy of `netdef`. Net names are
+    unique per process: a reused name gets `_1`, `_2`, ... appended.
+    """
+
+    _names_used: ClassVar[set[str]] = set()
+    _next_suffix: ClassVar[dict[str, int]] = {}
+    _names_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name_or_netdef: str | NetDef) -> None:
+        if isinstance(name_or_netdef, NetDef):
+            netdef = name_or_netdef.copy()
+        elif isinstance(name_or_netdef, str):
+            netdef = NetDef(str(name_or_netdef))
+        else:
+            raise TypeError(f"Net() takes a name or a NetDef, got {type(name_or_netdef).__name__}")
+        self._adopt(netdef)
+
+    def _adopt(self, netdef: NetDef) -> None:
+        """Own `netdef` (not copied) under a process-unique name."""
+        netdef.name = self._unique_name(netdef.name)
+        self._net = netdef
+        self._registered: set[str] = set()  # names handed out by NextBlob
+        self._auto_next: dict[str, int] = {}  # auto-naming hint: next suffix to try per base name
+        self._rebuild_tables()
+
+    @classmethod
+    def _unique_name(cls, base: str) -> str:
+        with cls._names_lock:
+            name, suffix = base, cls._next_suffix.get(base, 1)
+            while name in cls._names_used:
+                name, suffix = f"{base}_{suffix}", suffix + 1
+            cls._next_suffix[base] = suffix
+            cls._names_used.add(name)
+        return name
+
+    # ---- look-up tables ------------------------------------------------------------------------
+
+    def _rebuild_tables(self) -> None:
+        net = self._net
+        self._produced: set[str] = set().union(*(op.outputs for op in net.ops))
+        self._external: set[str] = set(net.external_inputs)
+        self._stale = False
+        self._remember_shape()
+
+    def _remember_shape(self) -> None:
+        net = self._net
+        self._seen = (net.ops, len(net.ops), net.external_inputs, len(net.external_inputs))
+
+    def _ensure_fresh(self) -> None:
+        net, seen = self._net, self._seen
+        if (self._stale or net.ops is not seen[0] or len(net.ops) != seen[1]
+                or net.external_inputs is not seen[2] or len(net.external_inputs) != seen[3]):
+            self._rebuild_tables()
+
+    def _append(self, op: OperatorDef) -> None:
+        """Append a built op; its inputs that nothing produced so far become external inputs."""
+        self._ensure_fresh()
+        self._append_fresh(op)
+
+    def _append_fresh(self, op: OperatorDef) -> None:
+        for blob in op.inputs:
+            if blob not in self._produced and blob not in self._external:
+                self._net.external_inputs.append(blob)
+                self._external.add(blob)
+        self._net.ops.append(op)
+        self._produced.update(op.outputs)
+        self._remember_shape()
+
+    # ---- recording operators -------------------------------------------------------------------
+
+    def __getattr__(self, op_type: str) -> Callable[..., Any]:
+        """`net.SomeOp` for a registered SomeOp; an unknown type raises UnknownOperatorError.
+
+        The op-recording function is cached on the instance, so later look-ups skip this method.
+        """
+        if op_type.startswith("__"):
+            raise AttributeError(op_type)
+        try:
+            _schema(op_type)
+        except UnknownOperatorError:
+            if op_type.startswith("_"):  # private-attribute probes, not misspelt ops
+                raise AttributeError(op_type) from None
+            raise
+
+        def create(inputs: BlobNames = None, outputs: BlobNames | int = None, **kwargs: Any) -> Any:
+            return self._create_and_add(op_type, inputs, outputs, **kwargs)
+
+        create.__name__ = create.__qualname__ = op_type
+        self.__dict__[op_type] = create
+        return create
+
+    def _create_and_add(self, op_type: str, inputs: BlobNames, outputs: BlobNames | int, *,
+                        name: str = "", device_option: DeviceOption | None = None, engine: str = "",
+                        control_input: BlobNames = None, **args: Any) -> Any:
+        self._ensure_fresh()
+        scope = CurrentNameScope()
+        hint = None
+        if outputs is None or (isinstance(outputs, int) and not isinstance(outputs, bool)):
+            out_names, hint = self._auto_outputs(op_type, outputs, scope)
+        else:
+            out_names = _names(outputs, "outputs", op_type, scope)
+        op = _build_op(op_type, _names(inputs, "inputs", op_type, scope), out_names, name, device_option,
+                       engine, _names(control_input, "control_input", op_type, scope), args,
+                       f"{op_type} in net {self._net.name!r}")
+        self._append_fresh(op)
+        if hint is not None:
+            self._auto_next.update([hint])
+        refs = tuple(BlobReference(blob, self) for blob in op.outputs)
+        return None if not refs else refs[0] if len(refs) == 1 else refs
+
+    def _auto_outputs(self, op_type: str, count: int | None, scope: str) -> tuple[list[str], tuple[str, int]]:
+        """`<scope><net>/<Op>` (then `_2`, `_3`, ...), with `:<i>` per output when a count is given.
+
+        Also returns the (base name, next suffix to try) hint to remember once the op is recorded.
+        """
+        if count is not None and count < 0:
+            raise ValueError(f"{op_type}: the number of outputs must be >= 0, got {count}")
+        base = f"{scope}{self._net.name}/{op_type}"
+        tails = [""] if count is None else [f":{i}" for i in range(count)]
+        suffix = self._auto_next.get(base, 1)
+        while True:
+            stem = base if suffix == 1 else f"{base}_{suffix}"
+            names = [stem + tail for tail in tails]
+            if not any(self._taken(n) for n in names):
+                return names, (base, suffix + 1)
+            suffix += 1
+
+    def _taken(self, blob: str) -> bool:
+        return blob in self._produced or blob in self._external or blob in self._registered
+
+    # ---- the Caffe2 Net API --------------------------------------------------------------------
+
+    def Proto(self) -> NetDef:  # noqa: N802 - Caffe2 name
+        """The live NetDef (edits are seen by this Net: its tables are rebuilt before the next op)."""
+        self._stale = True
+        return self._net
+
+    def Name(self) -> str:  # noqa: N802
+        """The net's (process-unique) name."""
+        return self._net.name
+
+    def BlobIsDefined(self, blob: str) -> bool:  # noqa: N802
+        """True if an op of this net produces `blob` or it is an external input."""
+        self._ensure_fresh()
+        return blob in self._produced or blob in self._external
+
+    def NextBlob(self, prefix: str = "unnamed") -> BlobReference:  # noqa: N802
+        """A blob name not defined in this net nor handed out before: `prefix`, `prefix_auto_0`, ..."""
+        self._ensure_fresh()
+        name, index = str(prefix), 0
+        while self._taken(name):
+            name, index = f"{prefix}_auto_{index}", index + 1
+        self._registered.add(name)
+        return BlobReference(name, self)
+
+    def NextScopedBlob(self, prefix: str = "unnamed") -> BlobReference:  # noqa: N802
+        """NextBlob of `prefix` inside the current name scope."""
+        return self.NextBlob(ScopedName(prefix))
+
+    def AddExternalInput(self, *names: str) -> BlobReference | list[BlobReference]:  # noqa: N802
+        """Declare external inputs (names taken as given); one ref for one name, else a list.
+
+        Raises ValueError if a name is already an external input or repeated, before adding any.
+        """
+        self._ensure_fresh()
+        new = _names(list(names), "external inputs", f"net {self._net.name!r}")
+        if not new:
+            raise ValueError(f"net {self._net.name!r}: AddExternalInput needs at least one blob name")
+        dup = [b for i, b in enumerate(new) if b in self._external or b in new[:i]]
+        if dup:
+            raise ValueError(f"net {self._net.name!r} already has external input(s) {dup}")
+        self._net.external_inputs.extend(new)
+        self._external.update(new)
+        self._remember_shape()
+        refs = [BlobReference(b, self) for b in new]
+        return refs[0] if len(refs) == 1 else refs
+
+    def AddExternalOutput(self, *blobs: str) -> None:  # noqa: N802
+        """Declare external outputs; each must be defined in this net (outputs already declared are kept once).
+
+        Raises ValueError naming the blobs that no op produces and that are not external inputs.
+        """
+        names = _names(list(blobs), "external outputs", f"net {self._net.name!r}")
+        undefined = [b for b in names if not self.BlobIsDefined(b)]
+        if undefined:
+            raise ValueError(f"net {self._net.name!r}: cannot declare {undefined} as external outputs: "
+                             f"no op produces them and they are not external inputs")
+        for blob in names:
+            if blob not in self._net.external_outputs:
+                self._net.external_outputs.append(blob)
+
+    def Clone(self, name: str, blob_remap: dict[str, str] | None = None) -> Net:  # noqa: N802
+        """A copy of this net named `name` (made unique), with blobs renamed through `blob_remap`.
+
+        Inputs, outputs, control inputs and external inputs/outputs are all renamed.
+        """
+        remap = {str(k): str(v) for k, v in (blob_remap or {}).items()}
+
+        def rename(blobs: list[str]) -> list[str]:
+            return [remap.get(b, b) for b in blobs]
+
+        netdef = self._net.copy(name)
+        for op in netdef.ops:
+            op.inputs, op.outputs = rename(op.inputs), rename(op.outputs)
+            op.control_inputs = rename(op.control_inputs)
+        netdef.external_inputs = rename(netdef.external_inputs)
+        netdef.external_outputs = rename(netdef.external_outputs)
+        clone = Net.__new__(Net)
+        clone._adopt(netdef)
+        return clone
+
+    def AppendNet(self, other: Net | NetDef) -> Net:  # noqa: N802
+        """Append copies of `other`'s ops; its external inputs not produced here become ours.
+
+        Ops of `other` that inherited `other`'s net-level device option keep it explicitly.
+        Returns self.
+        """
+        theirs = other._net if isinstance(other, Net) else other
+        if not isinstance(theirs, NetDef):
+            raise TypeError(f"AppendNet takes a Net or a NetDef, got {type(other).__name__}")
+        self._ensure_fresh()
+        for blob in theirs.external_inputs:
+            if blob not in self._produced and blob not in self._external:
+                self._net.external_inputs.append(blob)
+                self._external.add(blob)
+        for op in list(theirs.ops):  # a copy of the list: `other` may be this net
+            op = op.copy()
+            op.device_option = op.device_option or theirs.device_option
+            self._append(op)
+        self._net.external_outputs.extend(
+            b for b in dict.fromkeys(theirs.external_outputs) if b not in self._net.external_outputs)
+        return self
+
+    def RunAllOnGPU(self, gpu_id: int = 0) -> None:  # noqa: N802
+        """Run the net on CUDA device `gpu_id`: ops without their own device option inherit it."""
+        self.RunAllOnDevice(DeviceOption(CUDA, gpu_id))
+
+    def RunAllOnDevice(self, device_option: DeviceOption) -> None:  # noqa: N802
+        """Set the net-level device option, inherited by ops that have none of their own."""
+        if not isinstance(device_option, DeviceOption):
+            raise TypeError(f"RunAllOnDevice needs a DeviceOption, got {type(device_option).__name__}")
+        self._net.device_option = device_option
+
+    def AddGradientOperators(self, ys: Any) -> dict[BlobReference, Any]:  # noqa: N802
+        """Append the gradient ops of all ops recorded so far; return {blob: gradient blob}.
+
+        `ys` is a list of blobs (seeded with ones) or a dict {y: seed gradient blob}. Raises
+        graphpar.errors.GradientError when a correct gradient cannot be built.
+        """
+        from graphpar.core.autodiff import backward_pass
+
+        grad_ops, grad_map = backward_pass(list(self._net.ops), ys)
+        for op in grad_ops:
+            self._append(op)
+        return {BlobReference(blob, self): self._bound(grad) for blob, grad in grad_map.items()}
+
+    def _bound(self, grad: Any) -> Any:
+        if isinstance(grad, GradientSlice):
+            return GradientSlice(BlobReference(grad.indices, self), BlobReference(grad.values, self))
+        return BlobReference(grad, self)
+
+    # ---- printing ------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        net = self._net
+        head = (f"Net {net.name!r} ({net.type}, {len(net.ops)} ops)\n"
+                f"  external inputs: {', '.join(net.external_inputs) or '-'}\n"
+                f"  external outputs: {', '.join(net.external_outputs) or '-'}")
+        return "\n".join([head, *(f"  #{i} {_op_line(op)}" for i, op in enumerate(net.ops))])
+
+    __repr__ = __str__
+
+
+def _op_line(op: OperatorDef) -> str:
+    """`y1, y2 = Type(x1, x2) {args} @CUDA:0` for printing."""
+    text = f"{', '.join(op.outputs) or '()'} = {op.type}({', '.join(op.inputs)})"
+    if op.control_inputs:
+        text += f" after({', '.join(op.control_inputs)})"
+    if op.args:
+        text += " {" + ", ".join(f"{k}={v!r}" for k, v in op.args.items()) + "}"
+    if op.device_option is not None:
+        text += f" @{op.device_option.device_type.name}:{op.device_option.device_id}"
+    return text

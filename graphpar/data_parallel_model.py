@@ -1,0 +1,626 @@
+"""Data parallelism over the devices of one host, in the style of Caffe2's `data_parallel_model`.
+
+`Parallelize` calls the user's builder functions once per device, inside `DeviceScope` +
+`NameScope("gpu_<id>")` (or `cpu_<id>`), then rewrites the model with the passes in
+`graphpar.passes`, in Caffe2's order: gradients, all-reduce in reverse creation order, the updates,
+and the initial broadcast of every replica's state from the first device. The model is left
+unchanged if anything fails (a misuse raises before the model changes).
+
+Differences from Caffe2, each deliberate: misuse raises `ParallelizeError` / `TypeError` rather than
+`AssertionError`; nonexistent CUDA device ids raise instead of warning; forward-only models get
+their net lists (so `RunInitNet` / `RunNet` work on test models); `FinalizeAfterCheckpoint` accepts
+unscoped names; `GetLearningRateBlobNames` works for both update-builder styles; collectives and
+copies land in the net they were asked for; the cross-replica check covers CPU replicas too.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import operator
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+from typing import Any, NoReturn
+
+from graphpar import workspace
+from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, DeviceType, NetDef
+from graphpar.core.net import Net
+from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
+from graphpar.devices import cuda_is_simulated, num_cuda_devices
+from graphpar.errors import ParallelizeError
+from graphpar.model_helper import ModelHelper
+from graphpar.naming import device_prefix, stripBlobName
+from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
+from graphpar.passes.analyze import analyze_operators
+from graphpar.passes.broadcast_computed import add_computed_params_broadcast
+from graphpar.passes.common import DeviceLayout
+from graphpar.passes.group_by_device import group_by_device
+from graphpar.passes.infer_devices import infer_blob_devices
+from graphpar.passes.loss_gradients import add_loss_gradient_seeds
+from graphpar.passes.predictor import extract_predictor_net
+from graphpar.passes.shared_model import prune_parameters_for_sharing, remap_shared_parameters
+from graphpar.passes.sync import (
+    check_unprefixed,
+    checkpoint_sync_names,
+    checkpoint_sync_net,
+    compute_blobs_to_sync,
+    replica_init_outputs,
+    sync_blobs,
+)
+from graphpar.passes.validate_params import validate_params
+
+__all__ = [
+    "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
+    "FinalizeAfterCheckpoint", "GetCheckpointParams", "GetDevices", "GetLearningRateBlobNames",
+    "OptimizeGradientMemory", "Parallelize", "Parallelize_BMUF", "Parallelize_CPU", "Parallelize_GPU",
+    "RunInitNet", "RunNet", "stripBlobName",
+]
+
+log = logging.getLogger(__name__)
+
+Builder = Callable[[ModelHelper], Any]
+
+
+def Parallelize(  # noqa: N802 - Caffe2 name
+    model_helper_obj: ModelHelper,
+    input_builder_fun: Builder,
+    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
+    param_update_builder_fun: Builder | None = None,
+    optimizer_builder_fun: Builder | None = None,
+    post_sync_builder_fun: Builder | None = None,
+    pre_grad_net_transformer_fun: Builder | None = None,
+    net_transformer_fun: Callable[[ModelHelper, int, str, DeviceType], Any] | None = None,
+    devices: Iterable[int] | None = None,
+    rendezvous: dict | None = None,
+    net_type: str = "dag",
+    broadcast_computed_params: bool = True,
+    optimize_gradient_memory: bool = False,
+    dynamic_memory_management: bool = False,
+    blobs_to_keep: Iterable[str] | None = None,
+    use_nccl: bool = False,
+    max_concurrent_distributed_ops: int = 16,
+    cpu_device: bool = False,
+    num_threads_per_device: int = 4,
+    shared_model: bool = False,
+    combine_spatial_bn: bool = False,
+    barrier_net_timeout_sec: int = 300,
+) -> None:
+    """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
+
+    Args:
+        model_helper_obj: the ModelHelper to fill (not parallelized before).
+        input_builder_fun: `f(model)`, per device, inside the device's scopes (may add nothing).
+        forward_pass_builder_fun: `f(model, loss_scale) -> [loss, ...]`, per device, scoped; the user
+            multiplies each loss by `loss_scale` = 1/len(devices). Training needs a list of BlobReferences.
+        param_update_builder_fun: `f(model)` per device, scoped: records that replica's updates.
+        optimizer_builder_fun: `f(model)` once, unscoped (e.g. `optimizer.build_sgd`); its result is
+            kept as `model._optimizer`. At most one of the two update builders; none = forward only.
+        post_sync_builder_fun: `f(model)` per device, scoped, after the initial sync was added.
+        pre_grad_net_transformer_fun: `f(model)` once, before the gradient ops are added.
+        net_transformer_fun: `f(model, num_devices, prefix, device_type)` exactly once, after the
+            gradient ops (train and test models alike).
+        devices: device ids (need not start at 0); default all CUDA devices, or `os.cpu_count()`
+            CPU devices with `cpu_device`.
+        net_type, num_threads_per_device: the train net's executor type and
+            `num_workers = len(devices) * num_threads_per_device`.
+        broadcast_computed_params: copy computed params (BN running stats) from the first device to
+            the others every iteration.
+        use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
+        cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
+        shared_model: CPU only: every replica reads the first device's params (one copy updated).
+        blobs_to_keep, max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2
+            compatibility; they matter only with the options not supported yet.
+        rendezvous, combine_spatial_bn, optimize_gradient_memory, dynamic_memory_management: not
+            supported yet (NotImplementedError).
+
+    Raises:
+        ParallelizeError: inside a non-CPU DeviceScope, nonexistent CUDA device ids, both update
+            builders, shared_model on CUDA, a builder returning something other than a list of loss
+            blobs, duplicate params, a param not created in param_init_net, an op reading another
+            replica's blob, a model parallelized twice. The model is left as it was.
+        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable.
+        NotImplementedError: an option listed above as not supported yet.
+    """
+    _check_no_device_scope("Parallelize")
+    _refuse_unsupported(rendezvous=rendezvous is not None, combine_spatial_bn=combine_spatial_bn,
+                        optimize_gradient_memory=optimize_gradient_memory,
+                        dynamic_memory_management=dynamic_memory_management)
+    model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
+    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    _check_options(layout, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
+                   num_threads_per_device)
+    training = param_update_builder_fun is not None or optimizer_builder_fun is not None
+    with _gc_paused(), _unchanged_on_error(model):
+        _start(model, layout, shared_model, net_type, num_threads_per_device, training)
+        non_datapar = {str(p) for p in model.GetAllParams("")}  # created before Parallelize: not replicated
+        losses = _build_replicas(model, layout, input_builder_fun, forward_pass_builder_fun, training)
+        validate_params(model.params)
+        _group_params(model, layout, non_datapar)
+        if pre_grad_net_transformer_fun is not None:
+            pre_grad_net_transformer_fun(model)
+        if training:
+            model.AddGradientOperators(add_loss_gradient_seeds(model.net.Proto(), losses, layout))
+        if net_transformer_fun is not None:
+            net_transformer_fun(model, len(layout.devices), layout.prefix, layout.device_type)
+        if not training:
+            _finish_forward_only(model, layout)
+            return
+        validate_params(model.params)
+        _group_gradients(model, layout, non_datapar)
+        _infer_devices(model)
+        if broadcast_computed_params:
+            add_computed_params_broadcast(model.net.Proto(), model._computed_param_names,
+                                          model._device_grouped_blobs, layout, model._blob_to_device, use_nccl)
+        _allreduce(model, layout, use_nccl)
+        all_params = [str(p) for p in model.GetParams("")]
+        if shared_model:
+            prune_parameters_for_sharing(model, layout)
+        _build_updates(model, layout, param_update_builder_fun, optimizer_builder_fun)
+        _sync_after_init(model, layout)
+        if post_sync_builder_fun is not None:
+            _per_device(model, layout, post_sync_builder_fun)
+        _set_net_lists(model)
+        if shared_model:
+            remap_shared_parameters([model.param_init_net.Proto(), model.net.Proto()], all_params, layout)
+
+
+def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
+    """`Parallelize` with `cpu_device=True` (replicas `cpu_<id>`); same arguments and errors."""
+    Parallelize(*args, **{**kwargs, "cpu_device": True})
+
+
+def Parallelize_GPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
+    """`Parallelize` with `cpu_device=False` (replicas `gpu_<id>` on CUDA); same arguments and errors."""
+    Parallelize(*args, **{**kwargs, "cpu_device": False})
+
+
+def Parallelize_BMUF(*args: Any, **kwargs: Any) -> NoReturn:  # noqa: N802
+    """Block-momentum model averaging (Caffe2's `Parallelize_BMUF`): not supported yet.
+
+    Raises:
+        NotImplementedError: always; use `Parallelize` (synchronous data parallelism).
+    """
+    raise NotImplementedError("Parallelize_BMUF (block-momentum model averaging) is not supported yet; "
+                              "use data_parallel_model.Parallelize")
+
+
+def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> NoReturn:  # noqa: N802
+    """All-reduce blobs across hosts (needs a rendezvous): not supported yet.
+
+    Raises:
+        NotImplementedError: always; multi-host training is not supported yet.
+    """
+    raise NotImplementedError("AddDistributedBlobSync needs multi-host training (rendezvous), which is not "
+                              "supported yet; AddBlobSync syncs blobs across the devices of one host")
+
+
+def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blobs: Iterable[str],  # noqa: N802
+                           recycle_activations: bool) -> NoReturn:
+    """Share gradient buffers within each replica (Caffe2's memonger): not supported yet.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("OptimizeGradientMemory (gradient blob sharing) is not supported yet")
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+
+def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
+    """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
+
+    Raises:
+        ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob).
+    """
+    for net in _net_list(model, "_data_parallel_model_init_nets"):
+        workspace.RunNetOnce(net)
+    CreateNet(model)
+
+
+def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N802
+    """Create (compile) every net of a parallelized model in the current workspace.
+
+    Raises:
+        ParallelizeError: the model was not parallelized. Workspace errors propagate (a net that exists
+            without `overwrite`, a missing input blob).
+    """
+    for entry in _net_list(model, "_data_parallel_model_nets"):
+        workspace.CreateNet(entry[0] if isinstance(entry, tuple) else entry, overwrite)
+
+
+def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
+    """Run the model's nets `num_iterations` times (a `(net, n)` entry runs n times).
+
+    Raises:
+        ParallelizeError: the model was not parallelized. Workspace errors propagate.
+    """
+    for entry in _net_list(model, "_data_parallel_model_nets"):
+        net, count = entry if isinstance(entry, tuple) else (entry, num_iterations)
+        workspace.RunNet(net, count)
+
+
+# ---- checkpoints and syncing ----------------------------------------------------------------------
+
+
+def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
+    """The blobs a checkpoint needs: the first device's replica state and the unscoped iteration counters.
+
+    Replica state is every blob `param_init_net` creates in the first device's scope (params,
+    computed params, optimizer state such as `_momentum`); counters are the outputs of `Iter` /
+    `AtomicIter` ops outside every replica scope (e.g. `optimizer_iteration`).
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    layout = _layout_of(model)
+    first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
+             if layout.replica_of(b) == layout.master}
+    counters = {op.outputs[0] for op in model.net.Proto().ops
+                if op.type in ("Iter", "AtomicIter") and layout.replica_of(op.outputs[0]) is None}
+    return first | counters
+
+
+def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802
+                            cpu_mode: bool = False) -> None:
+    """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint).
+
+    The first call builds `model._checkpoint_net` for `blobs` (default: every synced blob); every
+    call runs it in the current workspace. Names may be scoped (`cpu_0/fc_w`) or unscoped (`fc_w`, as
+    `GetCheckpointParams` also returns `optimizer_iteration`, a global blob that needs no broadcast).
+    `cpu_mode` is accepted for Caffe2 compatibility: each copy already runs on its blob's device.
+
+    Raises:
+        ParallelizeError: the model was not parallelized. MissingBlobError: a first-device blob is missing.
+    """
+    layout = _layout_of(model)
+    net = getattr(model, "_checkpoint_net", None)
+    if net is None:
+        names = model._sync_names if blobs is None else checkpoint_sync_names(
+            blobs, model._device_grouped_blobs, layout)
+        for name in names:
+            model._device_grouped_blobs.setdefault(name, layout.group(name))
+        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, layout, model._blob_to_device))
+        model._checkpoint_net = net
+    workspace.CreateNet(net, overwrite=True)  # also right after a workspace switch or reset
+    workspace.RunNet(net)
+
+
+def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802
+    """Append to `net` (default `model.net`) copies of each blob from the first device to the others.
+
+    Args:
+        blobs: unprefixed names (`"sync_num"` names `cpu_0/sync_num`, `cpu_1/sync_num`, ...).
+
+    Raises:
+        ParallelizeError: a prefixed name, or a model that was not parallelized.
+    """
+    blobs = list(blobs)
+    if not blobs:
+        return
+    layout = _layout_of(model)
+    names = check_unprefixed(blobs, layout)
+    for name in names:
+        model._device_grouped_blobs[name] = layout.group(name)
+    target = net if net is not None else model.net
+    sync_blobs(target.Proto() if isinstance(target, Net) else target, names, layout, model._blob_to_device)
+
+
+# ---- nets for other uses -----------------------------------------------------------------------
+
+
+def ConvertNetForDevice(net: Net | NetDef, device: DeviceOption | None = None) -> Net:  # noqa: N802
+    """A copy of `net` for one replica: every blob prefixed with `gpu_<id>/` (or `cpu_<id>/`), every op
+    placed on `device` (default: the current DeviceScope). Meant for `AppendNet` inside a builder.
+
+    Raises:
+        ValueError: no device given and no DeviceScope active.
+        TypeError: `net` is not a Net or NetDef.
+    """
+    device = device if device is not None else CurrentDeviceScope()
+    if device is None:
+        raise ValueError("ConvertNetForDevice needs a device: pass device= or call it inside a DeviceScope "
+                         "(e.g. inside a Parallelize builder function)")
+    if not isinstance(net, (Net, NetDef)):
+        raise TypeError(f"ConvertNetForDevice takes a Net or a NetDef, got {type(net).__name__}")
+    scope = f"{device_prefix(device.device_type == CPU)}_{device.device_id}/"
+    converted = Net(net.Proto() if isinstance(net, Net) else net)
+    proto = converted.Proto()
+    for op in proto.ops:
+        op.inputs = [scope + b for b in op.inputs]
+        op.outputs = [scope + b for b in op.outputs]
+        op.control_inputs = [scope + b for b in op.control_inputs]
+        op.device_option = device
+    proto.external_inputs = [scope + b for b in proto.external_inputs]
+    proto.external_outputs = [scope + b for b in proto.external_outputs]
+    return converted
+
+
+def ExtractPredictorNet(model: ModelHelper, inputs: Sequence[str], outputs: Sequence[str],  # noqa: N802
+                        device: DeviceOption | None = None) -> tuple[Net, list[str]]:
+    """A forward-only prediction net of the first replica, with unscoped blob names.
+
+    Args:
+        inputs, outputs: unscoped names (e.g. ["data"], ["softmax"]).
+        device: where the predictor's ops run (default: where they ran in the model).
+
+    Returns:
+        (the Net, the unscoped blobs it needs besides `inputs`: its params, to export).
+
+    Raises:
+        ParallelizeError: the model was not parallelized. ValueError: see `passes.predictor`.
+    """
+    layout = _layout_of(model)
+    scope = layout.scoped(layout.master, "")
+    proto = model.net.Proto()
+    renames = {b: b[len(scope):] for op in proto.ops for b in (*op.inputs, *op.outputs) if b.startswith(scope)}
+    predictor, params = extract_predictor_net(proto, [scope + str(b) for b in inputs],
+                                              [scope + str(b) for b in outputs], device, renames)
+    return Net(predictor), params
+
+
+def GetLearningRateBlobNames(model: ModelHelper) -> list[str]:  # noqa: N802
+    """The outputs of the model's `LearningRate` ops, in net order (one per device or one shared CPU
+    blob). Works whichever update builder was used (Caffe2 failed for param_update_builder_fun)."""
+    return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops if op.type == "LearningRate"))
+
+
+def GetDevices(model: ModelHelper) -> list[int]:  # noqa: N802
+    """The device ids the model was parallelized over.
+
+    Raises:
+        ParallelizeError: the model was not parallelized (use data_parallel_model.Parallelize).
+    """
+    return list(_layout_of(model).devices)
+
+
+# ---- Parallelize's steps ------------------------------------------------------------------------
+
+
+def _check_no_device_scope(what: str) -> None:
+    scope = CurrentDeviceScope()
+    if scope is not None and scope.device_type != CPU:
+        raise ParallelizeError(f"{what} must be called without a device scope (it sets one per device); "
+                               f"it was called inside DeviceScope({scope})")
+
+
+def _refuse_unsupported(**options: bool) -> None:
+    used = [name for name, on in options.items() if on]
+    if used:
+        raise NotImplementedError(f"Parallelize: {', '.join(used)} not supported yet; leave "
+                                  f"{'it' if len(used) == 1 else 'them'} at the default")
+
+
+def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: Any) -> ModelHelper:
+    if not isinstance(model, ModelHelper):
+        raise TypeError(f"Parallelize needs a graphpar.model_helper.ModelHelper, got {type(model).__name__}")
+    if getattr(model, "_device_prefix", None) is not None:
+        raise ParallelizeError(f"model {model.name!r} was already parallelized; build a new ModelHelper")
+    for name, fun in (("input_builder_fun", input_builder_fun),
+                      ("forward_pass_builder_fun", forward_pass_builder_fun)):
+        if not callable(fun):
+            raise TypeError(f"Parallelize: {name} must be a function, got {type(fun).__name__}")
+    return model
+
+
+def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[int, ...]:
+    """Device ids, checked: non-negative ints, unique, existing (CUDA, unless simulated on the CPU)."""
+    if devices is None:
+        devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
+    try:
+        ids = tuple(operator.index(d) for d in devices)
+    except TypeError:
+        raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
+    if not ids:
+        raise ParallelizeError("Parallelize: no devices (no CUDA device was found); pass devices=[...], "
+                               "cpu_device=True, or GRAPHPAR_CUDA_ON_CPU=1 to simulate CUDA devices")
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ParallelizeError(f"Parallelize: device ids must be unique and >= 0, got {list(ids)}")
+    if not cpu_device and not cuda_is_simulated():
+        missing = [d for d in ids if d >= num_cuda_devices()]
+        if missing:
+            raise ParallelizeError(f"Parallelize: CUDA device(s) {missing} do not exist ({num_cuda_devices()} "
+                                   f"visible); use existing ids, cpu_device=True, or GRAPHPAR_CUDA_ON_CPU=1")
+    return ids
+
+
+def _check_options(layout: DeviceLayout, param_update_builder_fun: Any, optimizer_builder_fun: Any,
+                   shared_model: bool, net_type: str, num_threads_per_device: int) -> None:
+    if param_update_builder_fun is not None and optimizer_builder_fun is not None:
+        raise ParallelizeError("Parallelize: pass only one of param_update_builder_fun (per device) and "
+                               "optimizer_builder_fun (once, for all devices)")
+    if shared_model and layout.device_type == CUDA:
+        raise ParallelizeError("Parallelize: shared_model is only supported on CPU devices (cpu_device=True)")
+    if net_type not in ("simple", "dag"):
+        raise ParallelizeError(f"Parallelize: net_type must be 'simple' or 'dag', got {net_type!r}")
+    if isinstance(num_threads_per_device, bool) or not isinstance(num_threads_per_device, int) \
+            or num_threads_per_device < 1:
+        raise ParallelizeError(f"Parallelize: num_threads_per_device must be an int >= 1, "
+                               f"got {num_threads_per_device!r}")
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while building.
+
+    Parallelize creates ~1e5 long-lived objects (ops, names) for a large model; each full collection
+    rescans all of them, which made the build time grow quadratically with the device count (ResNet-50:
+    2.8x from 8 to 16 devices, 2.1x with the collector paused). No cycles need collecting meanwhile.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
+def _unchanged_on_error(model: ModelHelper) -> Iterator[None]:
+    """Restore the model (and its Nets, keeping their identity) if the block raises."""
+    nets = [value for value in vars(model).values() if isinstance(value, Net)]
+    memo: dict[int, Any] = {id(net): net for net in nets}
+    net_states = [(net, copy.deepcopy(vars(net), memo)) for net in nets]
+    model_state = copy.deepcopy(vars(model), memo)
+    try:
+        yield
+    except BaseException:
+        for net, state in net_states:
+            vars(net).clear()
+            vars(net).update(state)
+        vars(model).clear()
+        vars(model).update(model_state)
+        raise
+
+
+def _start(model: ModelHelper, layout: DeviceLayout, shared_model: bool, net_type: str,
+           num_threads_per_device: int, training: bool) -> None:
+    """Record the layout on the model (Caffe2's attribute names) and configure the train net."""
+    model._devices = list(layout.devices)
+    model._device_prefix = layout.prefix
+    model._device_type = layout.device_type
+    model._shared_model = shared_model
+    model._rendezvous = None
+    model._grad_names = []
+    model._device_grouped_blobs = {}
+    proto = model.net.Proto()
+    proto.type = net_type
+    proto.num_workers = len(layout.devices) * num_threads_per_device
+    if not training and model.init_params:
+        log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
+                    "model that shares a training model's params should use ModelHelper(init_params=False), "
+                    "or running its init net will overwrite the trained params", model.name)
+
+
+@contextmanager
+def _replica_scope(layout: DeviceLayout, device_id: int) -> Iterator[None]:
+    with DeviceScope(layout.option(device_id)), NameScope(layout.scope(device_id), reset=True):
+        yield
+
+
+def _per_device(model: ModelHelper, layout: DeviceLayout, builder: Builder) -> None:
+    for device_id in layout.devices:
+        with _replica_scope(layout, device_id):
+            builder(model)
+
+
+def _build_replicas(model: ModelHelper, layout: DeviceLayout, input_builder_fun: Builder,
+                    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
+                    training: bool) -> dict[int, list[str]]:
+    """Run the input and forward builders per device; return each replica's losses."""
+    loss_scale = 1.0 / len(layout.devices)
+    losses: dict[int, list[str]] = {}
+    for device_id in layout.devices:
+        with _replica_scope(layout, device_id):
+            input_builder_fun(model)
+            result = forward_pass_builder_fun(model, loss_scale)
+        if training:
+            _check_losses(result, layout.scope(device_id))
+        losses[device_id] = list(result) if isinstance(result, list) else []
+    model._losses_by_gpu = losses
+    return losses
+
+
+def _check_losses(losses: Any, scope: str) -> None:
+    if not isinstance(losses, list) or not losses or not all(isinstance(b, BlobReference) for b in losses):
+        raise ParallelizeError(f"forward_pass_builder_fun must return a non-empty list of loss blobs "
+                               f"(BlobReferences, already multiplied by loss_scale); for {scope} it returned "
+                               f"{losses!r}")
+
+
+def _group_params(model: ModelHelper, layout: DeviceLayout, non_datapar: set[str]) -> None:
+    params = group_by_device([p for p in model.params if str(p) not in non_datapar], layout)
+    computed = group_by_device([p for p in model.GetComputedParams("") if str(p) not in non_datapar], layout)
+    model._device_grouped_blobs.update(params)
+    model._device_grouped_blobs.update(computed)
+    model._param_names = list(params) + list(computed)
+    model._computed_param_names = list(computed)
+
+
+def _group_gradients(model: ModelHelper, layout: DeviceLayout, non_datapar: set[str]) -> None:
+    grads = [model.param_to_grad[p] for p in model.params
+             if p in model.param_to_grad and str(p) not in non_datapar]
+    grouped = group_by_device(grads, layout)
+    model._device_grouped_blobs.update(grouped)
+    model._grad_names = list(grouped)
+
+
+def _infer_devices(model: ModelHelper) -> None:
+    model._blob_to_device = infer_blob_devices([model.param_init_net.Proto(), model.net.Proto()])
+
+
+def _allreduce(model: ModelHelper, layout: DeviceLayout, use_nccl: bool) -> None:
+    if not model._grad_names:
+        log.warning("Parallelize: model %r has no parameter gradients to all-reduce", model.name)
+        return
+    allreduce_gradients(model.net.Proto(), reversed(model._grad_names), model._device_grouped_blobs, layout,
+                        model._blob_to_device, use_nccl, _peer_access(layout),
+                        broadcast=not model._shared_model)
+
+
+def _peer_access(layout: DeviceLayout) -> PeerAccess | None:
+    """P2P access between real CUDA devices; None (full access) on CPU or simulated CUDA."""
+    if layout.device_type != CUDA or cuda_is_simulated():
+        return None
+    return _can_access_peer
+
+
+@cache
+def _can_access_peer(root: int, peer: int) -> bool:
+    import torch
+
+    return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
+
+
+def _build_updates(model: ModelHelper, layout: DeviceLayout, param_update_builder_fun: Builder | None,
+                   optimizer_builder_fun: Builder | None) -> None:
+    if param_update_builder_fun is not None:
+        _per_device(model, layout, param_update_builder_fun)
+    else:
+        model._optimizer = optimizer_builder_fun(model)
+
+
+def _sync_after_init(model: ModelHelper, layout: DeviceLayout) -> None:
+    """Find the blobs to sync, check the replicas, and broadcast them at the end of param_init_net."""
+    grouped = model._device_grouped_blobs
+    computed = [str(b) for name in model._computed_param_names for b in grouped[name].values()]
+    params = [str(b) for name in model._param_names for b in grouped[name].values()]
+    init = model.param_init_net.Proto()
+    blobs, names = compute_blobs_to_sync(init, layout, params, computed, model._shared_model)
+    grouped.update(group_by_device(blobs, layout))
+    model._sync_names = names
+    _infer_devices(model)
+    analyze_operators([init, model.net.Proto()], layout)
+    model.net.Proto().args["first_iter_only_one_worker"] = 1  # Caffe2's hint: a serial first iteration
+    sync_blobs(init, names, layout, model._blob_to_device)
+
+
+def _finish_forward_only(model: ModelHelper, layout: DeviceLayout) -> None:
+    """Forward-only models: devices, checks and net lists, but nothing to reduce or sync."""
+    _infer_devices(model)
+    analyze_operators([model.param_init_net.Proto(), model.net.Proto()], layout)
+    outputs = replica_init_outputs(model.param_init_net.Proto(), layout)
+    model._sync_names = list(dict.fromkeys(stripBlobName(b) for b in outputs))
+    _set_net_lists(model)
+
+
+def _set_net_lists(model: ModelHelper) -> None:
+    model._data_parallel_model_init_nets = [model.param_init_net]
+    model._data_parallel_model_nets = [model.net]
+
+
+def _layout_of(model: ModelHelper) -> DeviceLayout:
+    prefix = getattr(model, "_device_prefix", None)
+    if prefix is None or not getattr(model, "_devices", None):
+        raise ParallelizeError(f"model {getattr(model, 'name', model)!r} is not parallelized: call "
+                               f"data_parallel_model.Parallelize first")
+    return DeviceLayout(tuple(model._devices), prefix)
+
+
+def _net_list(model: ModelHelper, attribute: str) -> list[Any]:
+    _layout_of(model)
+    return getattr(model, attribute)

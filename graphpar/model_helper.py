@@ -1,0 +1,247 @@
+"""ModelHelper: a model's two nets (init and train) plus its parameter bookkeeping, as in Caffe2.
+
+`param_init_net` (named `<name>_init`) is run once and holds the parameter fills; `net` (named
+`<name>`) is run every iteration and holds the forward, backward and update ops. Parameters are
+created with `create_param`, usually through `graphpar.brew` helpers, and are remembered in
+`params` (trainable) or `_computed_params` (e.g. batch-norm running statistics), plus `weights` and
+`biases` by tag. `model.SomeOp(...)` records `SomeOp` into `model.net`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from graphpar.core.ir import BlobReference, GradientSlice
+from graphpar.core.net import Net
+from graphpar.core.scope import CurrentNameScope
+from graphpar.ops.registry import get_schema
+
+
+class ParameterTags:
+    """Tags a parameter may carry; COMPUTED_PARAM ones are not trained (no gradient, no optimizer)."""
+
+    WEIGHT = "WEIGHT"
+    BIAS = "BIAS"
+    COMPUTED_PARAM = "COMPUTED_PARAM"
+
+
+class Initializer:
+    """Emits `init_net.<op_name>([], name, shape=shape, **kwargs)` for a new parameter.
+
+    Brew helpers build one from a Caffe2-style `(op_name, kwargs)` tuple, e.g. `("XavierFill", {})`.
+    """
+
+    def __init__(self, op_name: str, **kwargs: Any) -> None:
+        if not isinstance(op_name, str) or not op_name:
+            raise TypeError(f"Initializer needs a fill operator name such as 'XavierFill', got {op_name!r}")
+        self.op_name = op_name
+        self.kwargs = kwargs
+
+    def create_param(self, param_name: BlobReference, init_net: Net, shape: Sequence[int]) -> BlobReference:
+        """Record the fill op for `param_name` into `init_net` (under the current DeviceScope)."""
+        return getattr(init_net, self.op_name)([], param_name, shape=list(shape), **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"Initializer({self.op_name!r}, **{self.kwargs})"
+
+
+class ExternalInitializer:
+    """Creates no op: the parameter's value is fed or loaded from outside (predict/eval models)."""
+
+    def create_param(self, param_name: BlobReference, init_net: Net, shape: Sequence[int]) -> BlobReference:
+        """Return the blob reference without recording anything."""
+        return BlobReference(param_name)
+
+    def __repr__(self) -> str:
+        return "ExternalInitializer()"
+
+
+@dataclass
+class ParameterInfo:
+    """What the model knows about one parameter; `grad` is set by AddGradientOperators."""
+
+    name: str
+    blob: BlobReference
+    shape: tuple[int, ...] | None
+    initializer: Initializer | ExternalInitializer | None = None
+    tags: tuple[str, ...] = ()
+    grad: str | GradientSlice | None = None
+
+
+def _normalize_tags(tags: str | Iterable[str] | None) -> tuple[str, ...]:
+    if tags is None:
+        return ()
+    return (tags,) if isinstance(tags, str) else tuple(tags)
+
+
+def _normalize_shape(param_name: str, shape: Iterable[int]) -> tuple[int, ...]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"create_param({param_name!r}): shape must be a list of ints, got {shape!r}") from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise TypeError(f"create_param({param_name!r}): shape must be non-negative ints, got {list(dims)}")
+    return dims
+
+
+def _in_scope(blobs: list[BlobReference], namescope: str | None) -> list[BlobReference]:
+    """The blobs in `namescope` (default: the current name scope; '' = all)."""
+    if namescope is None:
+        namescope = CurrentNameScope()
+    if not namescope:
+        return list(blobs)
+    if not namescope.endswith("/"):
+        namescope += "/"
+    return [b for b in blobs if b.startswith(namescope)]
+
+
+class ModelHelper:
+    """A model: `param_init_net`, `net`, its parameters, and (after AddGradientOperators) their gradients.
+
+    Args:
+        name: the train net's name; the init net is `<name>_init` (Net names are made unique).
+        init_params: False for eval/predict models: parameters get no init ops (ExternalInitializer).
+        arg_scope: defaults that brew helpers receive (merged over `{"order": "NCHW"}`).
+    """
+
+    def __init__(self, name: str = "model", init_params: bool = True,
+                 arg_scope: dict[str, Any] | None = None) -> None:
+        self.name = name or "model"
+        self.net = Net(self.name)
+        self.param_init_net = Net(self.name + "_init")
+        self.init_params = init_params
+        self.params: list[BlobReference] = []
+        self._computed_params: list[BlobReference] = []
+        self.weights: list[BlobReference] = []
+        self.biases: list[BlobReference] = []
+        self._parameters_info: dict[str, ParameterInfo] = {}
+        self.param_to_grad: dict[BlobReference, str | GradientSlice] = {}
+        self.grad_map: dict[BlobReference, str | GradientSlice] = {}
+        self.gradient_ops_added = False
+        self._devices: list[int] = []
+        self._arg_scope: dict[str, Any] = {"order": "NCHW", **(arg_scope or {})}
+
+    @property
+    def arg_scope(self) -> dict[str, Any]:
+        """Defaults brew helpers receive, below `brew.arg_scope` contexts and explicit arguments."""
+        return self._arg_scope
+
+    def __getattr__(self, op_type: str) -> Any:
+        """`model.SomeOp(...)` records a registered operator into `model.net`."""
+        if op_type.startswith("_"):
+            raise AttributeError(op_type)
+        try:
+            get_schema(op_type)
+        except AttributeError as err:
+            raise AttributeError(f"ModelHelper has no attribute {op_type!r} and it is not a registered "
+                                 f"operator: {err}") from None
+        return getattr(self.net, op_type)
+
+    def create_param(self, param_name: str, shape: Iterable[int],
+                     initializer: Initializer | ExternalInitializer,
+                     tags: str | Iterable[str] | None = None) -> BlobReference:
+        """Create a parameter (its fill op goes into `param_init_net`) and register it; return its blob.
+
+        A str name gets the current name scope; a BlobReference is used as is. Re-using an existing
+        name with the same shape returns the existing blob (parameter sharing). With
+        `init_params=False` no op is created, whatever the initializer.
+
+        Raises:
+            ValueError: the name exists with another shape.
+            TypeError: a bad shape or initializer.
+        """
+        if not isinstance(param_name, str) or not param_name:
+            raise TypeError(f"create_param: param_name must be a non-empty str or BlobReference, got "
+                            f"{param_name!r}")
+        name = str(param_name) if isinstance(param_name, BlobReference) else CurrentNameScope() + param_name
+        dims = _normalize_shape(name, shape)
+        existing = self._parameters_info.get(name)
+        if existing is not None:
+            if existing.shape != dims:
+                known = "unknown" if existing.shape is None else list(existing.shape)
+                raise ValueError(f"parameter {name!r} already exists with shape {known}; "
+                                 f"cannot re-create it with shape {list(dims)} (to share it, use the same "
+                                 f"shape; otherwise choose another name)")
+            return existing.blob
+        if not self.init_params:
+            initializer = ExternalInitializer()
+        if not hasattr(initializer, "create_param"):
+            raise TypeError(f"create_param({name!r}): initializer must be an Initializer or "
+                            f"ExternalInitializer, got {initializer!r}")
+        blob = BlobReference(initializer.create_param(BlobReference(name), self.param_init_net, dims))
+        tag_tuple = _normalize_tags(tags)
+        self._parameters_info[name] = ParameterInfo(name, blob, dims, initializer, tag_tuple)
+        self.AddParameter(blob, tag_tuple)
+        return blob
+
+    def AddParameter(self, param: BlobReference, tags: str | Iterable[str] | None = None) -> None:  # noqa: N802
+        """Register an existing blob as a parameter (COMPUTED_PARAM -> computed params) and by tag."""
+        if not isinstance(param, BlobReference):
+            raise TypeError(f"AddParameter needs a BlobReference, got {type(param).__name__} {param!r}")
+        tags = _normalize_tags(tags)
+        (self._computed_params if ParameterTags.COMPUTED_PARAM in tags else self.params).append(param)
+        if ParameterTags.WEIGHT in tags:
+            self.weights.append(param)
+        if ParameterTags.BIAS in tags:
+            self.biases.append(param)
+
+    def GetParams(self, namescope: str | None = None) -> list[BlobReference]:  # noqa: N802
+        """Trainable params in `namescope` (default: the current name scope; '' = all)."""
+        return _in_scope(self.params, namescope)
+
+    def GetComputedParams(self, namescope: str | None = None) -> list[BlobReference]:  # noqa: N802
+        """Computed (non-trained) params in `namescope` (default: the current name scope; '' = all)."""
+        return _in_scope(self._computed_params, namescope)
+
+    def GetAllParams(self, namescope: str | None = None) -> list[BlobReference]:  # noqa: N802
+        """Trainable then computed params in `namescope`."""
+        return self.GetParams(namescope) + self.GetComputedParams(namescope)
+
+    def Validate(self) -> None:  # noqa: N802
+        """Check both nets against the op registry and that no parameter is registered twice.
+
+        Raises:
+            ValueError: duplicate parameters (listed), or a net invariant that does not hold.
+        """
+        self.param_init_net.Proto().validate()
+        self.net.Proto().validate()
+        counts = Counter(str(p) for p in self.params + self._computed_params)
+        dupes = sorted(p for p, n in counts.items() if n > 1)
+        if dupes:
+            raise ValueError(f"model {self.name!r}: parameters registered more than once: "
+                             f"{dupes}; create each parameter once (create_param "
+                             f"returns the existing blob for a shared one)")
+
+    def AddGradientOperators(self, ys: list | dict) -> dict[BlobReference, str | GradientSlice]:  # noqa: N802
+        """Append the gradient ops of `net` for losses `ys` (once); fill grad_map and param_to_grad.
+
+        Raises:
+            RuntimeError: gradient operators were already added.
+            ValueError: Validate() failed (e.g. duplicate parameters).
+        """
+        if self.gradient_ops_added:
+            raise RuntimeError(f"model {self.name!r}: AddGradientOperators was already called; it may run "
+                               f"only once per model (pass every loss in one call)")
+        self.Validate()
+        self.grad_map = self.net.AddGradientOperators(ys)
+        self.gradient_ops_added = True
+        self.param_to_grad = {p: self.grad_map[p] for p in self.params if p in self.grad_map}
+        for param, grad in self.param_to_grad.items():
+            info = self._parameters_info.setdefault(str(param), ParameterInfo(str(param), param, None))
+            info.grad = grad
+        return self.grad_map
+
+    def GetDevices(self) -> list[int]:  # noqa: N802
+        """The device ids `data_parallel_model.Parallelize` placed this model on.
+
+        Raises:
+            RuntimeError: the model was not parallelized.
+        """
+        if not self._devices:
+            raise RuntimeError(f"model {self.name!r} has no devices: use graphpar.data_parallel_model."
+                               f"Parallelize to run it on several devices")
+        return self._devices
+

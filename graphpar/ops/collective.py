@@ -1,0 +1,93 @@
+"""Single-process collectives over the per-device copies of a blob (NOT_DIFFERENTIABLE).
+
+With every input a CUDA tensor on its own device and NCCL available, the kernels call
+`torch.cuda.nccl` on clones of the inputs (kernels never write their inputs). Otherwise a reference
+implementation runs: the all-reduce adds the inputs in list order on the first input's device and
+copies the sum to every input's device; the broadcast copies the root input to every device. Results
+equal NCCL's up to the order of the floating-point additions, so every graph also runs on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import torch
+
+from graphpar.core.ir import DeviceOption, OperatorDef
+from graphpar.devices import device_option_for_blob
+from graphpar.ops.registry import NOT_DIFFERENTIABLE, KernelContext, register_op, same_index
+
+MAX_DEVICES = 1024  # NCCLBroadcast enforces output i == input i for i below this
+
+
+def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
+    """Copy i lives on its replica scope's device, else on device i of the op's type (Caffe2's rule)."""
+    where = [device_option_for_blob(b) or DeviceOption(device.device_type, i) for i, b in enumerate(op.inputs)]
+    return where, list(where)
+
+
+def _check(ctx: KernelContext) -> str:
+    where = f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
+    if len(ctx.op.inputs) != len(ctx.op.outputs):
+        raise ValueError(f"{where}: needs one output per input, got {len(ctx.op.inputs)} inputs and "
+                         f"{len(ctx.op.outputs)} outputs")
+    return where
+
+
+def _use_nccl(xs: Sequence[torch.Tensor]) -> bool:
+    return len(xs) > 1 and xs[0].is_cuda and torch.cuda.nccl.is_available(xs)
+
+
+def _allreduce(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
+    where = _check(ctx)
+
+    def run(*xs: torch.Tensor) -> object:
+        for i, x in enumerate(xs[1:], 1):
+            if x.shape != xs[0].shape or x.dtype != xs[0].dtype:
+                raise ValueError(f"{where}: copy {i} is {x.dtype} {tuple(x.shape)}, copy 0 is "
+                                 f"{xs[0].dtype} {tuple(xs[0].shape)}; all copies must match")
+        if _use_nccl(xs):
+            outs = [x.clone() for x in xs]
+            torch.cuda.nccl.all_reduce(outs)
+        else:
+            total = xs[0]
+            for x in xs[1:]:
+                total = total + x.to(total.device)
+            outs = [total, *[total.to(x.device, copy=True) for x in xs[1:]]]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
+register_op(
+    "NCCLAllreduce", inputs=(1, None), outputs=(1, None), inplace=same_index, kernel=_allreduce,
+    gradient=NOT_DIFFERENTIABLE, device_inference=_devices,
+    doc="Outputs i = X0 + X1 + ... on input i's device (one output per input, in place allowed). "
+        "torch.cuda.nccl when every copy is on its own GPU, else a reference sum in input order.")
+
+
+def _broadcast(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
+    where, root = _check(ctx), a.root
+    if not 0 <= root < len(ctx.op.inputs):
+        raise ValueError(f"{where}: root {root} is not an input index (0..{len(ctx.op.inputs) - 1})")
+
+    def run(*xs: torch.Tensor) -> object:
+        src = xs[root]
+        if _use_nccl(xs):
+            outs = [src.clone() if i == root else torch.empty_like(src, device=x.device)
+                    for i, x in enumerate(xs)]
+            torch.cuda.nccl.broadcast(outs, root=root)
+        else:
+            outs = [src if i == root else src.to(x.device, copy=True) for i, x in enumerate(xs)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
+register_op(
+    "NCCLBroadcast", inputs=(1, None), outputs=(1, None), args={"root": 0},
+    enforce_inplace={(i, i) for i in range(MAX_DEVICES)}, kernel=_broadcast, gradient=NOT_DIFFERENTIABLE,
+    device_inference=_devices,
+    doc="Output i = X[root] on input i's device (in place enforced; `root` is a position in the input "
+        "list, not a GPU id). torch.cuda.nccl when every copy is on its own GPU, else plain copies.")

@@ -1,0 +1,201 @@
+"""Fill operators: constant, random and given-value tensors (all NO_GRADIENT).
+
+Shapes come from the `shape` argument, or from an optional input: its shape, or with
+`input_as_shape=True` its values (a 1-D integer tensor); `extra_shape` is appended in both cases.
+Random fills draw from the workspace's CPU generator (`ctx.generator(cpu)`) and then move the
+result to the op's device, so CPU and CUDA runs give identical values for one workspace seed.
+
+`dtype` arguments accept Caffe2's TensorProto codes (`DataType.FLOAT` = 1, `INT32` = 2, `BOOL` = 5,
+`INT64` = 10, `FLOAT16` = 12, `DOUBLE` = 13, ...), their names in any case ("float", "float32",
+"double", "float64", "int32", "int64", "bool", ...), or a `torch.dtype`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from graphpar.ops.registry import NO_GRADIENT, Arg, KernelContext, register_op
+
+
+class DataType(IntEnum):
+    """Caffe2's TensorProto.DataType codes that have a torch dtype."""
+
+    FLOAT = 1
+    INT32 = 2
+    BYTE = 3
+    BOOL = 5
+    UINT8 = 6
+    INT8 = 7
+    INT16 = 9
+    INT64 = 10
+    FLOAT16 = 12
+    DOUBLE = 13
+
+
+_CODES = {
+    DataType.FLOAT: torch.float32, DataType.INT32: torch.int32, DataType.BYTE: torch.uint8,
+    DataType.BOOL: torch.bool, DataType.UINT8: torch.uint8, DataType.INT8: torch.int8,
+    DataType.INT16: torch.int16, DataType.INT64: torch.int64, DataType.FLOAT16: torch.float16,
+    DataType.DOUBLE: torch.float64,
+}
+_NAMES = {
+    **{code.name.lower(): dtype for code, dtype in _CODES.items()},
+    "float32": torch.float32, "float64": torch.float64, "half": torch.float16, "int": torch.int32,
+    "long": torch.int64, "bfloat16": torch.bfloat16,
+}
+
+
+def to_torch_dtype(value: Any, where: str = "dtype") -> torch.dtype:
+    """The torch dtype for a Caffe2 code, a name (any case) or a torch.dtype; ValueError otherwise."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _NAMES:
+        return _NAMES[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in _CODES:
+        return _CODES[DataType(value)]
+    raise ValueError(f"{where}: unsupported dtype {value!r}; use a Caffe2 code "
+                     f"({', '.join(f'{c.name}={int(c)}' for c in DataType)}), one of "
+                     f"{sorted(_NAMES)}, or a torch.dtype")
+
+
+def _where(ctx: KernelContext) -> str:
+    return f"{ctx.op.type} op writing {list(ctx.op.outputs)}"
+
+
+_SHAPE_ARGS = {"shape": Arg("ints", ()), "extra_shape": Arg("ints", ()), "input_as_shape": False,
+               "dtype": Arg("any", None)}
+
+
+def _shape_fn(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple[int, ...]]:
+    """How the output shape is found at run time from the (0 or 1) inputs."""
+    extra = tuple(a.extra_shape)
+    if not ctx.op.inputs:
+        if a.input_as_shape:
+            raise ValueError(f"{_where(ctx)}: input_as_shape=True needs a shape input")
+        shape = tuple(a.shape) + extra
+        return lambda: shape
+    if a.shape:
+        raise ValueError(f"{_where(ctx)}: pass either the `shape` argument or an input, not both")
+    if a.input_as_shape:
+        return lambda x: tuple(int(v) for v in x.reshape(-1).tolist()) + extra
+    return lambda x: tuple(x.shape) + extra
+
+
+def _float_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype:
+    dtype = torch.float32 if a.dtype is None else to_torch_dtype(a.dtype, _where(ctx))
+    if not dtype.is_floating_point:
+        raise ValueError(f"{_where(ctx)}: random fills produce floating-point tensors, got dtype {dtype}")
+    return dtype
+
+
+def _register_fill(type_: str, doc: str, kernel: Callable[..., Any], **args: Any) -> None:
+    register_op(type_, inputs=(0, 1), outputs=1, args={**_SHAPE_ARGS, **args}, kernel=kernel,
+                gradient=NO_GRADIENT, doc=doc)
+
+
+def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | None:
+    """The declared dtype; else Caffe2's rule (an int `value` gives int64, a bool bool); else None."""
+    if a.dtype is not None:
+        return to_torch_dtype(a.dtype, _where(ctx))
+    if isinstance(a.value, bool):
+        return torch.bool
+    if isinstance(a.value, int):
+        return torch.int64
+    return None
+
+
+def _constant_fill(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    if isinstance(a.value, str) or not isinstance(a.value, (int, float)):
+        raise TypeError(f"{_where(ctx)}: `value` must be a number, got {a.value!r}")
+    shape_of, dtype, device = _shape_fn(a, ctx), _constant_dtype(a, ctx), ctx.device
+
+    def fill(*x: torch.Tensor) -> torch.Tensor:
+        like = x[0].dtype if x and x[0].is_floating_point() else torch.float32
+        return torch.full(shape_of(*x), a.value, dtype=dtype or like, device=device)
+
+    return fill
+
+
+_register_fill(
+    "ConstantFill", kernel=_constant_fill, value=Arg("any", 0.0),
+    doc="Y filled with `value`. Shape from `shape`, or from the optional input (its shape, or its values "
+        "with input_as_shape), plus `extra_shape`. Without `dtype`, an int `value` gives int64 and a bool "
+        "`value` bool (Caffe2's rule); a float `value` gives the input's dtype when the input is "
+        "floating point (so autodiff seeds match the loss), else float32.")
+
+
+def _random_fill(draw: Callable[..., Any]) -> Callable:
+    """A kernel factory: allocate on the CPU, `draw(tensor, args, gen, where)` in place, move to ctx.device."""
+
+    def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+        shape_of, dtype, device = _shape_fn(a, ctx), _float_dtype(a, ctx), ctx.device
+        gen, where = ctx.generator(torch.device("cpu")), _where(ctx)
+
+        def fill(*x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(shape_of(*x), dtype=dtype)
+            if out.numel():
+                draw(out, a, gen, where)
+            return out.to(device)
+
+        return fill
+
+    return factory
+
+
+def _fan(shape: Sequence[int], dim: int, where: str) -> int:
+    if len(shape) <= dim:
+        raise ValueError(f"{where}: needs a shape with at least {dim + 1} dims to compute its fan, "
+                         f"got {tuple(shape)}")
+    return math.prod(shape) // shape[dim]
+
+
+_register_fill(
+    "UniformFill", kernel=_random_fill(lambda t, a, g, _w: t.uniform_(a.min, a.max, generator=g)),
+    min=0.0, max=1.0, doc="Y ~ U[min, max), drawn on the CPU from the workspace generator.")
+_register_fill(
+    "GaussianFill", kernel=_random_fill(lambda t, a, g, _w: t.normal_(a.mean, a.std, generator=g)),
+    mean=0.0, std=1.0, doc="Y ~ N(mean, std^2), drawn on the CPU from the workspace generator.")
+
+
+def _xavier(t: torch.Tensor, _a: SimpleNamespace, gen: torch.Generator, where: str) -> None:
+    scale = math.sqrt(3.0 / _fan(t.shape, 0, where))
+    t.uniform_(-scale, scale, generator=gen)
+
+
+def _msra(t: torch.Tensor, _a: SimpleNamespace, gen: torch.Generator, where: str) -> None:
+    t.normal_(0.0, math.sqrt(2.0 / _fan(t.shape, 1, where)), generator=gen)
+
+
+_register_fill("XavierFill", kernel=_random_fill(_xavier),
+               doc="Y ~ U(-sqrt(3/fan_in), sqrt(3/fan_in)) with fan_in = numel / shape[0] (Caffe2's rule).")
+_register_fill("MSRAFill", kernel=_random_fill(_msra),
+               doc="Y ~ N(0, std=sqrt(2/fan_out)) with fan_out = numel / shape[1] (Caffe2's rule; "
+                   "needs at least 2 dims).")
+
+
+def _given_fill(dtype: torch.dtype) -> Callable:
+    def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Tensor]:
+        shape = tuple(a.shape)
+        if len(a.values) != math.prod(shape):
+            raise ValueError(f"{_where(ctx)}: {len(a.values)} values do not fill shape {shape} "
+                             f"({math.prod(shape)} elements)")
+        value = torch.tensor(a.values, dtype=dtype).reshape(shape).to(ctx.device)
+        return value.clone
+
+    return factory
+
+
+for _type, _dtype, _kind in (("GivenTensorFill", torch.float32, "floats"),
+                             ("GivenTensorDoubleFill", torch.float64, "floats"),
+                             ("GivenTensorIntFill", torch.int32, "ints"),
+                             ("GivenTensorInt64Fill", torch.int64, "ints"),
+                             ("GivenTensorBoolFill", torch.bool, "ints")):
+    register_op(_type, inputs=0, outputs=1, args={"values": Arg(_kind), "shape": Arg("ints")},
+                kernel=_given_fill(_dtype), gradient=NO_GRADIENT,
+                doc=f"Y of `shape` ({_dtype}) holding `values` in row-major order; a fresh copy per run.")

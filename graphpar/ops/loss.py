@@ -1,0 +1,283 @@
+"""Loss and metric operators: SoftmaxWithLoss, (Label)CrossEntropy, SquaredL2Distance,
+SigmoidCrossEntropyWithLogits and Accuracy.
+
+Integer labels may be int32 or int64, shaped [N] or [N, 1]; float labels are refused (except as
+probabilities where the op takes them), since truncating them would hide a wrong feed. Labels are not
+range-checked on the host (that would synchronise the GPU every step); an out-of-range label fails in
+PyTorch's gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from graphpar.core.ir import OperatorDef
+from graphpar.errors import GradientError
+from graphpar.ops.nn import flatten_2d, op_label
+from graphpar.ops.registry import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
+
+_PROB_FLOOR = 1e-20  # Caffe2's floor under probabilities before taking their log
+
+
+def _label_index(label: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    """Integer labels as an int64 [N, 1] index for gather/scatter."""
+    if label.is_floating_point() or label.dtype == torch.bool:
+        raise TypeError(f"{op_label(ctx.op)}: labels must be integers (int32/int64), got {label.dtype}")
+    return label.reshape(-1, 1).long()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """X as [N, D]: 2-D inputs as they are, a 1-D input as one row."""
+    return x.reshape(1, -1) if x.dim() == 1 else x
+
+
+# ----------------------------------------------------------------------------------------------------
+# SoftmaxWithLoss
+# ----------------------------------------------------------------------------------------------------
+
+
+def _swl_weight_sum(w: torch.Tensor | None, n: int) -> torch.Tensor | float:
+    """Σw (N without weights); an all-zero weight vector gives a zero loss rather than 0/0."""
+    if w is None:
+        return float(max(n, 1))
+    total = w.sum()
+    return torch.where(total != 0, total, torch.ones_like(total))
+
+
+def _softmax_with_loss(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    def softmax_with_loss(x: torch.Tensor, label: torch.Tensor, w: torch.Tensor | None = None) -> tuple:
+        x2, w = flatten_2d(x, a.axis), None if w is None else w.to(x.dtype)
+        logp = torch.log_softmax(x2, 1)
+        if a.label_prob:
+            nll = -(label.to(x.dtype).reshape(x2.shape) * logp).sum(1)
+        else:
+            nll = -logp.gather(1, _label_index(label, ctx)).squeeze(1)
+        if w is not None:
+            nll = nll * w.reshape(-1)
+        loss = nll.sum() * (a.scale / _swl_weight_sum(w, x2.shape[0]))
+        return logp.exp().reshape(x.shape), loss
+
+    return softmax_with_loss
+
+
+def _softmax_with_loss_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    weighted = len(ctx.op.inputs) == 5
+
+    def softmax_with_loss_grad(x: torch.Tensor, label: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        w, p, dloss = rest if weighted else (None, *rest)
+        p2, w = flatten_2d(p, a.axis), None if w is None else w.to(p.dtype)
+        if a.label_prob:
+            d = p2 - label.to(p.dtype).reshape(p2.shape)
+        else:
+            d = p2.scatter_add(1, _label_index(label, ctx), p2.new_full((p2.shape[0], 1), -1.0))
+        coeff = dloss.reshape(()) * (a.scale / _swl_weight_sum(w, p2.shape[0]))
+        d = d * coeff if w is None else d * (w.reshape(-1, 1) * coeff)
+        return d.reshape(x.shape)
+
+    return softmax_with_loss_grad
+
+
+def _softmax_with_loss_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
+    if g[0] is not None or g[1] is None:
+        raise GradientError(
+            f"{op_label(op)}: only the loss output can be differentiated; for a gradient "
+            f"through the softmax output use Softmax + LabelCrossEntropy"
+        )
+    inputs = [*op.inputs, op.outputs[0], g[1]]
+    grad = gradient_op("SoftmaxWithLossGradient", inputs, [GI(op, 0)])
+    return [grad], [GI(op, 0), *([None] * (len(op.inputs) - 1))]
+
+
+register_op(
+    "SoftmaxWithLoss",
+    inputs=(2, 3),
+    outputs=2,
+    args={"scale": 1.0, "label_prob": False, "axis": 1},
+    kernel=_softmax_with_loss,
+    gradient=_softmax_with_loss_gradient,
+    doc="SoftmaxWithLoss(logits, labels[, weights]) -> P (softmax of logits viewed as [N, D] at `axis`, "
+    "logits' shape), loss (0-d) = scale·Σ w_i·(-log P[i, label_i]) / Σw, with Σw = N without "
+    "weights. Labels are int [N], or probabilities [N, D] with label_prob=1. Computed with "
+    "log_softmax, so no 1e-20 floor is needed.",
+)
+
+register_op(
+    "SoftmaxWithLossGradient",
+    inputs=(4, 5),
+    outputs=1,
+    gradient_of="SoftmaxWithLoss",
+    kernel=_softmax_with_loss_grad,
+    doc="SoftmaxWithLossGradient(logits, labels[, weights], P, dLoss) -> dlogits = (P - onehot)·w·"
+    "scale·dLoss / Σw.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LabelCrossEntropy / CrossEntropy
+# ----------------------------------------------------------------------------------------------------
+
+
+def _label_xent(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def label_xent(x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        picked = _rows(x).gather(1, _label_index(label, ctx)).squeeze(1)
+        return -picked.clamp_min(_PROB_FLOOR).log()
+
+    return label_xent
+
+
+def _label_xent_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def label_xent_grad(x: torch.Tensor, label: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        x2, index = _rows(x), _label_index(label, ctx)
+        picked = x2.gather(1, index).clamp_min(_PROB_FLOOR)
+        return torch.zeros_like(x2).scatter_(1, index, -dy.reshape(-1, 1) / picked).reshape(x.shape)
+
+    return label_xent_grad
+
+
+def _xent_gradient(grad_type: str) -> Callable[[OperatorDef, list], tuple[list, list]]:
+    def maker(op: OperatorDef, g: list) -> tuple[list, list]:
+        return [gradient_op(grad_type, [op.inputs[0], op.inputs[1], g[0]], [GI(op, 0)])], [GI(op, 0), None]
+
+    return maker
+
+
+register_op(
+    "LabelCrossEntropy",
+    inputs=2,
+    kernel=_label_xent,
+    gradient=_xent_gradient("LabelCrossEntropyGradient"),
+    doc="LabelCrossEntropy(X, label) -> Y[N] = -log(max(X[i, label_i], 1e-20)), X probabilities [N, D].",
+)
+
+register_op(
+    "LabelCrossEntropyGradient",
+    inputs=3,
+    gradient_of="LabelCrossEntropy",
+    kernel=_label_xent_grad,
+    doc="LabelCrossEntropyGradient(X, label, dY) -> dX: -dY / max(X, 1e-20) at each row's label entry, "
+    "0 elsewhere (Caffe2's formula, also below the floor); the label gets no gradient.",
+)
+
+register_op(
+    "CrossEntropy",
+    inputs=2,
+    kernel=lambda a, ctx: lambda x, t: -(t * x.clamp_min(_PROB_FLOOR).log()).reshape(_rows(x).shape).sum(1),
+    gradient=_xent_gradient("CrossEntropyGradient"),
+    doc="CrossEntropy(X, target) -> Y[N] = -Σ_j target_ij·log(max(X_ij, 1e-20)), with X and the target "
+    "distribution both [N, D].",
+)
+
+register_op(
+    "CrossEntropyGradient",
+    inputs=3,
+    gradient_of="CrossEntropy",
+    kernel=lambda a, ctx: lambda x, t, dy: -_rows(t) * dy.reshape(-1, 1) / _rows(x).clamp_min(_PROB_FLOOR),
+    doc="CrossEntropyGradient(X, target, dY) -> dX = -dY·target / max(X, 1e-20); the target gets none.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SquaredL2Distance
+# ----------------------------------------------------------------------------------------------------
+
+
+def _sq_l2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    diff = (x - y).reshape(x.shape[0] if x.dim() else 1, -1)
+    return 0.5 * diff.square().sum(1)
+
+
+def _sq_l2_grad(x: torch.Tensor, y: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = (x - y) * dd.reshape(-1, *([1] * (x.dim() - 1)))
+    return dx, -dx
+
+
+register_op(
+    "SquaredL2Distance",
+    inputs=2,
+    kernel=lambda a, ctx: _sq_l2,
+    gradient=lambda op, g: (
+        [gradient_op("SquaredL2DistanceGradient", [*op.inputs, g[0]], [GI(op, 0), GI(op, 1)])],
+        [GI(op, 0), GI(op, 1)],
+    ),
+    doc="SquaredL2Distance(A, B) -> D[N] = ½‖A_i - B_i‖² per row (A, B of one shape, rows on axis 0).",
+)
+
+register_op(
+    "SquaredL2DistanceGradient",
+    inputs=3,
+    outputs=2,
+    gradient_of="SquaredL2Distance",
+    kernel=lambda a, ctx: _sq_l2_grad,
+    doc="SquaredL2DistanceGradient(A, B, dD) -> dA = (A - B)·dD, dB = -dA.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SigmoidCrossEntropyWithLogits
+# ----------------------------------------------------------------------------------------------------
+
+
+def _sigmoid_xent(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(x, t, reduction="none").mean(-1)
+
+
+def _sigmoid_xent_grad(dy: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (torch.sigmoid(x) - t) * (dy.unsqueeze(-1) / x.shape[-1])
+
+
+register_op(
+    "SigmoidCrossEntropyWithLogits",
+    inputs=2,
+    kernel=lambda a, ctx: _sigmoid_xent,
+    gradient=lambda op, g: (
+        [gradient_op("SigmoidCrossEntropyWithLogitsGradient", [g[0], *op.inputs], [GI(op, 0)])],
+        [GI(op, 0), None],
+    ),
+    doc="SigmoidCrossEntropyWithLogits(logits, targets) -> Y = mean over the last axis of "
+    "max(x, 0) - x·t + log(1 + exp(-|x|)) (the stable form of -t·log σ(x) - (1-t)·log(1-σ(x))); "
+    "Y has logits.shape[:-1].",
+)
+
+register_op(
+    "SigmoidCrossEntropyWithLogitsGradient",
+    inputs=3,
+    gradient_of="SigmoidCrossEntropyWithLogits",
+    kernel=lambda a, ctx: _sigmoid_xent_grad,
+    doc="SigmoidCrossEntropyWithLogitsGradient(dY, logits, targets) -> dlogits = (σ(x) - t)·dY / D; "
+    "the targets get no gradient.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Accuracy
+# ----------------------------------------------------------------------------------------------------
+
+
+def _accuracy(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    if a.top_k < 1:
+        raise ValueError(f"{op_label(ctx.op)}: top_k must be >= 1, got {a.top_k}")
+
+    def accuracy(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        index = _label_index(label, ctx)
+        score = pred.gather(1, index)
+        classes = torch.arange(pred.shape[1], device=pred.device)
+        ahead = (pred > score) | ((pred == score) & (classes < index))  # ties rank the lower class first
+        correct = ahead.sum(1) < a.top_k
+        return correct.to(pred.dtype).mean()
+
+    return accuracy
+
+
+register_op(
+    "Accuracy",
+    inputs=2,
+    args={"top_k": 1},
+    gradient=NOT_DIFFERENTIABLE,
+    kernel=_accuracy,
+    doc="Accuracy(pred[N, D], label[N]) -> 0-d fraction of rows whose label is among the top_k scores; "
+    "ties rank the lower class index first (as Caffe2). Not differentiable.",
+)

@@ -1,0 +1,624 @@
+"""Neural-network operators: FC, Conv, pooling, activations, Softmax and Dropout (layout NCHW).
+
+Each op is one `register_op` call: schema, kernel factory, gradient maker and doc. Gradient kernels
+use PyTorch's backward primitives (`aten.convolution_backward`, `aten.max_pool2d_with_indices_backward`,
+...) and never re-run the forward under autograd.
+
+Spatial arguments follow Caffe2's ConvPoolOpBase: each of kernel, stride, pad and dilation may be given
+as one value (`kernel`), per side (`kernel_h`/`kernel_w`; `pad_t`/`pad_l`/`pad_b`/`pad_r`) or as a list
+(`kernels`; `pads` = [t, l, b, r], heads then tails), one form per quantity. Asymmetric pads are applied
+with `F.pad` before the PyTorch kernel, whose own padding is symmetric.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphpar.core.ir import OperatorDef
+from graphpar.ops.registry import GI, KernelContext, gradient_op, register_op
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers shared with norm.py and loss.py
+# ----------------------------------------------------------------------------------------------------
+
+
+def op_label(op: OperatorDef) -> str:
+    """'Type(inputs -> outputs)', for error messages that name the op."""
+    return f"{op.type}({', '.join(op.inputs)} -> {', '.join(op.outputs)})"
+
+
+def require_nchw(args: SimpleNamespace, ctx: KernelContext) -> None:
+    """Raise ValueError unless the op's `order` argument is NCHW (graphpar's only layout)."""
+    if args.order != "NCHW":
+        raise ValueError(
+            f"{op_label(ctx.op)}: order={args.order!r} is not supported; graphpar is NCHW "
+            f"only: convert with NHWC2NCHW and drop the order argument"
+        )
+
+
+def flatten_2d(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """X viewed as [prod(shape[:axis]), prod(shape[axis:])] (Caffe2's canonical 2-D view)."""
+    axis = axis + x.dim() if axis < 0 else axis
+    return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+
+
+def _grad_from_output(grad_type: str) -> Callable[[OperatorDef, list], tuple[list, list]]:
+    """Maker for an elementwise op whose gradient reads only Y and dY (safe in place)."""
+
+    def maker(op: OperatorDef, g: list) -> tuple[list, list]:
+        return [gradient_op(grad_type, [op.outputs[0], g[0]], [GI(op, 0)])], [GI(op, 0)]
+
+    return maker
+
+
+# ----------------------------------------------------------------------------------------------------
+# FC
+# ----------------------------------------------------------------------------------------------------
+
+
+def _fc(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def fc(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        x2, w2 = flatten_2d(x, a.axis), flatten_2d(w, a.axis_w)
+        if b.numel() != w2.shape[0]:
+            raise ValueError(
+                f"{op_label(ctx.op)}: bias has {b.numel()} elements, W has {w2.shape[0]} "
+                f"output rows (shape {tuple(w.shape)})"
+            )
+        axis = a.axis + x.dim() if a.axis < 0 else a.axis
+        return F.linear(x2, w2, b.reshape(-1)).reshape(*x.shape[:axis], w2.shape[0])
+
+    return fc
+
+
+def _fc_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    with_dx = len(ctx.op.outputs) == 3
+
+    def fc_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
+        x2, w2 = flatten_2d(x, a.axis), flatten_2d(w, a.axis_w)
+        dy2 = dy.reshape(x2.shape[0], w2.shape[0])
+        dw, db = dy2.t().mm(x2).reshape(w.shape), dy2.sum(0)
+        return (dw, db, dy2.mm(w2).reshape(x.shape)) if with_dx else (dw, db)
+
+    return fc_grad
+
+
+register_op(
+    "FC",
+    inputs=3,
+    outputs=1,
+    args={"axis": 1, "axis_w": 1},
+    kernel=_fc,
+    gradient=lambda op, g: (
+        [gradient_op("FCGradient", [op.inputs[0], op.inputs[1], g[0]], [GI(op, 1), GI(op, 2), GI(op, 0)])],
+        [GI(op, 0), GI(op, 1), GI(op, 2)],
+    ),
+    doc="Fully connected: X (flattened to [M, K] at `axis`), W [N, K] (flattened at `axis_w`), b [N] "
+    "-> Y = X·Wᵀ + b with shape X.shape[:axis] + [N].",
+)
+
+register_op(
+    "FCGradient",
+    inputs=3,
+    outputs=(2, 3),
+    gradient_of="FC",
+    kernel=_fc_grad,
+    doc="FCGradient(X, W, dY) -> dW = dYᵀ·X, db = Σ_rows dY, [dX = dY·W] (X and W flattened as in FC).",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Conv and pooling geometry
+# ----------------------------------------------------------------------------------------------------
+
+_SPATIAL_ARGS = {
+    "kernel": 0,
+    "kernel_h": 0,
+    "kernel_w": 0,
+    "kernels": (),
+    "stride": 1,
+    "stride_h": 1,
+    "stride_w": 1,
+    "strides": (),
+    "pad": 0,
+    "pad_t": 0,
+    "pad_l": 0,
+    "pad_b": 0,
+    "pad_r": 0,
+    "pads": (),
+    "order": "NCHW",
+}
+_DILATION_ARGS = {"dilation": 1, "dilation_h": 1, "dilation_w": 1, "dilations": ()}
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Parsed spatial arguments; pads are (t, l, b, r)."""
+
+    kernel: tuple[int, int] | None
+    stride: tuple[int, int]
+    pads: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.pads[0] == self.pads[2] and self.pads[1] == self.pads[3]
+
+    @property
+    def padding(self) -> tuple[int, int]:
+        """The symmetric padding a PyTorch kernel takes."""
+        return self.pads[0], self.pads[1]
+
+    @property
+    def f_pad(self) -> tuple[int, int, int, int]:
+        """The pads in F.pad's order (l, r, t, b)."""
+        return self.pads[1], self.pads[3], self.pads[0], self.pads[2]
+
+
+def _one_form(
+    a: SimpleNamespace, op: OperatorDef, single: str, sides: tuple[str, ...], plural: str, default: Any
+) -> Any:
+    """One spatial quantity from whichever of its three forms the op was given (at most one)."""
+    used = [form for form in ((single,), sides, (plural,)) if any(n in op.args for n in form)]
+    if len(used) > 1:
+        raise ValueError(
+            f"{op_label(op)}: give {single} in one form only, got "
+            f"{sorted(n for form in used for n in form if n in op.args)}"
+        )
+    if plural in op.args:
+        values = tuple(getattr(a, plural))
+        if len(values) != len(sides):
+            raise ValueError(f"{op_label(op)}: {plural} needs {len(sides)} values, got {list(values)}")
+        return values
+    if used and used[0] is sides:
+        return tuple(getattr(a, n) for n in sides)
+    if single in op.args:
+        return (getattr(a, single),) * len(sides)
+    return default
+
+
+def _geometry(a: SimpleNamespace, ctx: KernelContext) -> _Geometry:
+    """Parse and check kernel/stride/pad/dilation; raise ValueError naming the op on a bad value."""
+    op = ctx.op
+    require_nchw(a, ctx)
+    geo = _Geometry(
+        kernel=_one_form(a, op, "kernel", ("kernel_h", "kernel_w"), "kernels", None),
+        stride=_one_form(a, op, "stride", ("stride_h", "stride_w"), "strides", (1, 1)),
+        pads=_one_form(a, op, "pad", ("pad_t", "pad_l", "pad_b", "pad_r"), "pads", (0, 0, 0, 0)),
+        dilation=(
+            _one_form(a, op, "dilation", ("dilation_h", "dilation_w"), "dilations", (1, 1))
+            if hasattr(a, "dilation")
+            else (1, 1)
+        ),
+    )
+    for name, values, low in (
+        ("kernel", geo.kernel or (1,), 1),
+        ("stride", geo.stride, 1),
+        ("pad", geo.pads, 0),
+        ("dilation", geo.dilation, 1),
+    ):
+        if min(values) < low:
+            raise ValueError(f"{op_label(op)}: every {name} must be >= {low}, got {list(values)}")
+    return geo
+
+
+def _crop(dx_padded: torch.Tensor, x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+    """The gradient of F.pad: the unpadded window of a padded-input gradient."""
+    t, left = geo.pads[0], geo.pads[1]
+    return dx_padded[..., t : t + x.shape[-2], left : left + x.shape[-1]].contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Conv
+# ----------------------------------------------------------------------------------------------------
+
+
+def _conv_plan(a: SimpleNamespace, ctx: KernelContext) -> tuple[_Geometry, tuple[int, int], Callable]:
+    """Geometry, torch padding, and `prepare(x, w) -> x` (checks the filter, applies asymmetric pads)."""
+    geo = _geometry(a, ctx)
+
+    def prepare(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if geo.kernel is not None and tuple(w.shape[2:]) != geo.kernel:
+            raise ValueError(
+                f"{op_label(ctx.op)}: filter shape {tuple(w.shape)} does not match kernel {list(geo.kernel)}"
+            )
+        return x if geo.symmetric else F.pad(x, geo.f_pad)
+
+    return geo, geo.padding if geo.symmetric else (0, 0), prepare
+
+
+def _conv(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    geo, padding, prepare = _conv_plan(a, ctx)
+
+    def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.conv2d(prepare(x, w), w, b, geo.stride, padding, geo.dilation, a.group)
+
+    return conv
+
+
+def _conv_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    geo, padding, prepare = _conv_plan(a, ctx)
+    with_bias = len(ctx.op.outputs) == 3
+
+    def conv_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
+        dx, dw, db = aten.convolution_backward(
+            dy,
+            prepare(x, w),
+            w,
+            [w.shape[0]] if with_bias else None,
+            geo.stride,
+            padding,
+            geo.dilation,
+            False,
+            (0, 0),
+            a.group,
+            (True, True, with_bias),
+        )
+        dx = dx if geo.symmetric else _crop(dx, x, geo)
+        return (dw, db, dx) if with_bias else (dw, dx)
+
+    return conv_grad
+
+
+def _conv_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
+    outs = [GI(op, 1), GI(op, 2), GI(op, 0)] if len(op.inputs) == 3 else [GI(op, 1), GI(op, 0)]
+    grad = gradient_op("ConvGradient", [op.inputs[0], op.inputs[1], g[0]], outs)
+    return [grad], [GI(op, i) for i in range(len(op.inputs))]
+
+
+register_op(
+    "Conv",
+    inputs=(2, 3),
+    outputs=1,
+    args={**_SPATIAL_ARGS, **_DILATION_ARGS, "group": 1},
+    kernel=_conv,
+    gradient=_conv_gradient,
+    doc="2-D convolution, NCHW: X [N, C, H, W], filter [M, C/group, kh, kw], optional bias [M] -> Y. "
+    "kernel (checked against the filter; inferred from it when absent), stride, pad (asymmetric "
+    "pads allowed), dilation and group as in Caffe2; out = floor((in + pad_head + pad_tail - "
+    "(d·(k-1)+1)) / stride) + 1.",
+)
+
+register_op(
+    "ConvGradient",
+    inputs=3,
+    outputs=(2, 3),
+    gradient_of="Conv",
+    kernel=_conv_grad,
+    doc="ConvGradient(X, filter, dY) -> dfilter, [dbias], dX (three outputs when the Conv had a bias), "
+    "through aten.convolution_backward.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# MaxPool / AveragePool
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _PoolPlan:
+    """Per-input pooling parameters: PyTorch kernel/stride/padding, plus F.pad pads when needed."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    geo: _Geometry | None  # set when pads are applied with F.pad first (asymmetric or > kernel / 2)
+
+
+def _pool_planner(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], _PoolPlan]:
+    """`plan(x)`: fixed for explicit kernels; the whole H x W for global pooling."""
+    geo = _geometry(a, ctx)
+    if a.global_pooling:
+        if geo.kernel is not None or max(geo.pads) > 0 or geo.stride != (1, 1):
+            raise ValueError(f"{op_label(ctx.op)}: global_pooling takes no kernel, pad or stride")
+        return lambda x: _PoolPlan(tuple(x.shape[-2:]), (1, 1), (0, 0), None)
+    if geo.kernel is None:
+        raise ValueError(
+            f"{op_label(ctx.op)}: needs a kernel (kernel, kernel_h/kernel_w or kernels) or global_pooling=1"
+        )
+    if any(p >= geo.kernel[i % 2] for i, p in enumerate(geo.pads)):
+        raise ValueError(
+            f"{op_label(ctx.op)}: pads {list(geo.pads)} must be smaller than the kernel {list(geo.kernel)}"
+        )
+    direct = geo.symmetric and all(2 * p <= k for p, k in zip(geo.padding, geo.kernel))
+    plan = _PoolPlan(geo.kernel, geo.stride, geo.padding if direct else (0, 0), None if direct else geo)
+    return lambda x: plan
+
+
+def _max_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    planner = _pool_planner(a, ctx)
+
+    def max_pool(x: torch.Tensor) -> torch.Tensor:
+        p = planner(x)
+        x = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
+        return F.max_pool2d(x, p.kernel, p.stride, p.padding)
+
+    return max_pool
+
+
+def _max_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    planner = _pool_planner(a, ctx)
+
+    def max_pool_grad(x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        p = planner(x)
+        xp = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
+        _, indices = aten.max_pool2d_with_indices(xp, p.kernel, p.stride, p.padding)
+        dx = aten.max_pool2d_with_indices_backward(
+            dy, xp, p.kernel, p.stride, p.padding, (1, 1), False, indices
+        )
+        return dx if p.geo is None else _crop(dx, x, p.geo)
+
+    return max_pool_grad
+
+
+def _pad_counts(x: torch.Tensor, p: _PoolPlan) -> torch.Tensor:
+    """How many non-padded elements each output window of an F.pad-padded input covers."""
+    ones = torch.ones((1, 1, *x.shape[-2:]), dtype=x.dtype, device=x.device)
+    return F.avg_pool2d(F.pad(ones, p.geo.f_pad), p.kernel, p.stride, divisor_override=1)
+
+
+def _average_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    planner = _pool_planner(a, ctx)
+
+    def average_pool(x: torch.Tensor) -> torch.Tensor:
+        p = planner(x)
+        if p.geo is None:
+            return F.avg_pool2d(x, p.kernel, p.stride, p.padding, count_include_pad=False)
+        sums = F.avg_pool2d(F.pad(x, p.geo.f_pad), p.kernel, p.stride, divisor_override=1)
+        return sums / _pad_counts(x, p)
+
+    return average_pool
+
+
+def _average_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    planner = _pool_planner(a, ctx)
+
+    def average_pool_grad(x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        p = planner(x)
+        if p.geo is None:
+            return aten.avg_pool2d_backward(dy, x, p.kernel, p.stride, p.padding, False, False, None)
+        l_, r, t, b = p.geo.f_pad
+        shape = (*x.shape[:-2], x.shape[-2] + t + b, x.shape[-1] + l_ + r)
+        dx = aten.avg_pool2d_backward(
+            dy / _pad_counts(x, p), x.new_empty(shape), p.kernel, p.stride, (0, 0), False, True, 1
+        )
+        return _crop(dx, x, p.geo)
+
+    return average_pool_grad
+
+
+def _pool_gradient(grad_type: str) -> Callable[[OperatorDef, list], tuple[list, list]]:
+    def maker(op: OperatorDef, g: list) -> tuple[list, list]:
+        return [gradient_op(grad_type, [op.inputs[0], op.outputs[0], g[0]], [GI(op, 0)])], [GI(op, 0)]
+
+    return maker
+
+
+_POOL_ARGS = {**_SPATIAL_ARGS, "global_pooling": False}
+
+register_op(
+    "MaxPool",
+    args=_POOL_ARGS,
+    kernel=_max_pool,
+    gradient=_pool_gradient("MaxPoolGradient"),
+    doc="2-D max pooling, NCHW, with Conv's kernel/stride/pad arguments (pads must be smaller than the "
+    "kernel; padded cells never win) or global_pooling over H x W.",
+)
+
+register_op(
+    "MaxPoolGradient",
+    inputs=3,
+    gradient_of="MaxPool",
+    kernel=_max_pool_grad,
+    doc="MaxPoolGradient(X, Y, dY) -> dX via aten.max_pool2d_with_indices_backward, indices recomputed "
+    "from X. Ties: dY goes to ONE arg-max per window (PyTorch's first in scan order), whereas "
+    "Caffe2's CPU kernel gave it to every element equal to the max; they differ only on exact ties.",
+)
+
+register_op(
+    "AveragePool",
+    args=_POOL_ARGS,
+    kernel=_average_pool,
+    gradient=_pool_gradient("AveragePoolGradient"),
+    doc="2-D average pooling, NCHW, with Conv's kernel/stride/pad arguments or global_pooling; each "
+    "window divides by its count of NON-padded elements (Caffe2 CPU, cuDNN EXCLUDE_PADDING).",
+)
+
+register_op(
+    "AveragePoolGradient",
+    inputs=3,
+    gradient_of="AveragePool",
+    kernel=_average_pool_grad,
+    doc="AveragePoolGradient(X, Y, dY) -> dX: each window's dY spread evenly over its non-padded cells.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Activations
+# ----------------------------------------------------------------------------------------------------
+
+
+def _leaky_relu_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    if a.alpha < 0:
+        raise ValueError(
+            f"{op_label(ctx.op)}: alpha={a.alpha} < 0 flips the sign of Y, so the gradient "
+            f"cannot be computed from Y; use alpha >= 0"
+        )
+    return lambda y, dy: aten.leaky_relu_backward(dy, y, a.alpha, True)
+
+
+register_op(
+    "Relu",
+    inplace={(0, 0)},
+    kernel=lambda a, ctx: torch.relu,
+    gradient=_grad_from_output("ReluGradient"),
+    doc="Y = max(0, X); may run in place.",
+)
+
+register_op(
+    "ReluGradient",
+    inputs=2,
+    inplace={(1, 0)},
+    gradient_of="Relu",
+    kernel=lambda a, ctx: lambda y, dy: aten.threshold_backward(dy, y, 0),
+    doc="ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.",
+)
+
+register_op(
+    "LeakyRelu",
+    inplace={(0, 0)},
+    args={"alpha": 0.01},
+    kernel=lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha),
+    gradient=_grad_from_output("LeakyReluGradient"),
+    doc="Y = X where X > 0, else alpha·X (alpha = 0.01); may run in place.",
+)
+
+register_op(
+    "LeakyReluGradient",
+    inputs=2,
+    inplace={(1, 0)},
+    gradient_of="LeakyRelu",
+    kernel=_leaky_relu_grad,
+    doc="LeakyReluGradient(Y, dY) -> dX = dY where Y > 0, else alpha·dY (needs alpha >= 0).",
+)
+
+register_op(
+    "Sigmoid",
+    inplace={(0, 0)},
+    kernel=lambda a, ctx: torch.sigmoid,
+    gradient=_grad_from_output("SigmoidGradient"),
+    doc="Y = 1 / (1 + exp(-X)); may run in place.",
+)
+
+register_op(
+    "SigmoidGradient",
+    inputs=2,
+    inplace={(1, 0)},
+    gradient_of="Sigmoid",
+    kernel=lambda a, ctx: lambda y, dy: aten.sigmoid_backward(dy, y),
+    doc="SigmoidGradient(Y, dY) -> dX = dY·Y·(1 - Y).",
+)
+
+register_op(
+    "Tanh",
+    inplace={(0, 0)},
+    kernel=lambda a, ctx: torch.tanh,
+    gradient=_grad_from_output("TanhGradient"),
+    doc="Y = tanh(X); may run in place.",
+)
+
+register_op(
+    "TanhGradient",
+    inputs=2,
+    inplace={(1, 0)},
+    gradient_of="Tanh",
+    kernel=lambda a, ctx: lambda y, dy: aten.tanh_backward(dy, y),
+    doc="TanhGradient(Y, dY) -> dX = dY·(1 - Y²).",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Softmax
+# ----------------------------------------------------------------------------------------------------
+
+
+def _softmax(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.softmax(flatten_2d(x, a.axis), 1).reshape(x.shape)
+
+
+def _softmax_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def softmax_grad(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        y2 = flatten_2d(y, a.axis)
+        return aten._softmax_backward_data(dy.reshape(y2.shape), y2, 1, y.dtype).reshape(y.shape)
+
+    return softmax_grad
+
+
+register_op(
+    "Softmax",
+    args={"axis": 1},
+    kernel=_softmax,
+    gradient=_grad_from_output("SoftmaxGradient"),
+    doc="Row softmax of X viewed as [prod(shape[:axis]), prod(shape[axis:])]; Y has X's shape.",
+)
+
+register_op(
+    "SoftmaxGradient",
+    inputs=2,
+    inplace={(1, 0)},
+    gradient_of="Softmax",
+    kernel=_softmax_grad,
+    doc="SoftmaxGradient(Y, dY) -> dX = Y ⊙ (dY - Σ_row(dY ⊙ Y)) over the same 2-D view.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dropout
+# ----------------------------------------------------------------------------------------------------
+
+
+def _dropout_scale(a: SimpleNamespace, ctx: KernelContext) -> float:
+    if not 0.0 <= a.ratio <= 1.0:
+        raise ValueError(f"{op_label(ctx.op)}: ratio must be in [0, 1], got {a.ratio}")
+    return 0.0 if a.ratio == 1.0 else 1.0 / (1.0 - a.ratio)
+
+
+def _dropout(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], Any]:
+    scale = _dropout_scale(a, ctx)
+    if a.is_test:
+        if len(ctx.op.outputs) == 2:
+            return lambda x: (x, torch.ones_like(x, dtype=torch.bool))
+        return lambda x: x
+    if len(ctx.op.outputs) != 2:
+        raise ValueError(f"{op_label(ctx.op)}: training mode (is_test=0) needs two outputs, Y and mask")
+
+    def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.rand(x.shape, generator=ctx.generator(ctx.device), device=x.device) >= a.ratio
+        return (x * mask).mul_(scale), mask
+
+    return dropout
+
+
+def _dropout_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    scale = _dropout_scale(a, ctx)
+    if a.is_test:
+        return lambda dy, *mask: dy
+    if len(ctx.op.inputs) != 2:
+        raise ValueError(f"{op_label(ctx.op)}: training mode (is_test=0) needs inputs dY and mask")
+    return lambda dy, mask: (dy * mask).mul_(scale)
+
+
+def _dropout_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
+    inputs = [g[0]] if op.args.get("is_test", False) else [g[0], op.outputs[1]]
+    return [gradient_op("DropoutGrad", inputs, [GI(op, 0)])], [GI(op, 0)]
+
+
+register_op(
+    "Dropout",
+    outputs=(1, 2),
+    inplace={(0, 0)},
+    args={"ratio": 0.5, "is_test": False},
+    kernel=_dropout,
+    gradient=_dropout_gradient,
+    doc="Training: mask ~ Bernoulli(1 - ratio) (bool, from the workspace's generator for the op's "
+    "device), Y = X·mask / (1 - ratio); outputs Y and mask. is_test=1: Y = X (a mask output, if "
+    "any, is all true). May run in place.",
+)
+
+register_op(
+    "DropoutGrad",
+    inputs=(1, 2),
+    inplace={(0, 0)},
+    gradient_of="Dropout",
+    kernel=_dropout_grad,
+    doc="DropoutGrad(dY, mask) -> dX = dY·mask / (1 - ratio); with is_test=1, DropoutGrad(dY) -> dY.",
+)

@@ -1,0 +1,241 @@
+"""Spatial batch normalisation and the per-channel statistics ops of inter-device batch norm.
+
+Channels are axis 1 (NCHW); statistics reduce over every other axis, so [N, C], [N, C, L] and
+[N, C, H, W] inputs all work. `momentum` is Caffe2's: the weight of the OLD running value. The running
+variance is updated with the unbiased batch variance (as PyTorch; Caffe2 of 2018 used the biased one),
+normalisation uses the biased one.
+
+Inter-device batch norm (SPEC §7.7, `num_batches` = N devices): every device's SpatialBN receives the
+per-channel Σx and Σx² summed over all devices (ChannelStats + Sum) and normalises with the statistics
+of the global batch, count = N·H·W·num_batches. Backward, every SpatialBNGradient receives the global
+dscale and dbias (ChannelBackpropStats + Sum) and outputs them divided by num_batches, because the
+gradient all-reduce that follows sums the per-device copies back up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from graphpar.core.ir import OperatorDef
+from graphpar.errors import GradientError
+from graphpar.ops.nn import op_label, require_nchw
+from graphpar.ops.registry import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
+
+aten = torch.ops.aten
+
+
+def _reduce_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """Every axis but the channel axis."""
+    return (0, *range(2, x.dim()))
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A [C] vector shaped to broadcast against X."""
+    return v.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _count(x: torch.Tensor) -> int:
+    """Values per channel in X."""
+    return x.numel() // x.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# SpatialBN
+# ----------------------------------------------------------------------------------------------------
+
+
+def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    """Training with this batch's own statistics (PyTorch's fused kernel on cloned running stats)."""
+
+    def bn(
+        x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor
+    ) -> tuple:
+        if _count(x) < 2:
+            raise ValueError(
+                f"{op_label(ctx.op)}: training needs more than one value per channel, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        rm, rv = rm.clone(), rv.clone()  # native_batch_norm updates the running stats in place
+        y, mean, inv_std = torch.native_batch_norm(x, scale, bias, rm, rv, True, 1.0 - a.momentum, a.epsilon)
+        return y, rm, rv, mean, inv_std
+
+    return bn
+
+
+def _bn_global(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    """Training with the statistics of the global batch, from per-channel sums over all devices."""
+    m = a.momentum
+
+    def bn(
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor,
+        rm: torch.Tensor,
+        rv: torch.Tensor,
+        sums: torch.Tensor,
+        sumsq: torch.Tensor,
+    ) -> tuple:
+        count = _count(x) * a.num_batches
+        if count < 2:
+            raise ValueError(f"{op_label(ctx.op)}: training needs more than one value per channel")
+        mean = sums / count
+        var = (sumsq / count - mean * mean).clamp_min(0.0)  # biased; clamp rounding below zero
+        inv_std = torch.rsqrt(var + a.epsilon)
+        gain = scale * inv_std
+        y = torch.addcmul(_per_channel(bias - mean * gain, x), x, _per_channel(gain, x))
+        return (y, rm * m + mean * (1.0 - m), rv * m + var * (count / (count - 1) * (1.0 - m)), mean, inv_std)
+
+    return bn
+
+
+def _spatial_bn(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
+    require_nchw(a, ctx)
+    n_in, n_out, where = len(ctx.op.inputs), len(ctx.op.outputs), op_label(ctx.op)
+    if a.is_test:
+        if n_out != 1:
+            raise ValueError(f"{where}: is_test=1 has one output (Y), got {n_out}")
+        return lambda x, scale, bias, rm, rv, *_: F.batch_norm(x, rm, rv, scale, bias, False, 0.0, a.epsilon)
+    if n_out != 5:
+        raise ValueError(
+            f"{where}: training has five outputs (Y, running_mean, running_var, "
+            f"saved_mean, saved_inv_std), got {n_out}; or set is_test=1"
+        )
+    if n_in == 6 or a.num_batches < 1:
+        raise ValueError(f"{where}: needs 5 inputs, or 7 (plus sums, sumsq) with num_batches >= 1")
+    if n_in == 7:
+        return _bn_global(a, ctx)
+    if a.num_batches != 1:
+        raise ValueError(
+            f"{where}: num_batches={a.num_batches} needs the summed sums and sumsq "
+            f"inputs (ChannelStats over every device)"
+        )
+    return _bn_local(a, ctx)
+
+
+def _spatial_bn_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
+    if len(op.inputs) == 7:
+        raise GradientError(
+            f"{op_label(op)}: add gradient operators before the inter-device batch-norm "
+            f"rewrite; that pass wires SpatialBNGradient's global statistics itself"
+        )
+    is_test = bool(op.args.get("is_test", False))
+    stats = op.inputs[3:5] if is_test else op.outputs[3:5]  # running stats, or saved mean / inv std
+    grad = gradient_op(
+        "SpatialBNGradient", [op.inputs[0], op.inputs[1], g[0], *stats], [GI(op, 0), GI(op, 1), GI(op, 2)]
+    )
+    return [grad], [GI(op, 0), GI(op, 1), GI(op, 2), None, None]
+
+
+register_op(
+    "SpatialBN",
+    inputs=(5, 7),
+    outputs=(1, 5),
+    enforce_inplace={(3, 1), (4, 2)},
+    args={"is_test": False, "epsilon": 1e-5, "momentum": 0.9, "num_batches": 1, "order": "NCHW"},
+    kernel=_spatial_bn,
+    gradient=_spatial_bn_gradient,
+    doc="Batch norm over NCHW channels. Training: X, scale, bias, running_mean, running_var[, sums, "
+    "sumsq] -> Y, running_mean, running_var (in place), saved_mean, saved_inv_std; batch mean and "
+    "biased variance normalise, running stats move by momentum (weight of the old value), the "
+    "variance with the unbiased estimate. With sums/sumsq (Σx, Σx² over all devices) the statistics "
+    "are the global batch's over N·H·W·num_batches values. is_test=1: Y from the running stats. "
+    "May not run in place X -> Y (its gradient reads X).",
+)
+
+
+def _bn_grad_global(a: SimpleNamespace) -> Callable[..., tuple]:
+    nb = a.num_batches
+
+    def bn_grad(
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        dy: torch.Tensor,
+        mean: torch.Tensor,
+        inv_std: torch.Tensor,
+        dscale: torch.Tensor,
+        dbias: torch.Tensor,
+    ) -> tuple:
+        # dX = scale·inv_std/count · (count·dY - dbias - (x - μ)·inv_std·dscale), written per channel
+        # as dX = scale·inv_std·dY + cx·x + c0, with dscale and dbias the GLOBAL sums.
+        count = _count(x) * nb
+        k = scale * inv_std / count
+        cx = -k * inv_std * dscale
+        c0 = -cx * mean - k * dbias
+        dx = torch.addcmul(_per_channel(c0, x), x, _per_channel(cx, x))
+        return dx.addcmul_(dy, _per_channel(scale * inv_std, x)), dscale / nb, dbias / nb
+
+    return bn_grad
+
+
+def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    require_nchw(a, ctx)
+    n_in, where = len(ctx.op.inputs), op_label(ctx.op)
+    mask = (True, True, True)
+    if n_in == 6 or (n_in == 7 and a.is_test):
+        raise ValueError(f"{where}: takes 5 inputs, or 7 (plus global dscale, dbias) in training")
+    if n_in == 7:
+        return _bn_grad_global(a)
+    if a.num_batches != 1:
+        raise ValueError(f"{where}: num_batches={a.num_batches} needs the global dscale and dbias inputs")
+    if a.is_test:  # inputs 3, 4 are the running mean and variance
+        return lambda x, scale, dy, rm, rv: aten.native_batch_norm_backward(
+            dy, x, scale, rm, rv, None, None, False, a.epsilon, mask
+        )
+    return lambda x, scale, dy, mean, inv_std: aten.native_batch_norm_backward(
+        dy, x, scale, None, None, mean, inv_std, True, a.epsilon, mask
+    )
+
+
+register_op(
+    "SpatialBNGradient",
+    inputs=(5, 7),
+    outputs=3,
+    inplace={(5, 1), (6, 2)},
+    gradient_of="SpatialBN",
+    kernel=_spatial_bn_grad,
+    doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias]) -> dX, dscale, "
+    "dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
+    "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "
+    "and count N·H·W·num_batches, and dscale/dbias come out divided by num_batches (the gradient "
+    "all-reduce adds them back up). With is_test=1 inputs 3, 4 are the running mean and variance.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-channel statistics for inter-device batch norm
+# ----------------------------------------------------------------------------------------------------
+
+
+def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dims = _reduce_dims(x)
+    return x.sum(dims), x.square().sum(dims)
+
+
+def _channel_backprop_stats(
+    x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dims = _reduce_dims(x)
+    return ((x - _per_channel(mean, x)) * dy).sum(dims) * inv_std, dy.sum(dims)
+
+
+register_op(
+    "ChannelStats",
+    outputs=2,
+    gradient=NOT_DIFFERENTIABLE,
+    kernel=lambda a, ctx: _channel_stats,
+    doc="ChannelStats(X) -> sum[C] = Σx, sumsq[C] = Σx² over every axis but channels (axis 1).",
+)
+
+register_op(
+    "ChannelBackpropStats",
+    inputs=4,
+    outputs=2,
+    gradient=NOT_DIFFERENTIABLE,
+    kernel=lambda a, ctx: _channel_backprop_stats,
+    doc="ChannelBackpropStats(X, saved_mean, saved_inv_std, dY) -> dscale[C] = Σ(x - μ)·inv_std·dY, "
+    "dbias[C] = ΣdY: this device's share of SpatialBN's scale and bias gradients.",
+)

@@ -1,0 +1,247 @@
+"""Optimizer operators: iteration counters, learning-rate schedules and parameter updates.
+
+Counters are int64 CPU tensors of shape [1], even inside CUDA ops (their `device_inference` says so).
+Update ops are functional like every kernel: they return new tensors, and the in-place blob names
+(enforced where Caffe2 enforces them) make the workspace rebind the state. None is differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from graphpar.core.ir import DeviceOption
+from graphpar.ops.registry import NOT_DIFFERENTIABLE, Arg, KernelContext, register_op
+
+_HOST = DeviceOption()
+
+
+def _where(ctx: KernelContext) -> str:
+    return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
+
+
+register_op("Iter", enforce_inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda it: it + 1,
+            gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [_HOST]),
+            doc="it += 1 on an int64 CPU counter of shape [1] (in place enforced).")
+register_op("AtomicIter", inputs=2, enforce_inplace={(1, 0)}, kernel=lambda _a, _ctx: lambda _mutex, it: it + 1,
+            gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST, _HOST], [_HOST]),
+            doc="[mutex, it] -> it, it += 1. The mutex is a dependency token: executors order every "
+                "write of one blob, so the increment is atomic without a lock.")
+register_op("CreateMutex", inputs=0, kernel=lambda _a, _ctx: lambda: torch.zeros((), dtype=torch.uint8),
+            gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([], [_HOST]),
+            doc="A dummy CPU tensor standing for Caffe2's mutex (see AtomicIter).")
+
+
+# --------------------------------------------------------------------------------------- learning rate
+
+Schedule = Callable[[int], float]
+Getter = Callable[[str], Any]
+
+_POLICY_ARGS: dict[str, Any] = {
+    "stepsize": 0, "gamma": 0.0, "stepsizes": Arg("ints", ()), "power": 0.0, "max_iter": 0,
+    "num_iter": 0, "start_multiplier": 0.0, "multiplier": 0.5, "end_multiplier": 0.0,
+    "active_first": True, "active_period": 0, "inactive_period": 0,
+}
+MAX_SUB_POLICIES = 8  # composite: sub_policy_<k>_* arguments are declared for k < MAX_SUB_POLICIES
+
+
+def _positive(get: Getter, name: str, where: str) -> Any:
+    value = get(name)
+    if not value > 0:
+        raise ValueError(f"{where}: argument {name!r} must be > 0, got {value!r}")
+    return value
+
+
+def _linear_warmup(start: float, num_iter: int) -> Schedule:
+    return lambda it: start + (1.0 - start) * it / num_iter if it < num_iter else 1.0
+
+
+def _inv(gamma: float, power: float) -> Schedule:
+    return lambda it: (1.0 + gamma * it) ** -power
+
+
+def _step(get: Getter, w: str) -> Schedule:
+    stepsize, gamma = _positive(get, "stepsize", w), _positive(get, "gamma", w)
+    return lambda it: gamma ** (it // stepsize)
+
+
+def _multistep(get: Getter, w: str) -> Schedule:
+    steps, gamma = get("stepsizes"), _positive(get, "gamma", w)
+    if not steps:
+        raise ValueError(f"{w}: policy 'multistep' needs `stepsizes`")
+    return lambda it: gamma ** sum(1 for s in steps if it >= s)
+
+
+def _poly(get: Getter, w: str) -> Schedule:
+    max_iter, power = _positive(get, "max_iter", w), get("power")
+    return lambda it: (1.0 - min(it, max_iter) / max_iter) ** power
+
+
+def _hill(get: Getter, w: str) -> Schedule:
+    num_iter, end = get("num_iter"), get("end_multiplier")
+    warmup = _linear_warmup(get("start_multiplier"), num_iter)
+    inv = _inv(_positive(get, "gamma", w), _positive(get, "power", w))
+    return lambda it: warmup(it) if it < num_iter else max(end, inv(it - num_iter))
+
+
+def _alter(get: Getter, w: str) -> Schedule:
+    first, active, inactive = get("active_first"), get("active_period"), get("inactive_period")
+    if active < 0 or inactive < 0 or active + inactive == 0:
+        raise ValueError(f"{w}: policy 'alter' needs active_period, inactive_period >= 0, not both 0")
+    lead = active if first else inactive
+    return lambda it: float(first) if it % (active + inactive) < lead else float(not first)
+
+
+_POLICIES: dict[str, Callable[[Getter, str], Schedule]] = {
+    "fixed": lambda get, w: lambda it: 1.0,
+    "step": _step,
+    "multistep": _multistep,
+    "exp": lambda get, w: (lambda gamma: lambda it: gamma ** it)(_positive(get, "gamma", w)),
+    "inv": lambda get, w: _inv(_positive(get, "gamma", w), _positive(get, "power", w)),
+    "poly": _poly,
+    "linearWarmup": lambda get, w: _linear_warmup(get("start_multiplier"), get("num_iter")),
+    "constantWarmup": lambda get, w: (lambda m, n: lambda it: m if it < n else 1.0)(get("multiplier"),
+                                                                                    get("num_iter")),
+    "hill": _hill,
+    "alter": _alter,
+}
+
+
+def _composite(a: SimpleNamespace, w: str) -> Schedule:
+    """Caffe2's composite policy: sub-policy k runs for sub_policy_num_iters[k] iterations, from iter 1.
+
+    Each sub-policy reads `sub_policy_<k>_<arg>` (its `policy`, `lr_scale` = 1.0, and the policy's
+    usual args), sees the global iteration (as in Caffe2), and its factor is multiplied by lr_scale;
+    the last one continues past its count, and iteration 0 uses the first.
+    """
+    counts = a.sub_policy_num_iters
+    if not counts or len(counts) > MAX_SUB_POLICIES or min(counts) <= 0:
+        raise ValueError(f"{w}: composite needs 1..{MAX_SUB_POLICIES} positive sub_policy_num_iters, "
+                         f"got {list(counts)}")
+    starts, parts = [], []
+    for k in range(len(counts)):
+        def get(name: str, k: int = k) -> Any:
+            return getattr(a, f"sub_policy_{k}_{name}")
+
+        if get("policy") in ("", "composite"):
+            raise ValueError(f"{w}: sub_policy_{k}_policy must name a non-composite policy")
+        starts.append(1 + sum(counts[:k]))
+        parts.append((_make_schedule(get("policy"), get, w), get("lr_scale")))
+
+    def schedule(it: int) -> float:
+        k = max(0, sum(1 for s in starts if it >= s) - 1)
+        return parts[k][0](it) * parts[k][1]
+
+    return schedule
+
+
+def _make_schedule(policy: str, get: Getter, where: str) -> Schedule:
+    if policy not in _POLICIES:
+        raise ValueError(f"{where}: unknown learning-rate policy {policy!r}; known: "
+                         f"{', '.join([*_POLICIES, 'composite'])}")
+    return _POLICIES[policy](get, where)
+
+
+def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    where = _where(ctx)
+    if a.policy == "composite":
+        schedule = _composite(a, where)
+    else:
+        schedule = _make_schedule(a.policy, lambda name: getattr(a, name), where)
+    base_lr, device = a.base_lr, ctx.device
+    return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
+
+
+_SUB_POLICY_ARGS = {f"sub_policy_{k}_{name}": arg for k in range(MAX_SUB_POLICIES)
+                    for name, arg in {**_POLICY_ARGS, "policy": "", "lr_scale": 1.0}.items()}
+
+register_op(
+    "LearningRate", args={"base_lr": Arg("float"), "policy": "fixed", **_POLICY_ARGS,
+                          "sub_policy_num_iters": Arg("ints", ()), **_SUB_POLICY_ARGS},
+    kernel=_learning_rate, gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [d]),
+    doc="lr = base_lr * factor(iter), from the CPU int64 counter, computed in float64 on the host and "
+        "written as a float32 [1] tensor on the op's device. Policies (Caffe2's args): fixed 1; step "
+        "gamma^(iter // stepsize); multistep gamma^(#stepsizes <= iter); exp gamma^iter; inv "
+        "(1 + gamma iter)^-power; poly (1 - min(iter, max_iter)/max_iter)^power (clamped at max_iter, "
+        "where Caffe2 went negative); linearWarmup start_multiplier + (1 - start_multiplier) "
+        "iter/num_iter until num_iter, then 1; constantWarmup multiplier until num_iter, then 1; hill "
+        "linear warmup then max(end_multiplier, inv(iter - num_iter)); alter 1/0 in active/inactive "
+        "periods; composite (sub_policy_num_iters, sub_policy_<k>_<arg>, see `_composite`).")
+
+
+# ----------------------------------------------------------------------------------------------- updates
+
+
+def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple]:
+    mu = a.momentum
+    if a.nesterov:
+        def nesterov(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
+            m_new = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu)
+            step = torch.add(m_new * (1.0 + mu), m, alpha=-mu)
+            return step, m_new, p - step
+
+        return nesterov
+
+    def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
+        step = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu)
+        return step, step, p - step
+
+    return plain
+
+
+register_op(
+    "MomentumSGDUpdate", inputs=4, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
+    args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
+    doc="[grad, mom, lr, param] -> [grad, mom, param] in place; lr is positive (the op subtracts). "
+        "Plain: a = lr g + momentum m; mom = a; param -= a; grad = a. Nesterov: m' = momentum m + lr g; "
+        "a = (1 + momentum) m' - momentum m; param -= a; grad = a. Equals torch.optim.SGD "
+        "(dampening 0) with mom = lr * its buffer. Without nesterov, grad and mom share one tensor.")
+
+
+def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    beta1, beta2, eps, where = a.beta1, a.beta2, a.epsilon, _where(ctx)
+
+    def run(p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor, lr: torch.Tensor,
+            it: torch.Tensor) -> tuple:
+        t = int(it.item())
+        if t < 1:
+            raise ValueError(f"{where}: the iteration counter is {t}; Adam needs t >= 1 (increment it "
+                             f"with Iter/AtomicIter before the update)")
+        m1 = torch.lerp(m1, g, 1.0 - beta1)
+        m2 = torch.addcmul(m2 * beta2, g, g, value=1.0 - beta2)
+        denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(eps)
+        step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
+        return torch.addcdiv(p, step, denom), m1, m2
+
+    return run
+
+
+register_op(
+    "Adam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
+    args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
+    device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
+    doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
+        "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter. "
+        "This matches torch.optim.Adam: t = iter because the counter is incremented before the update "
+        "(step 1 sees iter 1), and epsilon is added after the bias correction. Caffe2 used t = iter + 1 "
+        "and added epsilon to sqrt(m2) before correcting.")
+
+
+def _clip_by_scaling(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def run(x: torch.Tensor, norm: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        threshold = a.threshold * extra[0].to(norm.dtype) if extra else torch.full_like(norm, a.threshold)
+        scale = torch.where(norm > threshold, threshold / norm, torch.ones_like(norm))
+        return x * scale.reshape(()).to(x.dtype)
+
+    return run
+
+
+register_op(
+    "ClipTensorByScaling", inputs=(2, 3), inplace={(0, 0)}, args={"threshold": Arg("float")},
+    kernel=_clip_by_scaling, gradient=NOT_DIFFERENTIABLE,
+    doc="[X, norm (, additional_threshold)] -> X * threshold / norm when norm > threshold, else X; the "
+        "threshold is the `threshold` arg times the optional 1-element third input. No host sync.")

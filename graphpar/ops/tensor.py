@@ -1,0 +1,477 @@
+"""Tensor operators: copies, element-wise arithmetic, shape manipulation and reductions.
+
+Each op is one registration (schema, kernel, gradient maker, doc); gradient ops that are not forward
+ops of their own (`AddGradient`, `SumElementsGradient`, ...) follow their forward op and name it in
+`gradient_of`, so autodiff's copy of the forward args parses. Gradients use explicit formulas.
+Kernels are functional: they may return an input (or a view of it) unchanged, never modify one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from graphpar.core.ir import DeviceOption, OperatorDef
+from graphpar.devices import device_option_for_blob
+from graphpar.errors import GradientError
+from graphpar.ops.fill import to_torch_dtype
+from graphpar.ops.registry import GI, NO_GRADIENT, Arg, KernelContext, gradient_op, register_op
+
+_HOST = DeviceOption()
+
+Maker = Callable[[OperatorDef, list], tuple[list[OperatorDef], list]]
+
+
+def _pack(outs: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A kernel's result: the tensor itself for one output, else a tuple."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _where(ctx: KernelContext) -> str:
+    return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
+
+
+def _blob_device(blob: str, default: DeviceOption) -> DeviceOption:
+    """Where a blob lives: its replica scope's device ('gpu_1/x' -> CUDA 1), else `default`."""
+    return device_option_for_blob(blob) or default
+
+
+def _one_grad(grad_type: str, reads: str = "") -> Maker:
+    """Maker for a one-input op: `grad_type([X or Y,] dY) -> dX` (reads "X", "Y" or nothing)."""
+
+    def maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+        src = {"X": [op.inputs[0]], "Y": [op.outputs[0]], "": []}[reads]
+        return [gradient_op(grad_type, [*src, g[0]], [GI(op, 0)])], [GI(op, 0), *[None] * (len(op.inputs) - 1)]
+
+    return maker
+
+
+def _pass_through(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    """Every input's gradient is the output's gradient, with no op (Caffe2's SetDense(i, GO(0)))."""
+    return [], [g[0]] * len(op.inputs)
+
+
+# ---------------------------------------------------------------------------------------------- copies
+
+
+def _copy_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    device = ctx.device
+    return lambda x: x.to(device)
+
+
+register_op(
+    "Copy", kernel=_copy_kernel, gradient=_one_grad("CopyOnDeviceLike", "X"),
+    device_inference=lambda op, d: ([_blob_device(op.inputs[0], d)], [d]),
+    doc="Y = X on the op's device; X may live on another device (its replica scope tells which). "
+        "Returns X itself when it is already there (kernels never write their inputs).")
+register_op(
+    "CopyOnDeviceLike", inputs=2, kernel=lambda _a, _ctx: lambda x, like: x.to(like.device),
+    gradient=NO_GRADIENT,
+    device_inference=lambda op, d: ([d, _blob_device(op.inputs[1], d)], [_blob_device(op.inputs[1], d)]),
+    doc="Y = X copied onto the device of the second input (the gradient of Copy).")
+register_op(
+    "CopyCPUToGPU", kernel=_copy_kernel, gradient=_one_grad("CopyGPUToCPU"),
+    device_inference=lambda op, d: ([_HOST], [d]),
+    doc="Y = X (a CPU blob) copied onto the op's (CUDA) device.")
+register_op(
+    "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host))(ctx.device_of(_HOST)),
+    gradient=_one_grad("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]),
+    doc="Y = X (on the op's CUDA device) copied to the CPU.")
+register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through,
+            doc="Y is X (the same tensor); the gradient passes straight through.")
+register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: x, gradient=NO_GRADIENT,
+            doc="Y = X; no gradient flows to X through this op (in place blocks all of X's gradient).")
+
+
+# -------------------------------------------------------------------------------------- element-wise
+
+
+def _sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    device, where = ctx.device, _where(ctx)
+
+    def run(*xs: torch.Tensor) -> torch.Tensor:
+        out = xs[0].to(device)
+        for i, x in enumerate(xs[1:], 1):
+            if x.shape != xs[0].shape:
+                raise ValueError(f"{where}: input {i} has shape {tuple(x.shape)}, input 0 has "
+                                 f"{tuple(xs[0].shape)}; Sum needs equal shapes")
+            out = out + x.to(device) if i == 1 else out.add_(x.to(device))
+        return out
+
+    return run
+
+
+register_op(
+    "Sum", inputs=(1, None), inplace={(0, 0)}, kernel=_sum_kernel, gradient=_pass_through,
+    device_inference=lambda op, d: ([_blob_device(b, d) for b in op.inputs], [d]),
+    doc="Y = X0 + X1 + ... (equal shapes), added in input order on the op's device; inputs may live on "
+        "other devices. In place into X0 allowed. Gradient: each input gets dY, with no op.")
+
+_BROADCAST_ARGS = {"broadcast": False, "axis": -1}
+
+
+def _legacy_shape(b_shape: Sequence[int], ndim: int, axis: int, where: str) -> tuple[int, ...]:
+    """Caffe2's `broadcast=1`: B's dims match A's starting at `axis` (-1: B is a suffix of A)."""
+    start = ndim - len(b_shape) if axis == -1 else axis
+    if start < 0 or start + len(b_shape) > ndim:
+        raise ValueError(f"{where}: B of shape {tuple(b_shape)} cannot broadcast at axis {axis} "
+                         f"into a {ndim}-d A")
+    return (*b_shape, *[1] * (ndim - start - len(b_shape)))
+
+
+def _binary_kernel(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+        if not a.broadcast:
+            return fn
+        where = _where(ctx)
+        return lambda x, y: fn(x, y.reshape(_legacy_shape(y.shape, x.ndim, a.axis, where)))
+
+    return factory
+
+
+def _reducer(a: SimpleNamespace, ctx: KernelContext) -> Callable:
+    """`reduce(g, like, is_b)`: g summed over the dims along which `like` was broadcast."""
+    where = _where(ctx)
+
+    def reduce(g: torch.Tensor, like: torch.Tensor, is_b: bool = False) -> torch.Tensor:
+        if is_b and a.broadcast:
+            return g.sum_to_size(_legacy_shape(like.shape, g.ndim, a.axis, where)).reshape(like.shape)
+        return g if g.shape == like.shape else g.sum_to_size(like.shape)
+
+    return reduce
+
+
+def _aligned(a: SimpleNamespace, y: torch.Tensor, ndim: int, where: str) -> torch.Tensor:
+    return y.reshape(_legacy_shape(y.shape, ndim, a.axis, where)) if a.broadcast else y
+
+
+def _binary_grad_kernel(grads: Callable) -> Callable:
+    """Factory for `<Op>Gradient`; `grads(dc, x, yb, *extra)` gives the unreduced (dA, dB)."""
+
+    def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable:
+        reduce, where = _reducer(a, ctx), _where(ctx)
+
+        def run(dc: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *extra: torch.Tensor) -> tuple:
+            da, db = grads(dc, x, _aligned(a, y, dc.ndim, where), *extra)
+            return reduce(da, x), reduce(db, y, True)
+
+        return run
+
+    return factory
+
+
+def _binary_maker(grad_type: str, with_output: bool = False) -> Maker:
+    def maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+        inputs = [g[0], *op.inputs, *op.outputs[:with_output]]
+        return [gradient_op(grad_type, inputs, [GI(op, 0), GI(op, 1)])], [GI(op, 0), GI(op, 1)]
+
+    return maker
+
+
+_BINARY = (
+    ("Add", torch.add, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, dc), "A + B"),
+    ("Sub", torch.sub, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, -dc), "A - B"),
+    ("Mul", torch.mul, {(0, 0), (1, 0)}, lambda dc, x, y: (dc * y, dc * x), "A * B"),
+    ("Div", torch.div, {(0, 0)}, lambda dc, x, y, c: (dc / y, -dc * c / y), "A / B (true division)"),
+)
+for _name, _fn, _inplace, _grads, _formula in _BINARY:
+    _div = _name == "Div"
+    register_op(
+        _name, inputs=2, inplace=_inplace, args=_BROADCAST_ARGS, kernel=_binary_kernel(_fn),
+        gradient=_binary_maker(f"{_name}Gradient", with_output=_div),
+        doc=f"C = {_formula}, NumPy broadcasting; with Caffe2's `broadcast=1`, B's dims align with A's "
+            f"from `axis` (-1: trailing). Gradient `{_name}Gradient(dC, A, B{', C' if _div else ''})` "
+            f"sums over broadcast dims." + (" Its gradient reads A: do not run it in place when "
+                                             "differentiating." if _name == "Mul" else ""))
+    register_op(f"{_name}Gradient", inputs=4 if _div else 3, outputs=2, gradient_of=_name,
+                kernel=_binary_grad_kernel(_grads),
+                doc=f"(dA, dB) of {_name}, each summed to its input's shape.")
+
+
+_UNARY = (
+    # name, forward, in place ok, gradient op, what it reads, gradient formula (saved, dY) -> dX
+    ("Sqr", lambda x: x * x, False, "SqrGradient", "X", lambda x, dy: 2 * x * dy),
+    ("Sqrt", torch.sqrt, True, "SqrtGradient", "Y", lambda y, dy: 0.5 * dy / y),
+    ("Exp", torch.exp, True, "ExpGradient", "Y", lambda y, dy: dy * y),
+    ("Log", torch.log, False, "LogGradient", "X", lambda x, dy: dy / x),
+    ("Abs", torch.abs, False, "AbsGradient", "X", lambda x, dy: torch.sign(x) * dy),
+)
+for _name, _fn, _in_place, _grad, _reads, _formula in _UNARY:
+    register_op(_name, inplace={(0, 0)} if _in_place else (), kernel=(lambda f: lambda _a, _ctx: f)(_fn),
+                gradient=_one_grad(_grad, _reads),
+                doc=f"Y = {_name}(X) element-wise; gradient `{_grad}({_reads}, dY)`.")
+    register_op(_grad, inputs=2, gradient_of=_name, kernel=(lambda f: lambda _a, _ctx: f)(_formula),
+                doc=f"dX of {_name} from {_reads} and dY.")
+
+register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
+            gradient=_one_grad("Negative"), doc="Y = -X; gradient Negative(dY).")
+register_op("Scale", inplace={(0, 0)}, args={"scale": 1.0},
+            kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=_one_grad("Scale"),
+            doc="Y = scale * X; gradient Scale(dY) with the same scale.")
+register_op("Clip", inplace={(0, 0)}, args={"min": -math.inf, "max": math.inf},
+            kernel=lambda a, _ctx: lambda x: torch.clamp(x, a.min, a.max),
+            gradient=_one_grad("ClipGradient", "Y"),
+            doc="Y = X clamped to [min, max]; gradient ClipGradient(Y, dY) passes dY where min < Y < max.")
+register_op("ClipGradient", inputs=2, gradient_of="Clip",
+            kernel=lambda a, _ctx: lambda y, dy: torch.where((y > a.min) & (y < a.max), dy, 0),
+            doc="dX of Clip: dY where min < Y < max, else 0 (Caffe2's rule).")
+
+
+# ----------------------------------------------------------------------------------------------- shape
+
+
+def _resize_like_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    return [gradient_op("ResizeLike", [g[0], op.inputs[0]], [GI(op, 0)])], [GI(op, 0), None][: len(op.inputs)]
+
+
+register_op("ResizeLike", inputs=2, kernel=lambda _a, _ctx: lambda x, like: x.reshape(like.shape),
+            gradient=_resize_like_maker, doc="Y = X reshaped to the shape of the second input (same numel).")
+
+
+def _flatten_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: x.reshape(math.prod(x.shape[: a.axis]), math.prod(x.shape[a.axis:]))
+
+
+register_op("Flatten", args={"axis": 1}, kernel=_flatten_kernel, gradient=_resize_like_maker,
+            copy_args_to_gradient=False,
+            doc="Y = X as a 2-D [prod(dims[:axis]), prod(dims[axis:])]; gradient ResizeLike(dY, X).")
+register_op("FlattenToVec", kernel=lambda _a, _ctx: lambda x: x.reshape(-1), gradient=_resize_like_maker,
+            doc="Y = X as a 1-D vector; gradient ResizeLike(dY, X).")
+
+
+def _reshape_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    has_input = len(ctx.op.inputs) == 2
+    if (a.shape is not None) == has_input:
+        raise ValueError(f"{_where(ctx)}: give the new shape either as the `shape` argument or as a "
+                         f"second input, exactly one of them")
+
+    def run(x: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = new[0].tolist() if new else a.shape
+        shape = [x.shape[i] if s == 0 else s for i, s in enumerate(spec)]
+        return x.reshape(shape), torch.tensor(list(x.shape), dtype=torch.int64)
+
+    return run
+
+
+def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    dx = GI(op, 0)
+    return ([gradient_op("Reshape", [g[0], op.outputs[1]], [dx, f"_{dx}_dims"])],
+            [dx, None][: len(op.inputs)])
+
+
+register_op(
+    "Reshape", inputs=(1, 2), outputs=2, inplace={(0, 0)}, args={"shape": Arg("ints", None)},
+    kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False,
+    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
+    doc="Y = X reshaped to `shape` (or the CPU int64 second input); a 0 keeps X's dim at that index, "
+        "one -1 is inferred. Output 1 is X's old shape (CPU int64). Gradient Reshape(dY, old_shape).")
+
+
+def _axis(a: SimpleNamespace, ctx: KernelContext) -> int:
+    """Caffe2's Concat/Split axis: `axis`, or the channel axis of `order` (not both)."""
+    if not a.order:
+        return a.axis
+    if "axis" in ctx.op.args:
+        raise ValueError(f"{_where(ctx)}: pass `axis` or `order`, not both")
+    if a.order not in ("NCHW", "NHWC"):
+        raise ValueError(f"{_where(ctx)}: order must be 'NCHW' or 'NHWC', got {a.order!r}")
+    return 1 if a.order == "NCHW" else 3
+
+
+_AXIS_ARGS = {"axis": 1, "add_axis": False, "order": ""}
+
+
+def _concat_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    axis = _axis(a, ctx)
+
+    def run(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.stack(xs, axis) if a.add_axis else torch.cat(xs, axis)
+        sizes = [1] * len(xs) if a.add_axis else [x.shape[axis] for x in xs]
+        return out, torch.tensor(sizes, dtype=torch.int32)
+
+    return run
+
+
+register_op(
+    "Concat", inputs=(1, None), outputs=2, args=_AXIS_ARGS, kernel=_concat_kernel,
+    gradient=lambda op, g: ([gradient_op("Split", [g[0], op.outputs[1]], [GI(op, i) for i in
+                                                                           range(len(op.inputs))])],
+                            [GI(op, i) for i in range(len(op.inputs))]),
+    device_inference=lambda op, d: ([d] * len(op.inputs), [d, _HOST]),
+    doc="Y = the inputs concatenated along `axis` (stacked along a new one with add_axis); output 1 is "
+        "split_info, the CPU int32 sizes along the axis. Gradient Split(dY, split_info).")
+
+
+def _split_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
+    axis, n, where = _axis(a, ctx), len(ctx.op.outputs), _where(ctx)
+    if a.split and len(ctx.op.inputs) == 2:
+        raise ValueError(f"{where}: give the split sizes as the `split` argument or as an input, not both")
+
+    def sizes_of(x: torch.Tensor, given: Sequence[torch.Tensor]) -> list[int]:
+        sizes = [int(s) for s in given[0].tolist()] if given else list(a.split)
+        if not sizes:
+            if x.shape[axis] % n:
+                raise ValueError(f"{where}: dim {axis} of size {x.shape[axis]} does not split into {n}")
+            sizes = [x.shape[axis] // n] * n
+        if len(sizes) != n or sum(sizes) != x.shape[axis]:
+            raise ValueError(f"{where}: split sizes {sizes} do not cut dim {axis} (size {x.shape[axis]}) "
+                             f"into {n} outputs")
+        return sizes
+
+    def run(x: torch.Tensor, *given: torch.Tensor) -> Any:
+        parts = torch.split(x, sizes_of(x, given), axis)
+        return _pack([p.squeeze(axis) for p in parts] if a.add_axis else parts)
+
+    return run
+
+
+def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    zeros = [gradient_op("ConstantFill", [out], [f"_{out}_grad_zeros"], value=0.0)
+             for out, dy in zip(op.outputs, g) if dy is None]
+    dys = [dy if dy is not None else f"_{out}_grad_zeros" for out, dy in zip(op.outputs, g)]
+    dx = GI(op, 0)
+    args = {k: op.args[k] for k in _AXIS_ARGS if k in op.args}
+    concat = gradient_op("Concat", dys, [dx, f"_{dx}_dims"], **args)
+    return [*zeros, concat], [dx, None][: len(op.inputs)]
+
+
+register_op(
+    "Split", inputs=(1, 2), outputs=(1, None), args={**_AXIS_ARGS, "split": Arg("ints", ())},
+    kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False,
+    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
+    doc="Outputs = X cut along `axis` into the sizes of `split` (or the CPU second input; default equal "
+        "parts); add_axis drops the axis (sizes 1). Gradient Concat(dY...), zeros for missing dY.")
+
+
+def _permutation(a: SimpleNamespace, ctx: KernelContext) -> tuple[int, ...]:
+    axes = tuple(a.axes)
+    if sorted(axes) != list(range(len(axes))):
+        raise ValueError(f"{_where(ctx)}: axes {axes} are not a permutation of 0..{len(axes) - 1}")
+    return axes
+
+
+def _transpose_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    axes = _permutation(a, ctx)
+    if not axes:
+        return lambda x: x.permute(*reversed(range(x.ndim))).contiguous()
+    return lambda x: x.permute(axes).contiguous()
+
+
+def _transpose_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    axes = list(op.args.get("axes", ()))
+    inverse = {"axes": [axes.index(i) for i in range(len(axes))]} if axes else {}
+    return [gradient_op("Transpose", [g[0]], [GI(op, 0)], **inverse)], [GI(op, 0)]
+
+
+register_op("Transpose", args={"axes": Arg("ints", ())}, kernel=_transpose_kernel, gradient=_transpose_maker,
+            copy_args_to_gradient=False,
+            doc="Y = X with dims permuted by `axes` (default: reversed), contiguous. Gradient: Transpose "
+                "by the inverse permutation.")
+register_op("NHWC2NCHW", kernel=lambda _a, _ctx: lambda x: x.movedim(-1, 1).contiguous(),
+            gradient=_one_grad("NCHW2NHWC"), doc="Y = X[N, H, W, C] as [N, C, H, W] (any spatial rank).")
+register_op("NCHW2NHWC", kernel=lambda _a, _ctx: lambda x: x.movedim(1, -1).contiguous(),
+            gradient=_one_grad("NHWC2NCHW"), doc="Y = X[N, C, H, W] as [N, H, W, C] (any spatial rank).")
+
+
+def _cast_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    dtype = to_torch_dtype(a.to, _where(ctx))
+    return lambda x: x.to(dtype)
+
+
+register_op("Cast", args={"to": Arg("any")}, kernel=_cast_kernel, gradient=_one_grad("CastGradient", "X"),
+            doc="Y = X converted to dtype `to` (a Caffe2 code, a name or a torch dtype, see ops.fill). "
+                "Gradient CastGradient(X, dY) casts dY back to X's dtype.")
+register_op("CastGradient", inputs=2, gradient_of="Cast", kernel=lambda _a, _ctx: lambda x, dy: dy.to(x.dtype),
+            doc="dX of Cast: dY in X's dtype.")
+
+
+# ------------------------------------------------------------------------------------------ reductions
+
+
+def _expand_grad(average: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """dX = dY (divided by X's numel if `average`) broadcast to X's shape, as a fresh tensor."""
+    if average:
+        return lambda x, dy: (dy.reshape(()) / x.numel()).expand(x.shape).contiguous()
+    return lambda x, dy: dy.reshape(()).expand(x.shape).contiguous()
+
+
+def _mean_or_sum(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    return torch.mean if a.average else torch.sum
+
+
+register_op("SumElements", args={"average": False}, kernel=_mean_or_sum,
+            gradient=_one_grad("SumElementsGradient", "X"),
+            doc="Y (0-d) = sum of X's elements, or their mean with average=True.")
+register_op("SumElementsGradient", inputs=2, gradient_of="SumElements",
+            kernel=lambda a, _ctx: _expand_grad(a.average),
+            doc="dX of SumElements: dY (divided by numel with average) everywhere.")
+register_op("AveragedLoss", kernel=lambda _a, _ctx: torch.mean, gradient=_one_grad("AveragedLossGradient", "X"),
+            doc="Y (0-d) = mean of X's elements.")
+register_op("AveragedLossGradient", inputs=2, gradient_of="AveragedLoss",
+            kernel=lambda _a, _ctx: _expand_grad(True), doc="dX of AveragedLoss: dY / numel everywhere.")
+
+
+def _sum_sqr(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda x: torch.mean(x * x)) if a.average else (lambda x: torch.sum(x * x))
+
+
+register_op("SumSqrElements", args={"average": False}, kernel=_sum_sqr,
+            gradient=_one_grad("SumSqrElementsGradient", "X"),
+            doc="Y (0-d) = sum of X's squared elements, or their mean with average=True.")
+register_op("SumSqrElementsGradient", inputs=2, gradient_of="SumSqrElements",
+            kernel=lambda a, _ctx: lambda x, dy: x * (dy.reshape(()) * (2.0 / x.numel() if a.average else 2.0)),
+            doc="dX of SumSqrElements: 2 X dY (divided by numel with average).")
+
+
+def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    if len(ctx.op.inputs) % 2:
+        raise ValueError(f"{_where(ctx)}: WeightedSum takes pairs X0, w0, X1, w1, ...; got "
+                         f"{len(ctx.op.inputs)} inputs")
+
+    def run(*xw: torch.Tensor) -> torch.Tensor:
+        dtype = xw[0].dtype
+        out = xw[0] * xw[1].reshape(()).to(dtype)
+        for i in range(2, len(xw), 2):
+            out.addcmul_(xw[i], xw[i + 1].reshape(()).to(dtype))
+        return out
+
+    return run
+
+
+def _weighted_sum_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    on_w = bool(op.args.get("grad_on_w", False))
+    if on_w and op.inputs[0] == op.outputs[0]:
+        raise GradientError(f"WeightedSum {op.inputs} -> {op.outputs} runs in place on X0, so the "
+                            f"gradient of w0 (grad_on_w) cannot read X0; write the output elsewhere")
+    xs = [GI(op, i) for i in range(0, len(op.inputs), 2)]
+    ws = [GI(op, i) for i in range(1, len(op.inputs), 2)] if on_w else []
+    inputs = op.inputs if on_w else op.inputs[1::2]
+    grads = [gi for pair in zip(xs, ws or [None] * len(xs)) for gi in pair]
+    return [gradient_op("WeightedSumGradient", [g[0], *inputs], xs + ws)], grads
+
+
+def _weighted_sum_grad_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., Any]:
+    if not a.grad_on_w:
+        return lambda dy, *ws: _pack([dy * w.reshape(()).to(dy.dtype) for w in ws])
+
+    def run(dy: torch.Tensor, *xw: torch.Tensor) -> Any:
+        dxs = [dy * w.reshape(()).to(dy.dtype) for w in xw[1::2]]
+        dws = [(dy * x).sum().reshape(w.shape).to(w.dtype) for x, w in zip(xw[0::2], xw[1::2])]
+        return _pack(dxs + dws)
+
+    return run
+
+
+register_op(
+    "WeightedSum", inputs=(2, None), inplace={(0, 0)}, args={"grad_on_w": False},
+    kernel=_weighted_sum_kernel, gradient=_weighted_sum_maker,
+    doc="Y = w0 X0 + w1 X1 + ... (X0's shape and dtype) with 1-element weights; in place into X0 allowed. "
+        "Gradient WeightedSumGradient: dXi = wi dY, and dwi = sum(dY Xi) with grad_on_w.")
+register_op(
+    "WeightedSumGradient", inputs=(2, None), outputs=(1, None), gradient_of="WeightedSum",
+    kernel=_weighted_sum_grad_kernel,
+    doc="Inputs dY, w0, w1, ... (or dY, X0, w0, ... with grad_on_w) -> dX0, dX1, ... [, dw0, dw1, ...].")

@@ -1,0 +1,318 @@
+"""Optimizers that record their parameter updates into a model's nets (Caffe2's `optimizer.py`).
+
+`build_sgd` / `build_adam` add, for every trainable param that has a gradient:
+
+- one unscoped CPU iteration counter `optimizer_iteration` per model (a `ConstantFill` of int64 [1] = 0 in
+  `param_init_net`, one `Iter` in `net`), advanced before the first `LearningRate`, so step 1 sees iter 1;
+- one `LearningRate` blob per device (`<Cls>_<n>_lr_gpu<id>`, or `<Cls>_<n>_lr_cpu` shared by the CPU
+  devices, as in Caffe2);
+- the update, recorded under `DeviceScope(<the param's device>)` and no name scope, with state blobs named
+  from the param (`gpu_1/fc_w_momentum`) and created in `param_init_net`, so `Parallelize` syncs and
+  checkpoints them.
+
+Sign of the learning rate (Caffe2's scheme): the LR blob feeding `WeightedSum` and `Adam` holds
+-base_learning_rate·factor(iter), because those ops add lr·step to the param; `MomentumSGDUpdate`
+subtracts its step, so its LR blob holds +base_learning_rate·factor(iter).
+
+Momentum follows Caffe2: `MomentumSGDUpdate` keeps m = μ·m + lr·g and applies param -= m. With a
+constant learning rate this is exactly `torch.optim.SGD(momentum=μ)` (m = lr·buf); when the rate changes
+between steps the two differ, because Caffe2's buffer holds lr-scaled gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from graphpar.core.graph import blob_devices
+from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
+from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
+from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
+
+_instance_count: defaultdict[str, int] = defaultdict(int)
+
+
+def reset_optimizer_instance_count() -> None:
+    """Restart every optimizer class's instance numbering at 0 (Caffe2 helper; useful in tests)."""
+    _instance_count.clear()
+
+
+def _constant(init_net: Any, name: str, value: float, device: DeviceOption) -> BlobReference:
+    """A [1]-shaped float constant created once in `init_net` on `device`."""
+    if not init_net.BlobIsDefined(name):
+        with DeviceScope(device):
+            init_net.ConstantFill([], BlobReference(name), shape=[1], value=float(value))
+    return BlobReference(name)
+
+
+def _one(init_net: Any, device: DeviceOption) -> BlobReference:
+    """Caffe2's `ONE_<devtype>_<id>` constant, one per device."""
+    return _constant(init_net, f"ONE_{int(device.device_type)}_{device.device_id}", 1.0, device)
+
+
+def _writes(net: Any, blob: str) -> bool:
+    return any(blob in op.outputs for op in net.Proto().ops)
+
+
+def _iteration_counter(net: Any, init_net: Any) -> BlobReference:
+    """The model's one CPU iteration counter, created on first use (Caffe2's BuildUniqueMutexIter)."""
+    iteration = BlobReference(OPTIMIZER_ITERATION)
+    with DeviceScope(DeviceOption(CPU)):
+        if not init_net.BlobIsDefined(iteration):
+            init_net.ConstantFill([], iteration, shape=[1], value=0, dtype="int64")
+        if not _writes(net, iteration):
+            net.Iter([iteration], [iteration])
+    return iteration
+
+
+class Optimizer:
+    """Base class: instance numbering, per-device blob names, the learning rate, and `__call__`.
+
+    Subclasses implement `_update(net, init_net, param, grad, device)`, which records one param's update.
+    """
+
+    def __init__(self, base_learning_rate: float, policy: str, lr_sign: float, **policy_args: Any) -> None:
+        _check_number("base_learning_rate", base_learning_rate, low=0.0)
+        cls = type(self).__name__
+        self._instance_num = _instance_count[cls]
+        _instance_count[cls] += 1
+        self.base_learning_rate = float(base_learning_rate)
+        self.policy = policy
+        self.policy_args = policy_args
+        self._lr_sign = lr_sign
+        self.lr_injection: BlobReference | None = None
+
+    def get_cpu_blob_name(self, name: str) -> str:
+        """The name of this optimizer's CPU blob `name`, e.g. 'SgdOptimizer_0_lr_cpu'."""
+        return f"{type(self).__name__}_{self._instance_num}_{name}_cpu"
+
+    def get_gpu_blob_name(self, name: str, gpu_id: int) -> str:
+        """The name of this optimizer's blob `name` on CUDA device `gpu_id`, e.g. 'SgdOptimizer_0_lr_gpu1'."""
+        return f"{type(self).__name__}_{self._instance_num}_{name}_gpu{gpu_id}"
+
+    def blob_name(self, name: str, device: DeviceOption) -> str:
+        """This optimizer's blob `name` for `device` (one blob shared by all CPU devices, as in Caffe2)."""
+        if device.device_type == CUDA:
+            return self.get_gpu_blob_name(name, device.device_id)
+        return self.get_cpu_blob_name(name)
+
+    def device_blob_name(self, name: str, device: DeviceOption) -> str:
+        """This optimizer's blob `name` for exactly one device, e.g. 'SgdOptimizer_0_grad_norm_cpu1'."""
+        kind = "gpu" if device.device_type == CUDA else "cpu"
+        return f"{type(self).__name__}_{self._instance_num}_{name}_{kind}{device.device_id}"
+
+    def build_lr(self, net: Any, init_net: Any, device: DeviceOption) -> BlobReference:
+        """The learning-rate blob for `device`, recorded on first use (times `lr_injection` if enabled)."""
+        lr = BlobReference(self.blob_name("lr", device))
+        if net.BlobIsDefined(lr):
+            return lr if self.lr_injection is None else BlobReference(self.blob_name("scaled_lr", device))
+        iteration = _iteration_counter(net, init_net)
+        with DeviceScope(device):
+            net.LearningRate([iteration], lr, base_lr=self._lr_sign * self.base_learning_rate,
+                             policy=self.policy, **self.policy_args)
+            if self.lr_injection is None:
+                return lr
+            injection = self.lr_injection
+            if device.device_type == CUDA:
+                injection = net.CopyCPUToGPU([injection], BlobReference(self.blob_name("lr_injection", device)))
+            return net.Mul([lr, injection], BlobReference(self.blob_name("scaled_lr", device)))
+
+    def __call__(self, net: Any, init_net: Any, param: str, grad: Any) -> None:
+        """Record the update of `param` from `grad` on the current DeviceScope's device (CPU if none)."""
+        if isinstance(grad, GradientSlice):
+            raise NotImplementedError(f"{type(self).__name__}: param {param!r} has a sparse gradient "
+                                      f"(GradientSlice); sparse updates are not supported yet")
+        device = CurrentDeviceScope() or DeviceOption()
+        self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
+
+    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        raise NotImplementedError
+
+
+class SgdOptimizer(Optimizer):
+    """SGD with optional (Nesterov) momentum and L2 weight decay on every param (as torch.optim.SGD)."""
+
+    def __init__(self, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0, **policy_args: Any) -> None:
+        _check_number("momentum", momentum, low=0.0)
+        _check_number("weight_decay", weight_decay, low=0.0)
+        if nesterov and momentum == 0.0:
+            raise ValueError("build_sgd: nesterov=True needs momentum > 0")
+        super().__init__(base_learning_rate, policy, 1.0 if momentum > 0 else -1.0, **policy_args)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.weight_decay = float(weight_decay)
+
+    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        one = _one(init_net, device)
+        if self.weight_decay > 0:
+            wd = _constant(init_net, self.blob_name("weight_decay", device), self.weight_decay, device)
+            net.WeightedSum([grad, one, param, wd], grad)
+        lr = self.build_lr(net, init_net, device)
+        if self.momentum == 0:
+            net.WeightedSum([param, one, grad, lr], param)
+            return
+        mom = BlobReference(momentum_name(param))
+        init_net.ConstantFill([param], mom, value=0.0)
+        net.MomentumSGDUpdate([grad, mom, lr, param], [grad, mom, param], momentum=self.momentum,
+                              nesterov=self.nesterov)
+
+
+class AdamOptimizer(Optimizer):
+    """Adam (torch.optim.Adam's update) with `<param>_first_moment` / `_second_moment` state."""
+
+    def __init__(self, base_learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> None:
+        for name, beta in (("beta1", beta1), ("beta2", beta2)):
+            _check_number(name, beta, low=0.0, below=1.0)
+        _check_number("epsilon", epsilon, low=0.0)
+        super().__init__(base_learning_rate, policy, -1.0, **policy_args)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+
+    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
+        init_net.ConstantFill([param], m1, value=0.0)
+        init_net.ConstantFill([param], m2, value=0.0)
+        net.Adam([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
+                 beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+
+
+class WeightDecayBuilder(Optimizer):
+    """Adds wd·param to the gradient of each param it is applied to (Caffe2's `add_weight_decay`)."""
+
+    def __init__(self, weight_decay: float) -> None:
+        _check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(0.0, "fixed", -1.0)
+        self.weight_decay = float(weight_decay)
+
+    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        wd = _constant(init_net, self.blob_name("wd", device), self.weight_decay, device)
+        net.WeightedSum([grad, _one(init_net, device), param, wd], grad)
+
+
+def _check_number(name: str, value: Any, low: float, below: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"optimizer: {name} must be a finite number, got {value!r}")
+    if value < low or (below is not None and value >= below):
+        bound = f"in [{low}, {below})" if below is not None else f">= {low}"
+        raise ValueError(f"optimizer: {name} must be {bound}, got {value!r}")
+
+
+def _optimization_params(model: Any, weights_only: bool) -> list[tuple[BlobReference, Any]]:
+    """(param, grad) for every trainable param with a gradient, in creation order."""
+    model.Validate()
+    if model.params and not model.param_to_grad:
+        raise ValueError(f"model {model.name!r} has no parameter gradients; call "
+                         f"model.AddGradientOperators(losses) before building the optimizer")
+    weights = set(model.weights)
+    return [(p, model.param_to_grad[p]) for p in model.params
+            if p in model.param_to_grad and (not weights_only or p in weights)]
+
+
+def _param_devices(model: Any) -> dict[str, DeviceOption]:
+    """Each blob's device, as the op that creates it (init net first) places it (Caffe2's InferBlobDevices)."""
+    return blob_devices([model.param_init_net.Proto(), model.net.Proto()])
+
+
+def _clip_by_global_norm(model: Any, optimizer: Optimizer, params: list[tuple[BlobReference, Any]],
+                         devices: dict[str, DeviceOption], max_norm: float) -> None:
+    """Scale each device's gradients by min(1, max_norm / ‖its gradients‖₂) (torch clip_grad_norm_).
+
+    The norm is taken per device over the gradients living there; after Parallelize's all-reduce every
+    device holds the same gradients, so it is the global norm and no device reads another's blobs.
+    """
+    by_device: dict[DeviceOption, list[BlobReference]] = defaultdict(list)
+    for param, grad in params:
+        by_device[devices[param]].append(BlobReference(grad))
+    net = model.net
+    for device, grads in by_device.items():
+        with DeviceScope(device):
+            squares = [net.SumSqrElements([g], BlobReference(f"{g}_sqr_sum")) for g in grads]
+            total = net.Sum(squares, BlobReference(optimizer.device_blob_name("grad_sqr_sum", device)))
+            norm = net.Sqrt([total], BlobReference(optimizer.device_blob_name("grad_norm", device)))
+            for grad in grads:
+                net.ClipTensorByScaling([grad, norm], grad, threshold=float(max_norm))
+
+
+def _lr_injection(model: Any) -> BlobReference:
+    """The unscoped CPU blob `lr_injection` (1.0 at init) that users may feed to scale every LR."""
+    return _constant(model.param_init_net, LR_INJECTION, 1.0, DeviceOption(CPU))
+
+
+def _build(model: Any, optimizer: Optimizer, weights_only: bool = False,
+           max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> Optimizer:
+    """Record `optimizer`'s update for each param with a gradient, on the param's device (Caffe2's _build)."""
+    params = _optimization_params(model, weights_only)
+    devices = _param_devices(model)
+    with NameScope(None, reset=True):
+        if max_gradient_norm is not None:
+            _clip_by_global_norm(model, optimizer, params, devices, max_gradient_norm)
+        if allow_lr_injection:
+            optimizer.lr_injection = _lr_injection(model)
+        for param, grad in params:
+            with DeviceScope(devices[param]):
+                optimizer(model.net, model.param_init_net, param, grad)
+    return optimizer
+
+
+def build_sgd(model: Any, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
+              nesterov: bool = False, weight_decay: float = 0.0, max_gradient_norm: float | None = None,
+              allow_lr_injection: bool = False, **policy_args: Any) -> SgdOptimizer:
+    """Add SGD updates for every param of `model` that has a gradient; return the optimizer.
+
+    Args:
+        model: a ModelHelper whose gradients were added (`AddGradientOperators`).
+        base_learning_rate: the rate before the policy's factor (>= 0).
+        policy: a `LearningRate` policy ('fixed', 'step', 'multistep', 'exp', 'inv', 'poly', ...), with its
+            Caffe2-named arguments in `policy_args` (stepsize, gamma, stepsizes, power, max_iter, ...).
+        momentum, nesterov: `MomentumSGDUpdate` with a zero-initialised `<param>_momentum` when momentum > 0.
+        weight_decay: adds weight_decay·param to the gradient of *every* param (weights and biases), as
+            torch.optim.SGD does; use `add_weight_decay` for Caffe2's weights-only decay.
+        max_gradient_norm: clip the gradients by their global L2 norm first (torch clip_grad_norm_).
+        allow_lr_injection: multiply every LR by the CPU blob `lr_injection` (1.0 until the user feeds it).
+
+    Raises:
+        ValueError / TypeError: a bad hyper-parameter, nesterov without momentum, a model without gradients.
+        NotImplementedError: a sparse (GradientSlice) gradient.
+    """
+    if max_gradient_norm is not None:
+        _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
+        if max_gradient_norm == 0:
+            raise ValueError("build_sgd: max_gradient_norm must be > 0 (None disables clipping)")
+    optimizer = SgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay, **policy_args)
+    return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
+
+
+def build_adam(model: Any, base_learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
+               epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> AdamOptimizer:
+    """Add Adam updates (torch.optim.Adam's rule) for every param of `model` with a gradient.
+
+    Args are those of `build_sgd` plus Adam's betas and epsilon; the state blobs are
+    `<param>_first_moment` and `<param>_second_moment` (zeros), and the step count is `optimizer_iteration`.
+
+    Raises:
+        ValueError / TypeError: a bad hyper-parameter or a model without gradients.
+        NotImplementedError: a sparse (GradientSlice) gradient.
+    """
+    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, **policy_args)
+    return _build(model, optimizer)
+
+
+def add_weight_decay(model: Any, weight_decay: float) -> WeightDecayBuilder | None:
+    """Add weight_decay·w to the gradient of every weight (not bias) of `model` (Caffe2's helper).
+
+    Call it after `AddGradientOperators` and before the optimizer builder. A weight decay of 0 adds nothing.
+
+    Raises:
+        ValueError / TypeError: a negative or non-numeric weight decay, or a model without gradients.
+    """
+    _check_number("weight_decay", weight_decay, low=0.0)
+    if weight_decay == 0:
+        return None
+    return _build(model, WeightDecayBuilder(weight_decay), weights_only=True)

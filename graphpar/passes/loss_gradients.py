@@ -1,0 +1,28 @@
+"""Pass: seed the gradient of every replica's losses with ones."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from graphpar.core.ir import NetDef
+from graphpar.naming import grad_name
+from graphpar.passes.common import DeviceLayout, append_ops, make_op
+
+
+def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence[str]],
+                            layout: DeviceLayout) -> dict[str, str]:
+    """Append `ConstantFill(loss) -> <loss>_grad` (value 1.0, shaped like the loss) per loss, on its device.
+
+    Input: `net` computes every loss; `losses_by_device` maps each device id to its replica's losses.
+    Guarantees: one fill per loss, in device order then loss order. Returns `{loss: seed gradient}`,
+    the map to pass to ONE `AddGradientOperators` call covering every replica (Caffe2 does the same:
+    the user already scaled each loss by 1/len(devices)).
+    """
+    seeds: dict[str, str] = {}
+    ops = []
+    for device in layout.devices:
+        for loss in losses_by_device.get(device, ()):
+            seeds[str(loss)] = grad_name(str(loss))
+            ops.append(make_op("ConstantFill", [loss], [seeds[str(loss)]], layout.option(device), value=1.0))
+    append_ops(net, ops)
+    return seeds

@@ -1,0 +1,67 @@
+"""Pass: cut a forward-only prediction net out of a training net (Caffe2's `ExtractPredictorNet`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+
+
+def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[str],
+                          device: DeviceOption | None = None,
+                          renames: Mapping[str, str] | None = None) -> tuple[NetDef, list[str]]:
+    """The ops of `net` that compute `outputs` from `inputs` and the blobs they also need.
+
+    Input: a train net whose forward ops read `inputs` and write `outputs`. Guarantees: a new NetDef
+    `<net>_predict` with the forward ops (no gradient ops) from the first op reading an input to the
+    last op writing an output whose inputs are all known (inputs, the net's external inputs, or
+    earlier outputs), placed on `device` if given and with blobs renamed through `renames`; and the
+    list of blobs (renamed) the predictor needs besides `inputs` (its params), in first-use order.
+
+    Raises:
+        ValueError: no op reads an input or writes an output, or an op has `is_test` set to 0
+            (extract from a test model, built with is_test=True).
+    """
+    inputs, outputs = [str(b) for b in inputs], [str(b) for b in outputs]
+    ops = [op for op in net.ops if not op.is_gradient_op]
+    start = next((i for i, op in enumerate(ops) if set(inputs) & set(op.inputs) and op.type != "StopGradient"),
+                 None)
+    stop = max((i for i, op in enumerate(ops) if set(outputs) & set(op.outputs)), default=None)
+    if start is None or stop is None:
+        raise ValueError(f"net {net.name!r}: no op reads {inputs} or none writes {outputs}")
+    known = set(inputs) | set(net.external_inputs)
+    chosen = []
+    for op in ops[start:stop + 1]:
+        if known.issuperset(op.inputs):
+            _check_test_mode(op, net.name)
+            chosen.append(op)
+            known.update(op.outputs)
+    return _renamed(net.name, chosen, inputs, outputs, device, renames or {})
+
+
+def _check_test_mode(op: OperatorDef, net_name: str) -> None:
+    if "is_test" in op.args and not op.args["is_test"]:
+        raise ValueError(f"net {net_name!r}: op {op.type} ({op.outputs}) has is_test=0; extract the "
+                         f"predictor from a test model (built with is_test=True), not a training model")
+
+
+def _renamed(name: str, ops: list[OperatorDef], inputs: list[str], outputs: list[str],
+             device: DeviceOption | None, renames: Mapping[str, str]) -> tuple[NetDef, list[str]]:
+    def rename(blobs: list[str]) -> list[str]:
+        return [renames.get(b, b) for b in blobs]
+
+    predict = NetDef(f"{name}_predict")
+    produced: set[str] = set()
+    needed: dict[str, None] = {}
+    for op in ops:
+        new = op.copy()
+        needed.update((b, None) for b in op.inputs if b not in produced)
+        produced.update(op.outputs)
+        new.inputs, new.outputs, new.control_inputs = rename(op.inputs), rename(op.outputs), rename(
+            op.control_inputs)
+        new.device_option = device if device is not None else op.device_option
+        predict.ops.append(new)
+    predict.external_inputs = rename(list(needed))
+    predict.external_outputs = rename(outputs)
+    params = [b for b in predict.external_inputs if b not in set(rename(inputs))]
+    return predict, params

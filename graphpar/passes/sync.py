@@ -1,0 +1,106 @@
+"""Pass: keep per-replica state equal by broadcasting it from the first device.
+
+Three users: the initial sync at the end of `param_init_net` (every blob the init net creates in a
+replica scope: params, computed params, optimizer state), `AddBlobSync` (user blobs, at the end of
+any net), and the checkpoint sync net that `FinalizeAfterCheckpoint` runs after a load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.errors import ParallelizeError
+from graphpar.naming import stripBlobName
+from graphpar.passes.common import BlobDevices, DeviceLayout, append_ops, broadcast_ops
+
+
+def replica_init_outputs(init_net: NetDef, layout: DeviceLayout) -> list[str]:
+    """Every blob the init net writes inside a replica scope, once each, in order of first write."""
+    found = dict.fromkeys(b for op in init_net.ops for b in op.outputs if layout.replica_of(b) is not None)
+    return list(found)
+
+
+def compute_blobs_to_sync(init_net: NetDef, layout: DeviceLayout, params: Collection[str],
+                          computed_params: Sequence[str], shared_model: bool = False,
+                          ) -> tuple[list[str], list[str]]:
+    """The blobs to broadcast after init and their unscoped names, both in a fixed order.
+
+    Input: `init_net` after every builder ran; `params` and `computed_params` are the data-parallel
+    replica blobs. Guarantees: `(blobs, names)` with blobs ordered by device position then first
+    write, names by first write; every name has a copy created for the first device. A shared model
+    (one set of params for all CPU replicas) syncs only its computed params.
+
+    Raises:
+        ParallelizeError: a param or computed param that the init net does not create (a model built
+            with init_params=False cannot be trained), or a blob created for some device but not
+            for the first one.
+    """
+    outputs = replica_init_outputs(init_net, layout)
+    missing = sorted((set(map(str, params)) | set(map(str, computed_params))) - set(outputs))
+    if missing:
+        raise ParallelizeError(f"Some params are not instantiated in param_init_net: {missing}. Create "
+                               f"params with model.create_param / brew helpers in a model with "
+                               f"init_params=True")
+    blobs = [str(b) for b in computed_params] if shared_model else outputs
+    names = list(dict.fromkeys(stripBlobName(b) for b in blobs))
+    present = set(blobs)
+    absent = [n for n in names if layout.scoped(layout.master, n) not in present]
+    if absent:
+        raise ParallelizeError(f"blobs {absent} are created in param_init_net for some devices but not "
+                               f"for the first device {layout.master}, so they cannot be synced from it")
+    position = {d: i for i, d in enumerate(layout.devices)}
+    order = {b: i for i, b in enumerate(blobs)}
+    blobs = sorted(blobs, key=lambda b: (position.get(layout.replica_of(b), len(position)), order[b]))
+    return blobs, names
+
+
+def sync_blobs(net: NetDef, names: Iterable[str], layout: DeviceLayout,
+               blob_devices: BlobDevices) -> list[OperatorDef]:
+    """Append, per unscoped name in order, copies from the first device's blob to every other replica.
+
+    Input: the first device's copy exists when `net` reaches the end. Guarantees: afterwards every
+    replica holds the first device's value (destinations are created if needed). Returns the ops added.
+    """
+    if len(layout.devices) < 2:
+        return []
+    ops = [op for name in names for op in broadcast_ops(layout, layout.group(name), blob_devices)]
+    return append_ops(net, ops)
+
+
+def check_unprefixed(names: Iterable[str], layout: DeviceLayout) -> list[str]:
+    """The names as plain strs, after checking none is inside a replica scope.
+
+    Raises:
+        ParallelizeError: a name such as 'gpu_0/x' (pass 'x': it names the blob on every device).
+    """
+    names = [str(n) for n in names]
+    scoped = [n for n in names if layout.replica_of(n) is not None or n.startswith(f"{layout.prefix}_")]
+    if scoped:
+        raise ParallelizeError(f"blob sync needs unprefixed names, got {scoped}; pass "
+                               f"{[stripBlobName(n) for n in scoped]}")
+    return names
+
+
+def checkpoint_sync_names(blobs: Iterable[str], known: Collection[str], layout: DeviceLayout) -> list[str]:
+    """The unscoped names a checkpoint sync broadcasts for `blobs` (scoped or unscoped names).
+
+    A scoped name ('gpu_0/fc_w') or the unscoped name of a known replicated blob ('fc_w') is synced.
+    Any other unscoped name is a global blob with a single copy (e.g. `optimizer_iteration`), which
+    needs no broadcast on one host; Caffe2 raised ValueError on such names.
+    """
+    names = []
+    for blob in map(str, blobs):
+        if layout.replica_of(blob) is not None:
+            names.append(stripBlobName(blob))
+        elif blob in known:
+            names.append(blob)
+    return list(dict.fromkeys(names))
+
+
+def checkpoint_sync_net(name: str, names: Sequence[str], layout: DeviceLayout,
+                        blob_devices: BlobDevices) -> NetDef:
+    """A new net that broadcasts each name's first-device blob to every replica (sources are inputs)."""
+    net = NetDef(name)
+    sync_blobs(net, names, layout, blob_devices)
+    return net

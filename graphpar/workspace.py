@@ -1,0 +1,356 @@
+"""Workspaces: named blobs (always torch.Tensors), created nets and seeded random generators.
+
+The CamelCase module functions act on the current workspace (initially "default"), as in Caffe2;
+`Workspace` offers the same operations as PEP 8 methods. Every `net` argument accepts a `Net`
+(anything with `.Proto()`) or a `NetDef`; blob names may be `str` or `BlobReference`.
+
+FeedBlob keeps the dtype of numpy arrays and tensors: float64 numpy stays float64, so callers that
+want float32 pass float32. Python floats and lists of floats become torch's default dtype (float32),
+ints int64, bools bool. A fed value is always copied, and a value that cannot be fed leaves the
+workspace unchanged.
+
+Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's generators; `Workspaces()`
+lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
+dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v` feeds,
+`del blobs[name]` removes).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.scope import CurrentDeviceScope
+from graphpar.devices import device_option_for_blob, num_cuda_devices
+from graphpar.errors import MissingBlobError
+from graphpar.executor import Plan, compile_net, run
+from graphpar.executor.plan import checked_torch_device
+
+_FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
+
+
+class Workspace:
+    """Named blobs, the nets created from NetDefs, and per-device random generators.
+
+    Generators are created on first use, one per torch device, each seeded from the workspace seed
+    and the device, so a run is reproducible per seed (logical CUDA devices simulated on the CPU
+    share the CPU generator).
+    """
+
+    def __init__(self, name: str, seed: int = 0) -> None:
+        self.name = name
+        self.blobs: dict[str, torch.Tensor] = {}
+        self.nets: dict[str, Plan] = {}
+        self.seed = _check_seed(seed)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __repr__(self) -> str:
+        return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of `device`, created and seeded on first use."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_device_seed(self.seed, device))
+            self._generators[device] = gen
+        return gen
+
+    def set_seed(self, seed: int) -> None:
+        """Re-seed every generator (existing ones in place, so created nets see the new seed)."""
+        self.seed = _check_seed(seed)
+        for device, gen in self._generators.items():
+            gen.manual_seed(_device_seed(self.seed, device))
+
+    def reset(self) -> None:
+        """Remove every blob and net and restart the generators from the seed."""
+        self.blobs.clear()
+        self.nets.clear()
+        self.set_seed(self.seed)
+
+    def feed_blob(self, name: str, value: Any, device_option: DeviceOption | None = None) -> None:
+        """Store a copy of `value` as blob `name` (see the module docstring for dtypes and devices).
+
+        Raises:
+            TypeError: `name` is not a non-empty str, or `value` is not a numeric array, tensor,
+                scalar or rectangular (nested) list.
+            RuntimeError: the target CUDA device does not exist.
+        """
+        key = _blob_key(name)
+        option = _feed_device_option(key, device_option)
+        device = checked_torch_device(option, f"FeedBlob({key!r})")
+        self.blobs[key] = _to_tensor(key, value, device)
+
+    def fetch_tensor(self, name: str) -> torch.Tensor:
+        """The live tensor of blob `name`. Raises MissingBlobError if there is none."""
+        key = _blob_key(name)
+        tensor = self.blobs.get(key)
+        if tensor is None:
+            close = difflib.get_close_matches(key, self.blobs, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise MissingBlobError(f"blob {key!r} does not exist in workspace {self.name!r}.{hint}")
+        return tensor
+
+    def fetch_blob(self, name: str) -> np.ndarray:
+        """A host numpy copy of blob `name`. Raises MissingBlobError if there is none."""
+        return self.fetch_tensor(name).detach().to("cpu", copy=True).numpy()
+
+    def has_blob(self, name: str) -> bool:
+        """Whether blob `name` exists."""
+        return isinstance(name, str) and name in self.blobs
+
+    def blob_names(self) -> list[str]:
+        """The sorted blob names."""
+        return sorted(self.blobs)
+
+    def remove_blob(self, name: str) -> None:
+        """Delete blob `name`. Raises MissingBlobError if there is none."""
+        self.fetch_tensor(name)
+        del self.blobs[_blob_key(name)]
+
+    def create_net(self, net: Any, overwrite: bool = False) -> Plan:
+        """Compile `net` once and keep it under its NetDef's name; return its plan.
+
+        Raises:
+            RuntimeError: a net of that name exists and `overwrite` is False.
+            MissingBlobError, ValueError, TypeError, OperatorError: see executor.compile_net.
+        """
+        netdef = _as_netdef(net)
+        if netdef.name in self.nets and not overwrite:
+            raise RuntimeError(f"net {netdef.name!r} already exists in workspace {self.name!r}; pass "
+                               f"overwrite=True to replace it.")
+        plan = compile_net(netdef, self)
+        self.nets[netdef.name] = plan
+        return plan
+
+    def run_net(self, net_or_name: Any, num_iter: int = 1) -> None:
+        """Run a created net `num_iter` times. Raises RuntimeError if it was never created."""
+        name = net_or_name if isinstance(net_or_name, str) else _as_netdef(net_or_name).name
+        plan = self.nets.get(name)
+        if plan is None:
+            raise RuntimeError(f"net {name!r} has not been created in workspace {self.name!r}; call "
+                           f"CreateNet first (known nets: {sorted(self.nets)})")
+        if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 0:
+            raise ValueError(f"RunNet({name!r}): num_iter must be a non-negative int, got {num_iter!r}")
+        for _ in range(num_iter):
+            run(plan)
+
+    def run_net_once(self, net: Any) -> None:
+        """Compile and run `net` once without keeping it (typical for init nets)."""
+        run(compile_net(_as_netdef(net), self))
+
+    def run_operator_once(self, op: OperatorDef) -> None:
+        """Compile and run a single operator once."""
+        if not isinstance(op, OperatorDef):
+            raise TypeError(f"RunOperatorOnce needs an OperatorDef, got {type(op).__name__}")
+        self.run_net_once(NetDef(name=f"RunOperatorOnce({op.type})", ops=[op]))
+
+
+def _check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"a workspace seed must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+def _device_seed(seed: int, device: torch.device) -> int:
+    """Independent streams per device: mix the seed with the device type and index."""
+    kind = 0 if device.type == "cpu" else 1
+    index = -1 if device.index is None else device.index
+    state = np.random.SeedSequence([seed, kind, index + 1]).generate_state(1, np.uint64)[0]
+    return int(state) & (2**63 - 1)
+
+
+def _blob_key(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a blob name must be a non-empty str or BlobReference, got {name!r}")
+    return str(name)
+
+
+def _as_netdef(net: Any) -> NetDef:
+    if isinstance(net, NetDef):
+        return net
+    if hasattr(net, "Proto"):
+        return net.Proto()
+    raise TypeError(f"expected a Net or a NetDef, got {type(net).__name__}: {net!r}")
+
+
+def _feed_device_option(name: str, device_option: DeviceOption | None) -> DeviceOption:
+    """The explicit option, else the current DeviceScope, else the name's replica scope, else CPU."""
+    if device_option is not None and not isinstance(device_option, DeviceOption):
+        raise TypeError(f"FeedBlob({name!r}): device_option must be a DeviceOption, got {device_option!r}")
+    return device_option or CurrentDeviceScope() or device_option_for_blob(name) or DeviceOption()
+
+
+def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
+    """A fresh tensor on `device` holding `value`; raise TypeError for anything but numeric data."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype.kind not in _FEEDABLE_KINDS:
+            raise TypeError(f"FeedBlob({name!r}): numpy dtype {value.dtype} has no tensor equivalent; "
+                            f"feed a numeric or bool array")
+        return torch.from_numpy(np.array(value, order="C")).to(device)  # our own contiguous copy
+    if isinstance(value, (bool, int, float, complex, list, tuple)):
+        try:
+            return torch.tensor(value, device=device)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"FeedBlob({name!r}): cannot make a tensor of {type(value).__name__} "
+                            f"{value!r:.80}: {exc}. Feed numbers in a rectangular (nested) list") from None
+    raise TypeError(f"FeedBlob({name!r}): cannot feed a {type(value).__name__}; feed a numpy array, a "
+                    f"torch.Tensor, a Python number or a (nested) list of numbers")
+
+
+_workspaces: dict[str, Workspace] = {"default": Workspace("default")}
+_current = "default"
+
+
+def get_workspace(name: str | None = None) -> Workspace:
+    """The `Workspace` called `name` (default: the current one). Raises KeyError if it does not exist."""
+    key = _current if name is None else name
+    if key not in _workspaces:
+        raise KeyError(f"workspace {key!r} does not exist (workspaces: {sorted(_workspaces)})")
+    return _workspaces[key]
+
+
+def FeedBlob(name: str, value: Any, device_option: DeviceOption | None = None) -> bool:  # noqa: N802
+    """Store a copy of `value` as blob `name` in the current workspace; returns True (as Caffe2).
+
+    Device: `device_option`, else the current DeviceScope, else the name's replica scope
+    ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Raises TypeError for values that are not
+    numeric data (None, str, dict, object arrays, ragged lists) and RuntimeError for a CUDA device
+    that does not exist; the workspace is then unchanged.
+    """
+    get_workspace().feed_blob(name, value, device_option)
+    return True
+
+
+def FetchBlob(name: str) -> np.ndarray:  # noqa: N802
+    """A host numpy copy of blob `name`. Raises MissingBlobError if there is none."""
+    return get_workspace().fetch_blob(name)
+
+
+def FetchTensor(name: str) -> torch.Tensor:  # noqa: N802
+    """The live tensor of blob `name` (not a copy). Raises MissingBlobError if there is none."""
+    return get_workspace().fetch_tensor(name)
+
+
+def HasBlob(name: str) -> bool:  # noqa: N802
+    """Whether the current workspace has blob `name`."""
+    return get_workspace().has_blob(name)
+
+
+def Blobs() -> list[str]:  # noqa: N802
+    """The sorted blob names of the current workspace."""
+    return get_workspace().blob_names()
+
+
+def CreateNet(net: Any, overwrite: bool = False) -> bool:  # noqa: N802
+    """Compile `net` (Net or NetDef) into the current workspace under its name; returns True.
+
+    Raises RuntimeError if the name is taken and `overwrite` is False, MissingBlobError if an op
+    input neither exists nor is produced earlier in the net, ValueError/TypeError for an op that
+    breaks its schema, OperatorError if a kernel cannot be built.
+    """
+    get_workspace().create_net(net, overwrite)
+    return True
+
+
+def RunNet(net_or_name: Any, num_iter: int = 1) -> bool:  # noqa: N802
+    """Run a created net (by name, Net or NetDef) `num_iter` times; returns True.
+
+    Raises RuntimeError if it was not created, OperatorError (or MissingBlobError) naming the failing op.
+    """
+    get_workspace().run_net(net_or_name, num_iter)
+    return True
+
+
+def RunNetOnce(net: Any) -> bool:  # noqa: N802
+    """Compile and run `net` once without keeping it; returns True. Raises as CreateNet and RunNet."""
+    get_workspace().run_net_once(net)
+    return True
+
+
+def RunOperatorOnce(op: OperatorDef) -> bool:  # noqa: N802
+    """Compile and run one OperatorDef once; returns True. Raises as RunNetOnce."""
+    get_workspace().run_operator_once(op)
+    return True
+
+
+def ResetWorkspace() -> bool:  # noqa: N802
+    """Remove every blob and net of the current workspace and restart its generators; returns True."""
+    get_workspace().reset()
+    return True
+
+
+def SwitchWorkspace(name: str, create_if_missing: bool = True) -> None:  # noqa: N802
+    """Make workspace `name` current, creating it (seed 0) if needed.
+
+    Raises RuntimeError if it does not exist and `create_if_missing` is False; TypeError for a bad name.
+    """
+    global _current
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a workspace name must be a non-empty str, got {name!r}")
+    if name not in _workspaces:
+        if not create_if_missing:
+            raise RuntimeError(f"workspace {name!r} does not exist (workspaces: {sorted(_workspaces)}); pass "
+                           f"create_if_missing=True to create it")
+        _workspaces[name] = Workspace(name)
+    _current = name
+
+
+def CurrentWorkspace() -> str:  # noqa: N802
+    """The name of the current workspace."""
+    return _current
+
+
+def Workspaces() -> list[str]:  # noqa: N802
+    """The sorted names of all workspaces."""
+    return sorted(_workspaces)
+
+
+def NumCudaDevices() -> int:  # noqa: N802
+    """The number of real CUDA devices (0 without GPUs, even when CUDA is simulated on the CPU)."""
+    return num_cuda_devices()
+
+
+def SetSeed(seed: int) -> None:  # noqa: N802
+    """Re-seed the current workspace's random generators (fills, dropout) with `seed`."""
+    get_workspace().set_seed(seed)
+
+
+def reset_all(seed: int = 0) -> None:
+    """Drop every workspace but a fresh "default" (seeded with `seed`) and make it current (for tests)."""
+    global _current
+    _workspaces.clear()
+    _workspaces["default"] = Workspace("default", seed)
+    _current = "default"
+
+
+class _BlobsView(MutableMapping):
+    """The current workspace's blobs as a mapping: get fetches (numpy), set feeds, del removes."""
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return FetchBlob(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        FeedBlob(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        get_workspace().remove_blob(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(Blobs())
+
+    def __len__(self) -> int:
+        return len(get_workspace().blobs)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and HasBlob(name)
+
+
+blobs = _BlobsView()

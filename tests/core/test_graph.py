@@ -1,0 +1,129 @@
+"""Graph views: exact dependency edges (in-place ops, control inputs), lifetimes, producers, devices."""
+
+from __future__ import annotations
+
+import networkx as nx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphpar.core import CPU, CUDA, DeviceOption, DeviceScope, Net, NetDef, OperatorDef
+from graphpar.core.graph import (
+    EDGE_KINDS,
+    blob_devices,
+    blob_lifetimes,
+    consumers,
+    dependency_graph,
+    producers,
+)
+from graphpar.ops.registry import register_op
+
+CPU0, GPU0, GPU1 = DeviceOption(CPU, 0), DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
+
+register_op("_TestGraphSum", inputs=(1, None), outputs=1, inplace={(0, 0)},
+            kernel=lambda a, ctx: lambda *xs: sum(xs), doc="Test op: n-ary sum, in place into input 0.")
+register_op("_TestGraphIter", inputs=1, outputs=1, enforce_inplace={(0, 0)},
+            device_inference=lambda op, dev: ([CPU0], [CPU0]),
+            kernel=lambda a, ctx: lambda it: it + 1, doc="Test op: a counter that lives on the CPU.")
+register_op("_TestGraphToCPU", inputs=1, outputs=1, device_inference=lambda op, dev: ([None], [CPU0]),
+            kernel=lambda a, ctx: lambda x: x.cpu(), doc="Test op: copies its input to the CPU.")
+
+
+def _program() -> NetDef:
+    net = Net("test_graph_program")
+    net.ConstantFill([], "w", shape=[2, 2], value=1.0)  # 0
+    net.Relu("x", "h")  # 1
+    net.FC(["h", "w", "b"], "y")  # 2
+    net.Relu("h", "h")  # 3: in place
+    net._TestGraphSum(["y", "h"], "y")  # 4: in place
+    net.Relu("x", "z", control_input="y")  # 5: y only as a control input
+    net.ConstantFill([], "x", shape=[2, 2], value=0.0)  # 6: overwrites an external input
+    net.Relu("z", "w")  # 7: overwrites w, which op 2 read
+    return net.Proto()
+
+
+def _edges(graph: nx.DiGraph) -> dict[tuple[int, int], tuple[str, str]]:
+    return {(u, v): (d["kind"], d["blob"]) for u, v, d in graph.edges(data=True)}
+
+
+def test_dependency_graph_exact_edges() -> None:
+    graph = dependency_graph(_program())
+    assert sorted(graph.nodes) == list(range(8))
+    assert _edges(graph) == {
+        (0, 2): ("raw", "w"), (1, 2): ("raw", "h"),
+        (1, 3): ("raw", "h"),  # also a write-after-write on h: the read is found first
+        (2, 3): ("war", "h"),
+        (2, 4): ("raw", "y"), (3, 4): ("raw", "h"),
+        (4, 5): ("raw", "y"),  # control input
+        (1, 6): ("war", "x"), (5, 6): ("war", "x"),
+        (5, 7): ("raw", "z"), (0, 7): ("waw", "w"), (2, 7): ("war", "w"),
+    }
+    assert nx.is_directed_acyclic_graph(graph)
+    assert not any(u == v for u, v in graph.edges)
+
+
+def _check_ordering(netdef: NetDef) -> None:
+    """Two ops that touch a common blob, one of them writing it, are ordered by a path, and every
+    edge joins an earlier op to a later one that conflicts with it."""
+    graph = dependency_graph(netdef)
+    closure = nx.transitive_closure_dag(graph)
+
+    def conflict(i: int, j: int) -> set[str]:
+        earlier, later = netdef.ops[i], netdef.ops[j]
+        earlier_reads = {*earlier.inputs, *earlier.control_inputs}
+        later_uses = {*later.inputs, *later.control_inputs, *later.outputs}
+        return (set(earlier.outputs) & later_uses) | (earlier_reads & set(later.outputs))
+
+    for j in range(len(netdef.ops)):
+        for i in range(j):
+            assert not conflict(i, j) or closure.has_edge(i, j), (i, j)
+    for i, j, data in graph.edges(data=True):
+        assert i < j and data["blob"] in conflict(i, j) and data["kind"] in EDGE_KINDS
+
+
+def test_dependency_graph_orders_every_conflicting_pair() -> None:
+    _check_ordering(_program())
+
+
+_BLOBS = st.sampled_from(["a", "b", "c", "d"])
+_OPS = st.builds(lambda ins, outs, ctl: OperatorDef("Relu", ins, outs, control_inputs=ctl),
+                 st.lists(_BLOBS, max_size=3), st.lists(_BLOBS, min_size=1, max_size=2),
+                 st.lists(_BLOBS, max_size=1))
+
+
+@given(st.lists(_OPS, max_size=12))
+def test_dependency_graph_on_random_nets(ops: list[OperatorDef]) -> None:
+    _check_ordering(NetDef("random", ops))
+
+
+def test_dependency_graph_of_independent_ops_has_no_edges() -> None:
+    netdef = NetDef("flat", [OperatorDef("Relu", [f"x{i}"], [f"y{i}"]) for i in range(3)])
+    graph = dependency_graph(netdef)
+    assert sorted(graph.nodes) == [0, 1, 2] and graph.number_of_edges() == 0
+    assert dependency_graph(NetDef("empty")).number_of_nodes() == 0
+
+
+def test_blob_lifetimes_producers_and_consumers() -> None:
+    netdef = _program()
+    assert blob_lifetimes(netdef) == {"w": (0, 7), "x": (1, 6), "h": (1, 4), "y": (2, 5), "b": (2, 2),
+                                      "z": (5, 7)}
+    assert producers(netdef) == {"w": [0, 7], "h": [1, 3], "y": [2, 4], "z": [5], "x": [6]}
+    assert consumers(netdef) == {"x": [1, 5], "h": [2, 3, 4], "w": [2], "b": [2], "y": [4], "z": [7]}
+
+
+def test_blob_devices_first_use_wins_across_nets() -> None:
+    init = Net("test_graph_init")
+    with DeviceScope(GPU1):
+        init.ConstantFill([], "w", shape=[1], value=0.0)
+        init._TestGraphIter("it", "it")  # device inference: the counter lives on the CPU
+    main = Net("test_graph_main")
+    main.Relu("w", "a")  # w already placed by the init net
+    main._TestGraphToCPU("a", "a_cpu")  # input on the op's device, output on the CPU
+    with DeviceScope(GPU1):
+        main.Relu("fresh", "out")
+    main.RunAllOnGPU(0)
+    plain = NetDef("test_graph_plain", [OperatorDef("Relu", ["q"], ["r"])])
+    devices = blob_devices([init.Proto(), main.Proto(), plain])
+    assert devices == {"w": GPU1, "it": CPU0, "a": GPU0, "a_cpu": CPU0, "fresh": GPU1, "out": GPU1,
+                       "q": CPU0, "r": CPU0}
+    assert blob_devices(plain, default=GPU1) == {"q": GPU1, "r": GPU1}
+    assert blob_devices(main.Proto())["w"] == GPU0  # a single NetDef is accepted

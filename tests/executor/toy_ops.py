@@ -1,0 +1,57 @@
+"""Test-only operators (prefixed `_Test`) that exercise executor paths real ops rarely take."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from graphpar.ops.registry import KernelContext, is_registered, register_op
+
+FACTORY_CALLS: Counter[str] = Counter()  # op name -> kernel factories built
+DEVICES: list[torch.device] = []  # ctx.device of each _TestDevice built
+SUNK: list[torch.Tensor] = []  # what _TestSink received
+
+
+def _counted(a: Any, ctx: KernelContext) -> Any:
+    FACTORY_CALLS[ctx.op.name] += 1
+    return lambda x: x + a.step
+
+
+def _device(a: Any, ctx: KernelContext) -> Any:
+    DEVICES.append(ctx.device)
+    return lambda x: x.to(ctx.device)
+
+
+def _fail(a: Any, ctx: KernelContext) -> Any:
+    def fn(x: torch.Tensor) -> Any:
+        raise ValueError(a.message)
+
+    return fn
+
+
+def _lookup(a: Any, ctx: KernelContext) -> Any:
+    table: dict[str, torch.Tensor] = {}
+    return lambda x: table["absent"]
+
+
+def _bad_factory(a: Any, ctx: KernelContext) -> Any:
+    raise ValueError("this op cannot be built")
+
+
+_OPS: dict[str, dict[str, Any]] = {
+    "_TestCounted": dict(kernel=_counted, args={"step": 1.0}),
+    "_TestDevice": dict(kernel=_device),
+    "_TestTwoOut": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x + 1, x * 2)),
+    "_TestSum3": dict(inputs=3, kernel=lambda a, ctx: lambda x, y, z: x + y + z),
+    "_TestSink": dict(outputs=0, kernel=lambda a, ctx: SUNK.append),
+    "_TestFail": dict(outputs=(1, 2), kernel=_fail, args={"message": "boom"}),
+    "_TestWrongCount": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x,)),
+    "_TestKeyError": dict(kernel=_lookup),
+    "_TestBadFactory": dict(kernel=_bad_factory),
+}
+
+for _name, _spec in _OPS.items():
+    if not is_registered(_name):
+        register_op(_name, doc=f"test-only operator {_name}", **_spec)

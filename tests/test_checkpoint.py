@@ -1,0 +1,210 @@
+"""Checkpoint files: round trip, atomic writes, and loads that either succeed fully or change nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from graphpar import checkpoint, workspace
+from graphpar.devices import cuda_is_simulated, cuda_on_cpu, num_cuda_devices
+from graphpar.errors import CheckpointError
+
+
+@pytest.fixture
+def blobs() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    values = {
+        "cpu_0/fc_w": rng.standard_normal((4, 3)).astype(np.float32),
+        "cpu_0/fc_w_momentum": rng.standard_normal((4, 3)).astype(np.float32),
+        "cpu_1/bn_rm": rng.standard_normal(5),  # float64 stays float64
+        "optimizer_iteration": np.array([7], dtype=np.int64),
+        "mask": rng.random(6) > 0.5,
+        "loss": np.array(1.5, dtype=np.float32),  # 0-d
+    }
+    for name, value in values.items():
+        workspace.FeedBlob(name, value)
+    return values
+
+
+def _snapshot() -> dict[str, np.ndarray]:
+    return {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
+
+
+def _assert_unchanged(before: dict[str, np.ndarray]) -> None:
+    after = _snapshot()
+    assert sorted(after) == sorted(before)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype
+        np.testing.assert_array_equal(after[name], value)
+
+
+def test_round_trip_restores_values_dtypes_and_metadata(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, list(blobs), metadata={"epoch": 3, "note": "hi"})
+    workspace.ResetWorkspace()
+    assert checkpoint.load(path) == list(blobs)
+    for name, value in blobs.items():
+        got = workspace.FetchBlob(name)
+        assert got.dtype == value.dtype and got.shape == value.shape
+        np.testing.assert_array_equal(got, value)
+    header = checkpoint.read_metadata(path)
+    assert header["format_version"] == checkpoint.FORMAT_VERSION
+    assert header["iteration"] == 7 and header["blobs"] == list(blobs)
+    assert header["metadata"] == {"epoch": 3, "note": "hi"}
+
+
+def test_load_overwrites_existing_blobs_and_a_subset_only(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["cpu_0/fc_w", "optimizer_iteration"])
+    workspace.FeedBlob("cpu_0/fc_w", np.zeros((4, 3), np.float32))
+    workspace.FeedBlob("optimizer_iteration", np.array([0], np.int64))
+    assert checkpoint.load(path, blobs=["cpu_0/fc_w"]) == ["cpu_0/fc_w"]
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/fc_w"), blobs["cpu_0/fc_w"])
+    assert workspace.FetchBlob("optimizer_iteration")[0] == 0
+
+
+def test_iteration_is_none_without_the_counter(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["mask"])
+    assert checkpoint.read_metadata(path)["iteration"] is None
+
+
+def test_save_and_load_use_the_named_workspace(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["cpu_0/fc_w"], workspace="default")
+    workspace.SwitchWorkspace("other")
+    try:
+        assert not workspace.HasBlob("cpu_0/fc_w")
+        checkpoint.load(path, workspace=workspace.get_workspace("default"))
+        assert not workspace.HasBlob("cpu_0/fc_w")
+        checkpoint.load(path)
+        np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/fc_w"), blobs["cpu_0/fc_w"])
+    finally:
+        workspace.SwitchWorkspace("default")
+
+
+def test_save_of_a_missing_blob_writes_nothing(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    with pytest.raises(CheckpointError, match="nope"):
+        checkpoint.save(path, ["cpu_0/fc_w", "nope"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_rejects_bad_arguments(tmp_path, blobs):
+    with pytest.raises(TypeError, match="JSON"):
+        checkpoint.save(tmp_path / "a", ["mask"], metadata={"x": object()})
+    with pytest.raises(TypeError, match="list"):
+        checkpoint.save(tmp_path / "a", "mask")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("crash_in", ["replace", "fsync"])
+def test_crash_during_save_keeps_the_previous_file_and_no_temp_files(tmp_path, blobs, monkeypatch, crash_in):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, list(blobs))
+    good = path.read_bytes()
+    workspace.FeedBlob("cpu_0/fc_w", np.ones((4, 3), np.float32))
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(checkpoint.os, crash_in, crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        checkpoint.save(path, list(blobs))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+    assert path.read_bytes() == good
+    checkpoint.load(path)
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/fc_w"), blobs["cpu_0/fc_w"])
+
+
+def _corruptions(good: bytes) -> dict[str, bytes]:
+    header_len = struct.unpack("<Q", good[:8])[0]
+    flipped = bytearray(good)
+    flipped[-3] ^= 0xFF  # inside the tensor data
+    return {"truncated": good[: len(good) - 10], "garbage": b"not a checkpoint at all",
+            "empty": b"", "bad header": good[:8] + b"{" * header_len + good[8 + header_len:],
+            "flipped data byte": bytes(flipped)}
+
+
+def test_corrupt_files_raise_and_change_nothing(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, list(blobs))
+    workspace.FeedBlob("cpu_0/fc_w", np.ones((4, 3), np.float32))
+    before = _snapshot()
+    for what, data in _corruptions(path.read_bytes()).items():
+        bad = tmp_path / f"{what}.safetensors"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointError):
+            checkpoint.load(bad)
+        _assert_unchanged(before)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        checkpoint.load(tmp_path / "does_not_exist.safetensors")
+
+
+def test_foreign_and_future_files_are_refused(tmp_path, blobs):
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"x": torch.zeros(2)}, foreign)
+    with pytest.raises(CheckpointError, match="not a graphpar checkpoint"):
+        checkpoint.load(foreign)
+    future = tmp_path / "future.safetensors"
+    header = {"format_version": 99, "blobs": ["x"], "sha256": "", "iteration": None, "metadata": {}}
+    save_file({"x": torch.zeros(2)}, future, metadata={"graphpar": json.dumps(header)})
+    with pytest.raises(CheckpointError, match="format version 99"):
+        checkpoint.load(future)
+    assert not workspace.HasBlob("x")
+
+
+def test_missing_blob_in_file_raises_and_changes_nothing(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["cpu_0/fc_w"])
+    workspace.FeedBlob("cpu_0/fc_w", np.ones((4, 3), np.float32))
+    before = _snapshot()
+    with pytest.raises(CheckpointError, match="gpu_0/fc_b"):
+        checkpoint.load(path, blobs=["cpu_0/fc_w", "gpu_0/fc_b"])
+    _assert_unchanged(before)
+
+
+@pytest.mark.parametrize("conflict", [np.zeros((3, 4), np.float32), np.zeros((4, 3), np.float64)],
+                         ids=["shape", "dtype"])
+def test_shape_or_dtype_conflict_raises_and_changes_nothing(tmp_path, blobs, conflict):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, list(blobs))
+    workspace.FeedBlob("optimizer_iteration", np.array([0], np.int64))  # would be fed before fc_w
+    workspace.FeedBlob("cpu_0/fc_w", conflict)
+    before = _snapshot()
+    with pytest.raises(CheckpointError, match="cpu_0/fc_w"):
+        checkpoint.load(path)
+    _assert_unchanged(before)
+
+
+@pytest.mark.skipif(num_cuda_devices() > 5 or cuda_is_simulated(), reason="needs CUDA device 5 to be absent")
+def test_failed_placement_rolls_back_blobs_already_fed(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    with cuda_on_cpu():
+        workspace.FeedBlob("gpu_5/w", np.ones(2, np.float32))  # logical CUDA 5, simulated on the CPU
+        checkpoint.save(path, ["cpu_0/fc_w", "gpu_5/w"])
+    workspace.get_workspace().remove_blob("gpu_5/w")
+    workspace.FeedBlob("cpu_0/fc_w", np.ones((4, 3), np.float32))
+    before = _snapshot()
+    with pytest.raises(CheckpointError, match="gpu_5/w"):
+        checkpoint.load(path)  # cpu_0/fc_w is fed first, then CUDA 5 does not exist
+    _assert_unchanged(before)
+
+
+@pytest.mark.cuda
+def test_blobs_load_onto_the_device_of_their_scope(tmp_path):
+    workspace.FeedBlob("gpu_0/w", np.arange(3, dtype=np.float32))
+    workspace.FeedBlob("plain", np.arange(2, dtype=np.float32))
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["gpu_0/w", "plain"])
+    workspace.ResetWorkspace()
+    checkpoint.load(path)
+    assert workspace.FetchTensor("gpu_0/w").device == torch.device("cuda", 0)
+    assert workspace.FetchTensor("plain").device.type == "cpu"
