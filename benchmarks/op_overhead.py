@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,23 +36,33 @@ def build_net(num_ops: int) -> NetDef:
     return NetDef("op_overhead", ops)
 
 
-def eager_loop(num_ops: int, x: torch.Tensor, y: torch.Tensor, keep: bool = False) -> Callable[[], torch.Tensor]:
-    """The same torch calls as the net, in a plain Python loop.
+def eager_program(num_ops: int, y: torch.Tensor) -> list[tuple[Callable[..., torch.Tensor], Any]]:
+    """The net's torch calls as (function, second argument or None), in the same order."""
+    calls = [(torch.add, y), (torch.mul, y), (torch.relu, None), (torch.mul, SCALE)]
+    return [calls[i % len(calls)] for i in range(num_ops)]
 
-    With `keep`, every intermediate stays alive in a list, as the net's blobs do: this separates
-    the executor's own overhead from the cost of holding 1,000 live tensors.
-    """
-    calls = [(torch.add, True), (torch.mul, True), (torch.relu, False), (torch.mul, False)]
-    program = [calls[i % len(calls)] for i in range(num_ops)]
-    kept: list[torch.Tensor] = [x] * (num_ops + 1)
 
+def eager_loop(program: list[tuple[Callable[..., torch.Tensor], Any]], x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The program in a plain Python loop; each intermediate is freed as soon as the next exists."""
     def run() -> torch.Tensor:
         value = x
-        for i, (fn, binary) in enumerate(program):
-            value = fn(value, y) if binary else (fn(value) if fn is torch.relu else fn(value, SCALE))
-            if keep:
-                kept[i + 1] = value
+        for fn, arg in program:
+            value = fn(value) if arg is None else fn(value, arg)
         return value
+
+    return run
+
+
+def eager_loop_keeping(program: list[tuple[Callable[..., torch.Tensor], Any]],
+                       x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The same loop keeping every intermediate alive, as a net's blobs are: this separates the
+    executor's own overhead from the cost of holding 1,000 live tensors."""
+    kept = [x] * (len(program) + 1)
+
+    def run() -> torch.Tensor:
+        for i, (fn, arg) in enumerate(program):
+            kept[i + 1] = fn(kept[i]) if arg is None else fn(kept[i], arg)
+        return kept[-1]
 
     return run
 
@@ -71,13 +82,13 @@ def main() -> None:
     workspace.FeedBlob("y", y)
     net = build_net(opts.ops)
     workspace.CreateNet(net)
-    eager_inputs = torch.from_numpy(x), torch.from_numpy(y)
-    eager = eager_loop(opts.ops, *eager_inputs)
+    x_tensor, program = torch.from_numpy(x), eager_program(opts.ops, torch.from_numpy(y))
+    eager = eager_loop(program, x_tensor)
     workspace.RunNet(net.name)
     torch.testing.assert_close(workspace.FetchTensor(f"x{opts.ops}"), eager())
 
     times = compare({"RunNet": lambda: workspace.RunNet(net.name), "eager loop": eager,
-                     "eager loop, intermediates kept": eager_loop(opts.ops, *eager_inputs, keep=True)},
+                     "eager loop, intermediates kept": eager_loop_keeping(program, x_tensor)},
                     repeats=opts.repeats, warmup=opts.warmup)
     per_op = {name: median(t) / opts.ops * 1e6 for name, t in times.items()}
     ratio = per_op["RunNet"] / per_op["eager loop"]

@@ -129,9 +129,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                         optimize_gradient_memory=optimize_gradient_memory,
                         dynamic_memory_management=dynamic_memory_management)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
-    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
-    _check_options(layout, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
+    _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
+    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     training = param_update_builder_fun is not None or optimizer_builder_fun is not None
     with _gc_paused(), _unchanged_on_error(model):
         _start(model, layout, shared_model, net_type, num_threads_per_device, training)
@@ -427,12 +427,12 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
     return ids
 
 
-def _check_options(layout: DeviceLayout, param_update_builder_fun: Any, optimizer_builder_fun: Any,
+def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_builder_fun: Any,
                    shared_model: bool, net_type: str, num_threads_per_device: int) -> None:
     if param_update_builder_fun is not None and optimizer_builder_fun is not None:
         raise ParallelizeError("Parallelize: pass only one of param_update_builder_fun (per device) and "
                                "optimizer_builder_fun (once, for all devices)")
-    if shared_model and layout.device_type == CUDA:
+    if shared_model and not cpu_device:
         raise ParallelizeError("Parallelize: shared_model is only supported on CPU devices (cpu_device=True)")
     if net_type not in ("simple", "dag"):
         raise ParallelizeError(f"Parallelize: net_type must be 'simple' or 'dag', got {net_type!r}")

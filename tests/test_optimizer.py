@@ -105,7 +105,7 @@ def test_add_weight_decay_touches_weights_only():
     model = _model()
     init, net, helper = _new_ops(model, lambda m: optimizer.add_weight_decay(m, 1e-4))
     wd = helper.get_cpu_blob_name("wd")
-    assert _io(init) == [_fill("ONE_0_0"), _fill(wd)]
+    assert _io(init) == [_fill(wd), _fill("ONE_0_0")]
     assert _io(net) == [("WeightedSum", [f"{p}_grad", "ONE_0_0", p, wd], [f"{p}_grad"])
                         for p in ("fc1_w", "pred_w")]
     assert optimizer.add_weight_decay(model, 0.0) is None
@@ -301,7 +301,7 @@ def test_lr_injection_scales_the_step():
     np.testing.assert_allclose(quarter, 0.25 * full, rtol=1e-5, atol=1e-7)
 
 
-def test_gradient_clipping_matches_torch_clip_grad_norm():
+def test_gradient_clipping_scales_the_gradients_to_the_max_norm():
     model = _model()
     optimizer.build_sgd(model, 1.0, max_gradient_norm=0.05)
     workspace.RunNetOnce(model.param_init_net)

@@ -24,6 +24,9 @@ Where graphpar deliberately differs from Caffe2 (each difference has a test):
   output name is written twice) could be clobbered silently: such a write now goes to a fresh
   `_x_grad_autosplit_k` blob. The `k` of these names counts per gradient name over the whole pass (Caffe2
   restarted it at every Sum), so two of them never share a name.
+- The gradient map holds one version's gradient per name; a version whose readers produced no
+  gradient gets None, where Caffe2 handed its writer the later version's gradient (which a
+  pass-through maker such as Alias then propagated silently).
 - An op reading one blob at several positions (Mul(x, x)) gets every position's gradient summed
   (Caffe2 kept only the last one written).
 - A seed blob given in `ys` is accumulated with the gradients from y's other readers (Caffe2 silently
@@ -152,7 +155,8 @@ class _BackwardPass:
         self.usages: dict[tuple[str, int], list[int]] = defaultdict(list)  # (blob, version) -> readers
         self.grads: dict[str, Gradient] = {}  # blob -> gradient of version grad_version[blob]
         self.grad_version: dict[str, int] = {}
-        self.holders: dict[str, set[str]] = defaultdict(set)  # gradient blob -> blobs whose entry names it
+        self.holders: dict[str, set[tuple[str, int]]] = defaultdict(set)  # gradient blob -> the blob
+        # versions whose gradient (or a partial gradient awaiting accumulation) it ever held
         self.generators: dict[tuple[str, int], list[_Generator]] = defaultdict(list)
         self.split_count: dict[str, int] = defaultdict(int)
         self.fresh: set[str] = set()  # gradient blob names made unique by this pass
@@ -203,25 +207,26 @@ class _BackwardPass:
     # -- the gradient map ----------------------------------------------------------------------
 
     def _set_gradient(self, blob: str, gradient: Gradient, version: int) -> None:
-        old = self.grads.get(blob)
-        for part in _parts(old) if old is not None else ():
-            self.holders[part].discard(blob)
         self.grads[blob] = gradient
         if gradient is not None:
             self.grad_version[blob] = version
-            for part in _parts(gradient):
-                self.holders[part].add(blob)
+            self._hold(gradient, blob, version)
+
+    def _hold(self, gradient: str | GradientSlice, blob: str, version: int) -> None:
+        for part in _parts(gradient):
+            self.holders[part].add((blob, version))
 
     def _in_use(self, name: str, index: int, owner: str | None) -> bool:
         """Whether writing `name` at forward op `index` would destroy something still needed.
 
-        That is a seed the caller feeds, or the gradient of a blob other than `owner` that is written
-        by an op not yet differentiated, or by none (a parameter or net input: its gradient is a result).
+        That is a seed the caller feeds, or a (partial) gradient of a version of a blob other than
+        `owner` that is written by an op not yet differentiated, or by none (a parameter or net input:
+        its gradient is a result). Versions whose writer was differentiated need nothing any more.
         """
         if name in self.fed_seeds:
             return True
-        for blob in self.holders.get(name, ()):
-            writer = self.writer_of.get((blob, self.grad_version[blob]))
+        for blob, version in self.holders.get(name, ()):
+            writer = self.writer_of.get((blob, version))
             if blob != owner and (writer is None or writer < index):
                 return True
         return False
@@ -278,7 +283,7 @@ class _BackwardPass:
     def differentiate(self, index: int) -> list[OperatorDef]:
         """The gradient ops of forward op `index` (none if no output has a gradient)."""
         op = self.ops[index]
-        grad_outputs = [self.grads.get(blob) for blob in op.outputs]
+        grad_outputs = [self._output_gradient(index, blob) for blob in op.outputs]
         if all(g is None for g in grad_outputs):
             return []
         maker = self._maker(index, grad_outputs)
@@ -294,6 +299,25 @@ class _BackwardPass:
         self._record_generators(index, grad_ops, grad_inputs)
         self._merge(index, grad_inputs)
         return grad_ops
+
+    def _output_gradient(self, index: int, blob: str) -> Gradient:
+        """The gradient of the version of `blob` that op `index` wrote.
+
+        The map holds the gradient of one version per name. When it holds a later version's, no reader
+        of this version produced a gradient, so it is zero (None); Caffe2 handed the later version's
+        gradient on, which a pass-through maker then propagated silently. A version nothing reads at
+        all is a dead write, most likely two ops writing one name by mistake: that raises, as in Caffe2.
+        """
+        gradient, version = self.grads.get(blob), self.ssa[index][1][blob]
+        if gradient is None or self.grad_version[blob] == version:
+            return gradient
+        if self.usages.get((blob, version)):
+            return None
+        raise GradientError(
+            f"{self._describe(index)} writes {blob!r} (version {version}), but nothing reads that version "
+            f"before {self._describe(self.writer_of[(blob, version + 1)])} overwrites it, while a later "
+            f"version of {blob!r} receives a gradient. Do two ops write {blob!r} by mistake? Give one of "
+            f"them another name.\n{self._history(blob)}")
 
     def _maker(self, index: int, grad_outputs: list[Gradient]) -> Any:
         op = self.ops[index]
@@ -369,10 +393,7 @@ class _BackwardPass:
         for k, grad_op in enumerate(grad_ops):
             for j, blob in enumerate(grad_op.inputs):
                 kind = kinds[k][j] if blob in in_place else self._kind(index, blob, gradient_names)
-                if kind == "gradient":
-                    self._check_gradient_read(index, grad_op, blob, grad_outputs)
-                else:
-                    self._check_read(index, grad_op, blob, kind, local)
+                self._check_read(index, grad_op, blob, kind, local)
             local.update(grad_op.outputs)
 
     def _kind(self, index: int, blob: str, gradient_names: set[str]) -> str:
@@ -404,22 +425,8 @@ class _BackwardPass:
                                 f"its gradient reads the input or the output; run it out of place")
         return kinds
 
-    def _check_gradient_read(self, index: int, grad_op: OperatorDef, blob: str,
-                             grad_outputs: list[Gradient]) -> None:
-        """An output gradient must belong to the version of the output this op wrote (Caffe2's check)."""
-        o = next(o for o, g in enumerate(grad_outputs) if g is not None and blob in _parts(g))
-        name = self.ops[index].outputs[o]
-        version, held = self.ssa[index][1][name], self.grad_version[name]
-        if version != held:
-            raise GradientError(
-                f"gradient op {grad_op.type} of {self._describe(index)} reads {blob!r} as the gradient of "
-                f"its output {name!r} (version {version}), but {blob!r} is the gradient of version {held}: "
-                f"version {version} is overwritten by {self._describe(self.writer_of[(name, version + 1)])} "
-                f"without receiving a gradient of its own. Do two ops write {name!r} by mistake? Give one "
-                f"of them another name.\n{self._history(name)}")
-
     def _check_read(self, index: int, grad_op: OperatorDef, blob: str, kind: str, local: set[str]) -> None:
-        if kind == "local" and blob in local:
+        if kind == "gradient" or (kind == "local" and blob in local):
             return
         if kind == "local":
             raise GradientError(
@@ -464,6 +471,7 @@ class _BackwardPass:
             seen.add(gradient)
             device = next((w[0].device_option for w in writers if w), op.device_option)
             self.generators[(blob, in_versions[blob])].append(_Generator(gradient, writers, device, grad_ops))
+            self._hold(gradient, blob, in_versions[blob])
 
     def _merge(self, index: int, grad_inputs: list[Gradient]) -> None:
         """Caffe2's rule: None never replaces a gradient, unless the input is also written (in place)."""

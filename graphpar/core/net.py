@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -125,11 +126,34 @@ def _schema(op_type: str) -> Any:
     return get_schema(op_type)
 
 
+_recorders: dict[str, Callable[..., Any]] = {}
+
+
+def _recorder(op_type: str) -> Callable[..., Any]:
+    """The (cached) unbound method that records an op of a registered `op_type`."""
+    record = _recorders.get(op_type)
+    if record is None:
+        _schema(op_type)
+
+        def record(net: Net, inputs: BlobNames = None, outputs: BlobNames | int = None, **kwargs: Any) -> Any:
+            return net._create_and_add(op_type, inputs, outputs, **kwargs)
+
+        record.__name__ = record.__qualname__ = op_type
+        _recorders[op_type] = record
+    return record
+
+
 class Net:
     """A builder that records operators into a live NetDef (Caffe2's `core.Net`).
 
     `Net(name)` starts an empty net; `Net(netdef)` starts from a copy of `netdef`. Net names are
     unique per process: a reused name gets `_1`, `_2`, ... appended.
+
+    `net.SomeOp(inputs, outputs=None, name="", device_option=None, engine="", control_input=None,
+    **args)` records one op. Inputs, outputs and control inputs are a name or a list of names; plain
+    strs get the current name scope, BlobReferences are taken as is. `outputs` may also be None (one
+    auto-named output) or an int k (k outputs `<net>/<Op>:<i>`). Returns None, a BlobReference bound
+    to this net, or a tuple of them. Raises what `CreateOperator` raises, before the net changes.
     """
 
     _names_used: ClassVar[set[str]] = set()
@@ -199,29 +223,20 @@ class Net:
     # ---- recording operators -------------------------------------------------------------------
 
     def __getattr__(self, op_type: str) -> Callable[..., Any]:
-        """`net.SomeOp` for a registered SomeOp; an unknown type raises UnknownOperatorError.
-
-        The op-recording function is cached on the instance, so later look-ups skip this method.
-        """
+        """`net.SomeOp` for a registered SomeOp; an unknown type raises UnknownOperatorError."""
         if op_type.startswith("__"):
             raise AttributeError(op_type)
         try:
-            _schema(op_type)
+            return types.MethodType(_recorder(op_type), self)
         except UnknownOperatorError:
             if op_type.startswith("_"):  # private-attribute probes, not misspelt ops
                 raise AttributeError(op_type) from None
             raise
 
-        def create(inputs: BlobNames = None, outputs: BlobNames | int = None, **kwargs: Any) -> Any:
-            return self._create_and_add(op_type, inputs, outputs, **kwargs)
-
-        create.__name__ = create.__qualname__ = op_type
-        self.__dict__[op_type] = create
-        return create
-
     def _create_and_add(self, op_type: str, inputs: BlobNames, outputs: BlobNames | int, *,
                         name: str = "", device_option: DeviceOption | None = None, engine: str = "",
                         control_input: BlobNames = None, **args: Any) -> Any:
+        """Record one op (see the class docstring); validation happens before anything changes."""
         self._ensure_fresh()
         scope = CurrentNameScope()
         hint = None

@@ -8,7 +8,7 @@ The executor never looks at an op's type: all it needs comes from the schema.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -50,12 +50,17 @@ class Plan:
 
     Both "simple" and "dag" nets run their steps in program order for now (the DAG executor that
     runs independent ops concurrently is a later issue; program order is always a valid schedule).
+    `program` holds the same steps as plain tuples, which CPython unpacks faster than NamedTuples.
     """
 
     netdef: NetDef
     steps: tuple[Step, ...]
     blobs: dict[str, torch.Tensor]
     workspace_name: str
+    program: tuple[tuple[Any, ...], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.program = tuple(tuple(step) for step in self.steps)
 
     @property
     def name(self) -> str:
@@ -92,7 +97,8 @@ def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:
                     raise MissingBlobError(
                         f"{op_location(netdef, index)}: {what} {k} {blob!r} does not exist in workspace "
                         f"{workspace.name!r} and no earlier op of the net produces it. Feed it (FeedBlob) "
-                        f"or run the net that creates it (e.g. the param_init_net) before CreateNet.")
+                        f"or run the net that creates it (e.g. the param_init_net) before CreateNet"
+                        f"{recorded_at(op)}.")
         defined.update(op.outputs)
 
 
@@ -110,14 +116,14 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, workspace: BlobStor
     where = op_location(netdef, index)
     schema = get_schema(op.type)
     args = parse_args(schema, op.args, where)
-    ctx = KernelContext(op=op, device=checked_torch_device(netdef.op_device(op), where), device_of=torch_device,
-                        generator=workspace.generator)
+    device = checked_torch_device(netdef.op_device(op), where)
+    ctx = KernelContext(op=op, device=device, device_of=torch_device, generator=workspace.generator)
     try:
         fn = schema.kernel(args, ctx)
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc
-    return _make_step(fn, index, tuple(op.inputs), tuple(op.outputs))
+    return _make_step(fn, index, op.inputs, op.outputs)
 
 
 def recorded_at(op: OperatorDef) -> str:
@@ -125,9 +131,9 @@ def recorded_at(op: OperatorDef) -> str:
     return f" (recorded at {op.source})" if op.source else ""
 
 
-def _make_step(fn: Any, index: int, ins: tuple[str, ...], outs: tuple[str, ...]) -> Step:
-    ins = tuple(str(b) for b in ins)
-    outs = tuple(str(b) for b in outs)
+def _make_step(fn: Any, index: int, inputs: list[str], outputs: list[str]) -> Step:
+    ins = tuple(str(b) for b in inputs)
+    outs = tuple(str(b) for b in outputs)
     if len(outs) != 1:
         return Step(fn, MULTI, ins, outs, index)
     if len(ins) == 1:

@@ -27,7 +27,7 @@ def run(plan: Plan) -> None:
     blobs = plan.blobs
     index = -1
     try:
-        for fn, kind, ins, out, index in plan.steps:  # noqa: B007 - the except clause reads index
+        for fn, kind, ins, out, index in plan.program:  # noqa: B007 - the except clause reads index
             if kind == UNARY:
                 blobs[out] = fn(blobs[ins])
             elif kind == BINARY:
@@ -64,8 +64,8 @@ def _op_failure(plan: Plan, step: Step, exc: Exception) -> Exception:
         k, name = missing[0]
         return MissingBlobError(
             f"{op_location(netdef, step.index)}: input {k} {name!r} is no longer in workspace "
-            f"{plan.workspace_name!r} (it existed at CreateNet and has since been removed). Feed it again "
-            f"or re-create the net{recorded_at(op)}.")
+            f"{plan.workspace_name!r}: it existed at CreateNet and has since been removed. Feed it again "
+            f"before RunNet{recorded_at(op)}.")
     inputs = "\n".join(f"    input {k} {name!r}: {_describe(plan.blobs.get(name))}"
                        for k, name in enumerate(names))
     source = op.source or "unknown (the op was not recorded through a Net)"

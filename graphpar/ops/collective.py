@@ -23,7 +23,8 @@ MAX_DEVICES = 1024  # NCCLBroadcast enforces output i == input i for i below thi
 
 def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
     """Copy i lives on its replica scope's device, else on device i of the op's type (Caffe2's rule)."""
-    where = [device_option_for_blob(b) or DeviceOption(device.device_type, i) for i, b in enumerate(op.inputs)]
+    where = [device_option_for_blob(b) or DeviceOption(device.device_type, i)
+             for i, b in enumerate(op.inputs)]
     return where, list(where)
 
 

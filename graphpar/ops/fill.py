@@ -13,6 +13,7 @@ result to the op's device, so CPU and CUDA runs give identical values for one wo
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from types import SimpleNamespace
@@ -105,13 +106,13 @@ def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | Non
         return to_torch_dtype(a.dtype, _where(ctx))
     if isinstance(a.value, bool):
         return torch.bool
-    if isinstance(a.value, int):
+    if isinstance(a.value, numbers.Integral):
         return torch.int64
     return None
 
 
 def _constant_fill(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
-    if isinstance(a.value, str) or not isinstance(a.value, (int, float)):
+    if not isinstance(a.value, numbers.Real):
         raise TypeError(f"{_where(ctx)}: `value` must be a number, got {a.value!r}")
     shape_of, dtype, device = _shape_fn(a, ctx), _constant_dtype(a, ctx), ctx.device
 
@@ -131,7 +132,7 @@ _register_fill(
 
 
 def _random_fill(draw: Callable[..., Any]) -> Callable:
-    """A kernel factory: allocate on the CPU, `draw(tensor, args, gen, where)` in place, move to ctx.device."""
+    """A kernel factory: allocate on the CPU, `draw(tensor, args, gen, where)` in place, then move it."""
 
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
         shape_of, dtype, device = _shape_fn(a, ctx), _float_dtype(a, ctx), ctx.device

@@ -27,7 +27,8 @@ def _where(ctx: KernelContext) -> str:
 register_op("Iter", enforce_inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda it: it + 1,
             gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [_HOST]),
             doc="it += 1 on an int64 CPU counter of shape [1] (in place enforced).")
-register_op("AtomicIter", inputs=2, enforce_inplace={(1, 0)}, kernel=lambda _a, _ctx: lambda _mutex, it: it + 1,
+register_op("AtomicIter", inputs=2, enforce_inplace={(1, 0)},
+            kernel=lambda _a, _ctx: lambda _mutex, it: it + 1,
             gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST, _HOST], [_HOST]),
             doc="[mutex, it] -> it, it += 1. The mutex is a dependency token: executors order every "
                 "write of one blob, so the increment is atomic without a lock.")
@@ -69,6 +70,16 @@ def _step(get: Getter, w: str) -> Schedule:
     return lambda it: gamma ** (it // stepsize)
 
 
+def _exp(get: Getter, w: str) -> Schedule:
+    gamma = _positive(get, "gamma", w)
+    return lambda it: gamma ** it
+
+
+def _constant_warmup(get: Getter, w: str) -> Schedule:
+    multiplier, num_iter = get("multiplier"), get("num_iter")
+    return lambda it: multiplier if it < num_iter else 1.0
+
+
 def _multistep(get: Getter, w: str) -> Schedule:
     steps, gamma = get("stepsizes"), _positive(get, "gamma", w)
     if not steps:
@@ -100,12 +111,11 @@ _POLICIES: dict[str, Callable[[Getter, str], Schedule]] = {
     "fixed": lambda get, w: lambda it: 1.0,
     "step": _step,
     "multistep": _multistep,
-    "exp": lambda get, w: (lambda gamma: lambda it: gamma ** it)(_positive(get, "gamma", w)),
+    "exp": _exp,
     "inv": lambda get, w: _inv(_positive(get, "gamma", w), _positive(get, "power", w)),
     "poly": _poly,
     "linearWarmup": lambda get, w: _linear_warmup(get("start_multiplier"), get("num_iter")),
-    "constantWarmup": lambda get, w: (lambda m, n: lambda it: m if it < n else 1.0)(get("multiplier"),
-                                                                                    get("num_iter")),
+    "constantWarmup": _constant_warmup,
     "hill": _hill,
     "alter": _alter,
 }

@@ -45,7 +45,8 @@ def _one_grad(grad_type: str, reads: str = "") -> Maker:
 
     def maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
         src = {"X": [op.inputs[0]], "Y": [op.outputs[0]], "": []}[reads]
-        return [gradient_op(grad_type, [*src, g[0]], [GI(op, 0)])], [GI(op, 0), *[None] * (len(op.inputs) - 1)]
+        grads = [GI(op, 0), *[None] * (len(op.inputs) - 1)]
+        return [gradient_op(grad_type, [*src, g[0]], [GI(op, 0)])], grads
 
     return maker
 
@@ -173,20 +174,21 @@ def _binary_maker(grad_type: str, with_output: bool = False) -> Maker:
 
 
 _BINARY = (
-    ("Add", torch.add, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, dc), "A + B"),
-    ("Sub", torch.sub, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, -dc), "A - B"),
-    ("Mul", torch.mul, {(0, 0), (1, 0)}, lambda dc, x, y: (dc * y, dc * x), "A * B"),
-    ("Div", torch.div, {(0, 0)}, lambda dc, x, y, c: (dc / y, -dc * c / y), "A / B (true division)"),
+    # name, forward, in-place pairs, unreduced (dA, dB), formula and notes for the doc
+    ("Add", torch.add, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, dc), "A + B."),
+    ("Sub", torch.sub, {(0, 0), (1, 0)}, lambda dc, x, y: (dc, -dc), "A - B."),
+    ("Mul", torch.mul, {(0, 0), (1, 0)}, lambda dc, x, y: (dc * y, dc * x), "A * B."),
+    ("Div", torch.div, {(0, 0)}, lambda dc, x, y, c: (dc / y, -dc * c / y), "A / B (true division)."),
 )
 for _name, _fn, _inplace, _grads, _formula in _BINARY:
     _div = _name == "Div"
     register_op(
         _name, inputs=2, inplace=_inplace, args=_BROADCAST_ARGS, kernel=_binary_kernel(_fn),
         gradient=_binary_maker(f"{_name}Gradient", with_output=_div),
-        doc=f"C = {_formula}, NumPy broadcasting; with Caffe2's `broadcast=1`, B's dims align with A's "
-            f"from `axis` (-1: trailing). Gradient `{_name}Gradient(dC, A, B{', C' if _div else ''})` "
-            f"sums over broadcast dims." + (" Its gradient reads A: do not run it in place when "
-                                             "differentiating." if _name == "Mul" else ""))
+        doc=f"C = {_formula} NumPy broadcasting; with Caffe2's `broadcast=1`, B's dims align with A's "
+            f"from `axis` (-1: trailing). `{_name}Gradient(dC, A, B{', C' if _div else ''})` sums dA, dB "
+            f"over the broadcast dims; as it reads A, autodiff refuses an in-place {_name} on the path of "
+            f"a gradient (in place stays fine elsewhere, e.g. Caffe2's LR multipliers).")
     register_op(f"{_name}Gradient", inputs=4 if _div else 3, outputs=2, gradient_of=_name,
                 kernel=_binary_grad_kernel(_grads),
                 doc=f"(dA, dB) of {_name}, each summed to its input's shape.")
@@ -385,7 +387,8 @@ def _cast_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tens
 register_op("Cast", args={"to": Arg("any")}, kernel=_cast_kernel, gradient=_one_grad("CastGradient", "X"),
             doc="Y = X converted to dtype `to` (a Caffe2 code, a name or a torch dtype, see ops.fill). "
                 "Gradient CastGradient(X, dY) casts dY back to X's dtype.")
-register_op("CastGradient", inputs=2, gradient_of="Cast", kernel=lambda _a, _ctx: lambda x, dy: dy.to(x.dtype),
+register_op("CastGradient", inputs=2, gradient_of="Cast",
+            kernel=lambda _a, _ctx: lambda x, dy: dy.to(x.dtype),
             doc="dX of Cast: dY in X's dtype.")
 
 
@@ -409,7 +412,8 @@ register_op("SumElements", args={"average": False}, kernel=_mean_or_sum,
 register_op("SumElementsGradient", inputs=2, gradient_of="SumElements",
             kernel=lambda a, _ctx: _expand_grad(a.average),
             doc="dX of SumElements: dY (divided by numel with average) everywhere.")
-register_op("AveragedLoss", kernel=lambda _a, _ctx: torch.mean, gradient=_one_grad("AveragedLossGradient", "X"),
+register_op("AveragedLoss", kernel=lambda _a, _ctx: torch.mean,
+            gradient=_one_grad("AveragedLossGradient", "X"),
             doc="Y (0-d) = mean of X's elements.")
 register_op("AveragedLossGradient", inputs=2, gradient_of="AveragedLoss",
             kernel=lambda _a, _ctx: _expand_grad(True), doc="dX of AveragedLoss: dY / numel everywhere.")
@@ -423,7 +427,7 @@ register_op("SumSqrElements", args={"average": False}, kernel=_sum_sqr,
             gradient=_one_grad("SumSqrElementsGradient", "X"),
             doc="Y (0-d) = sum of X's squared elements, or their mean with average=True.")
 register_op("SumSqrElementsGradient", inputs=2, gradient_of="SumSqrElements",
-            kernel=lambda a, _ctx: lambda x, dy: x * (dy.reshape(()) * (2.0 / x.numel() if a.average else 2.0)),
+            kernel=lambda a, _ctx: lambda x, dy: x * (dy.reshape(()) * (2.0 / x.numel() if a.average else 2)),
             doc="dX of SumSqrElements: 2 X dY (divided by numel with average).")
 
 

@@ -37,9 +37,11 @@ def analyze_operators(nets: Iterable[NetDef], layout: DeviceLayout) -> None:
 
 
 def _check_op(net: NetDef, index: int, op: OperatorDef, layout: DeviceLayout) -> None:
+    """The op's replica is its device for a CUDA op of a GPU model, else that of the first replica blob
+    it writes (else reads): CPU ops such as a GPU replica's Iter counter carry no replica device."""
     device = net.op_device(op)
     owner = device.device_id if layout.device_type == CUDA and device.device_type == CUDA else None
-    for blob in (*op.inputs, *op.outputs, *op.control_inputs):
+    for blob in (*op.outputs, *op.inputs, *op.control_inputs):
         replica = layout.replica_of(blob)
         if replica is None:
             continue
@@ -48,6 +50,6 @@ def _check_op(net: NetDef, index: int, op: OperatorDef, layout: DeviceLayout) ->
         elif replica != owner:
             where = f" (recorded at {op.source})" if op.source else ""
             raise ParallelizeError(
-                f"net {net.name!r} op #{index} {op.type}{where} runs on replica {layout.scope(owner)}/ but "
+                f"net {net.name!r} op #{index} {op.type}{where} belongs to replica {layout.scope(owner)}/ but "
                 f"touches {blob!r}: blob {blob} should have namescope {layout.scope(owner)}/. Replicas may "
                 f"only use their own blobs; move data between devices with Copy")

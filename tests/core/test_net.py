@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import types
@@ -216,6 +217,15 @@ def test_unknown_and_private_attributes() -> None:
             getattr(net, private)
         assert not isinstance(info.value, UnknownOperatorError)
     assert net.Proto().ops == []
+
+
+def test_deep_copies_record_into_themselves() -> None:
+    net = Net("test_net_deepcopy")
+    net.Relu("x", "y")
+    dup = copy.deepcopy(net)
+    dup.Relu("y", "z")
+    assert _summary(net) == [("Relu", ["x"], ["y"])]
+    assert _summary(dup) == [("Relu", ["x"], ["y"]), ("Relu", ["y"], ["z"])]
 
 
 def test_failed_op_creation_changes_nothing() -> None:

@@ -35,18 +35,18 @@ def test_replica_local_ops_collectives_copies_and_dpm_sums_pass():
     _op("Relu", ["cpu_1/x"], ["cpu_0/y"], cpu(1)),  # writes another replica's blob
 ])
 def test_cpu_replicas_may_not_touch_each_other(op):
-    with pytest.raises(ParallelizeError, match=r"touches '(cpu_1/y|cpu_0/y)'"):
+    with pytest.raises(ParallelizeError, match=r"belongs to replica cpu_0/ but touches 'cpu_1/[xy]'"):
         analyze_operators([NetDef("train", [op])], layout([0, 1]))
 
 
 def test_error_names_net_op_and_source():
     op = _op("Add", ["cpu_0/x", "cpu_1/y"], ["cpu_0/z"], cpu(0), source="model.py:12")
-    with pytest.raises(ParallelizeError, match=r"net 'train' op #1 Add \(recorded at model.py:12\) runs on "
+    with pytest.raises(ParallelizeError, match=r"net 'train' op #1 Add \(recorded at model.py:12\) belongs to "
                                                r"replica cpu_0/ but touches 'cpu_1/y'"):
         analyze_operators([NetDef("init"), NetDef("train", [_op("Relu", ["a"], ["b"], cpu(0)), op])],
                           layout([0, 1]))
 
 
 def test_a_cuda_op_must_run_on_its_replica_device():
-    with pytest.raises(ParallelizeError, match="runs on replica gpu_1/ but touches 'gpu_0/x'"):
+    with pytest.raises(ParallelizeError, match="belongs to replica gpu_1/ but touches 'gpu_0/y'"):
         analyze_operators([NetDef("n", [_op("Relu", ["gpu_0/x"], ["gpu_0/y"], gpu(1))])], layout([0, 1], gpu=True))

@@ -1,0 +1,135 @@
+"""Pass: inter-device (synchronised) batch norm, Caffe2's `combine_spatial_bn` (SPEC §7.7).
+
+Each replica's SpatialBN sees only its slice of the batch. This pass makes every replica normalise
+with the statistics of the whole global batch, and back-propagate accordingly, so N devices compute
+exactly what one device computes on the concatenated batch:
+
+- forward, per group of N SpatialBN ops (one per device):
+  `ChannelStats(X_d) -> X_d_sums, X_d_sumsq` on each device, an all-reduce of each so that every
+  device holds the global Σx and Σx², and each SpatialBN takes them as inputs 5, 6 with
+  `num_batches=N`;
+- backward, per group of N SpatialBNGradient ops:
+  `ChannelBackpropStats(X_d, saved_mean_d, saved_inv_std_d, dY_d) -> dscale_d, dbias_d` (into the
+  SpatialBNGradient's own scale / bias gradient blobs), an all-reduce of each, and each
+  SpatialBNGradient takes the global sums as inputs 5, 6 with `num_batches=N`; it writes them back
+  divided by N, in place, and the gradient all-reduce that Parallelize adds later sums them up again.
+
+The all-reduce is `passes.allreduce`'s (a Sum tree over device positions plus Copy back, or one
+`NCCLAllreduce` with `use_nccl` on CUDA; peers without P2P access are copied to the root first).
+Unlike Caffe2, whose GPU variant reduced through `cpu_0` and which needed device ids 0..N-1, the sums
+stay on the replicas' devices and any device ids work. The statistics are two per-channel vectors, so
+per layer and direction this adds 2 collectives (NCCL) or 2·(N-1) Sums + 2·(N-1) Copies.
+"""
+
+from __future__ import annotations
+
+from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.errors import ParallelizeError
+from graphpar.naming import stripBlobName
+from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
+from graphpar.passes.common import DeviceLayout, make_op
+
+BN_TYPES = ("SpatialBN", "SpatialBNGradient")
+
+
+def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool = False,
+                            peer_access: PeerAccess | None = None) -> NetDef:
+    """Rewrite every group of training SpatialBN / SpatialBNGradient ops to use global batch statistics.
+
+    Input invariant: `netdef` was interleaved (`interleave_ops`), so each training SpatialBN (5
+    inputs, `is_test` false) is followed by its counterparts on the other devices, one per device in
+    `layout.devices` order, and likewise each SpatialBNGradient (added by autodiff before this pass:
+    the gradient maker refuses the 7-input form). Guarantees: before each group, the per-device stats
+    ops and their all-reduce; each op of the group gets the summed statistics as inputs 5, 6 and
+    `num_batches=N`; every new non-collective op runs on its replica's device and touches only its
+    replica's blobs; NCCL all-reduces are chained by control inputs in program order. Other ops are
+    unchanged; already combined (7-input) or `is_test` ops are left alone. A single device is a no-op.
+    Returns `netdef`, edited in place.
+
+    Raises:
+        ParallelizeError: a group is incomplete or out of device order (run interleave_ops first).
+    """
+    count = len(layout.devices)
+    if count < 2:
+        return netdef
+    taken = {b for op in netdef.ops for b in (*op.inputs, *op.outputs)} | set(netdef.external_inputs)
+    rewritten: list[OperatorDef] = []
+    chain: list[str] = []  # the last NCCLAllreduce output, to chain the next one to
+    index = 0
+    while index < len(netdef.ops):
+        op = netdef.ops[index]
+        if not _is_combinable(op):
+            rewritten.append(op)
+            index += 1
+            continue
+        group = netdef.ops[index:index + count]
+        _check_group(netdef, index, group, layout)
+        rewritten += _combine(group, layout, taken, use_nccl, peer_access, chain)
+        index += count
+    netdef.ops[:] = rewritten
+    return netdef
+
+
+def _is_combinable(op: OperatorDef) -> bool:
+    """A training SpatialBN or SpatialBNGradient that does not have the global statistics yet."""
+    return op.type in BN_TYPES and len(op.inputs) == 5 and not op.args.get("is_test", False)
+
+
+def _check_group(netdef: NetDef, index: int, group: list[OperatorDef], layout: DeviceLayout) -> None:
+    expected = [(group[0].type, device) for device in layout.devices]
+    found = [(_label(op), netdef.op_device(op).device_id) for op in group]
+    if found != expected:
+        raise ParallelizeError(
+            f"inter-device batch norm: net {netdef.name!r} op #{index} starts a group of {group[0].type} "
+            f"ops, expected one per device {list(layout.devices)} in that order, found (type, device) "
+            f"{found}. Run interleave_ops first, and build every replica identically")
+
+
+def _label(op: OperatorDef) -> str:
+    if op.type in BN_TYPES and not _is_combinable(op):
+        return f"{op.type} (is_test or already combined)"
+    return op.type
+
+
+def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], use_nccl: bool,
+             peer_access: PeerAccess | None, chain: list[str]) -> list[OperatorDef]:
+    """The stats ops and their all-reduce, then the group's ops, edited to read the global stats."""
+    if group[0].type == "SpatialBN":
+        stats = [make_op("ChannelStats", [op.inputs[0]],
+                         [_fresh(f"{op.inputs[0]}_sums", taken), _fresh(f"{op.inputs[0]}_sumsq", taken)],
+                         op.device_option) for op in group]
+    else:  # SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std) -> dX, dscale, dbias
+        stats = [make_op("ChannelBackpropStats", [op.inputs[0], op.inputs[3], op.inputs[4], op.inputs[2]],
+                         op.outputs[1:3], op.device_option) for op in group]
+    reduce_ops = _allreduce([stat.outputs for stat in stats], layout, use_nccl, peer_access, chain)
+    for op, stat in zip(group, stats):
+        op.inputs.extend(stat.outputs)
+        op.args["num_batches"] = len(group)
+    return [*stats, *reduce_ops, *group]
+
+
+def _allreduce(outputs: list[list[str]], layout: DeviceLayout, use_nccl: bool,
+               peer_access: PeerAccess | None, chain: list[str]) -> list[OperatorDef]:
+    """All-reduce each stats output over the devices (outputs[p][k]: device position p, output k).
+
+    `allreduce_gradients` appends to a net, so the ops are built in a scratch net and returned for
+    splicing in before the group.
+    """
+    grouped = {stripBlobName(copies[0]): dict(zip(layout.devices, copies)) for copies in zip(*outputs)}
+    ops = allreduce_gradients(NetDef("inter_device_bn"), grouped, grouped, layout, {}, use_nccl, peer_access)
+    nccl = [op for op in ops if op.type == "NCCLAllreduce"]
+    if nccl:
+        nccl[0].control_inputs.extend(chain)
+        chain[:] = [nccl[-1].outputs[0]]
+    return ops
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    """`name`, or `name_1`, `name_2`, ... if a blob already has it; the result is marked taken."""
+    candidate, suffix = name, 0
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    taken.add(candidate)
+    return candidate
+

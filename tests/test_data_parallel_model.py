@@ -1,0 +1,650 @@
+"""Parallelize end to end: N devices train exactly like one device (eager PyTorch) on the whole batch."""
+
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphpar import brew, checkpoint, model_helper, optimizer, workspace
+from graphpar import data_parallel_model as dpm
+from graphpar.core import CPU, CUDA, BlobReference, CurrentNameScope, DeviceOption, DeviceScope, Net
+from graphpar.devices import cuda_on_cpu, num_cuda_devices
+from graphpar.errors import ParallelizeError
+from graphpar.models import lenet, mlp
+from graphpar.models.common import softmax_loss
+
+MLP = functools.partial(mlp, dim_in=6, hidden=(5,), num_classes=3)
+MLP_PARAMS = ["fc1_w", "fc1_b", "pred_w", "pred_b"]
+CNN = functools.partial(lenet, channels=(2, 3), hidden=4, num_classes=3, image_size=16)
+CNN_PARAMS = ["conv1_w", "conv1_b", "conv2_w", "conv2_b", "fc3_w", "fc3_b", "pred_w", "pred_b"]
+
+
+def sgd(momentum: float = 0.9, lr: float = 0.1, **kwargs):
+    return lambda model: optimizer.build_sgd(model, lr, momentum=momentum, **kwargs)
+
+
+def batches(steps: int, size: int, shape: tuple[int, ...], seed: int = 7) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((size, *shape), dtype=np.float32), rng.integers(0, 3, size).astype(np.int32))
+            for _ in range(steps)]
+
+
+def feed(model, x: np.ndarray, y: np.ndarray) -> None:
+    """Device i of model._devices gets the i-th contiguous chunk of the batch."""
+    n = len(model._devices)
+    for i, (xs, ys) in enumerate(zip(np.split(x, n), np.split(y, n))):
+        d = model._devices[i]
+        workspace.FeedBlob(f"{model._device_prefix}_{d}/data", xs)
+        workspace.FeedBlob(f"{model._device_prefix}_{d}/label", ys)
+
+
+def fetch_params(model, names: list[str], device: int | None = None) -> dict[str, np.ndarray]:
+    device = model._devices[0] if device is None else device
+    return {n: workspace.FetchBlob(f"{model._device_prefix}_{device}/{n}") for n in names}
+
+
+def assert_replicas_identical(model, names: list[str]) -> None:
+    first = fetch_params(model, names)
+    for d in model._devices[1:]:
+        for name, value in fetch_params(model, names, d).items():
+            np.testing.assert_array_equal(value, first[name], err_msg=f"{name} on device {d}")
+
+
+def train(forward, names, devices, data, cpu_device=True, check_replicas=False, **options):
+    """Parallelize, init, then one step per batch; return (model, initial params, final params)."""
+    model = model_helper.ModelHelper(name="train")
+    options.setdefault("optimizer_builder_fun", sgd())
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                    devices=devices, cpu_device=cpu_device, **options)
+    initial = None
+    for x, y in data:
+        feed(model, x, y)
+        if initial is None:
+            dpm.RunInitNet(model)
+            initial = fetch_params(model, names)
+            if check_replicas:
+                assert_replicas_identical(model, names)
+        dpm.RunNet(model, 1)
+        if check_replicas:
+            assert_replicas_identical(model, names)
+    return model, initial, fetch_params(model, names)
+
+
+def torch_train(step_fn, params: dict[str, np.ndarray], data, lr=0.1, momentum=0.9) -> dict[str, np.ndarray]:
+    """Eager PyTorch SGD (torch.optim.SGD) on the whole batch, from the same initial params."""
+    tensors = {n: torch.tensor(v, requires_grad=True) for n, v in params.items()}
+    opt = torch.optim.SGD(list(tensors.values()), lr=lr, momentum=momentum)
+    for x, y in data:
+        opt.zero_grad()
+        logits = step_fn(tensors, torch.tensor(x))
+        F.cross_entropy(logits, torch.tensor(y).long()).backward()
+        opt.step()
+    return {n: t.detach().numpy() for n, t in tensors.items()}
+
+
+def mlp_logits(p, x):
+    h = F.relu(F.linear(x, p["fc1_w"], p["fc1_b"]))
+    return F.linear(h, p["pred_w"], p["pred_b"])
+
+
+def cnn_logits(p, x):
+    h = F.max_pool2d(F.conv2d(x, p["conv1_w"], p["conv1_b"]), 2, 2)
+    h = F.max_pool2d(F.conv2d(h, p["conv2_w"], p["conv2_b"]), 2, 2)
+    h = F.relu(F.linear(h.flatten(1), p["fc3_w"], p["fc3_b"]))
+    return F.linear(h, p["pred_w"], p["pred_b"])
+
+
+def assert_params_close(actual, expected, rtol=1e-4, atol=1e-5):
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+# ---- numerical equivalence ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices", [[0], [0, 1], [2, 3, 4], [1, 2, 3, 4], [3, 4, 5, 6, 7], list(range(8)),
+                                     list(range(2, 18))])
+def test_mlp_on_n_devices_equals_eager_pytorch_on_the_whole_batch(devices):
+    data = batches(3, 2 * len(devices), (6,))
+    _, initial, final = train(MLP, MLP_PARAMS, devices, data, check_replicas=True)
+    assert_params_close(final, torch_train(mlp_logits, initial, data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [[0], [1, 2], [4, 5, 6]])
+def test_small_cnn_on_n_devices_equals_eager_pytorch(devices):
+    data = batches(2, 2 * len(devices), (1, 16, 16))
+    _, initial, final = train(CNN, CNN_PARAMS, devices, data, check_replicas=True)
+    assert_params_close(final, torch_train(cnn_logits, initial, data))
+
+
+@pytest.mark.parametrize("use_nccl", [False, True])
+def test_simulated_cuda_replicas_train_like_eager_pytorch(use_nccl):
+    devices = [1, 2, 3, 4]
+    data = batches(2, 8, (6,))
+    with cuda_on_cpu():
+        model, initial, final = train(MLP, MLP_PARAMS, devices, data, cpu_device=False, use_nccl=use_nccl,
+                                      check_replicas=True)
+    assert model._device_prefix == "gpu"
+    ops = model.net.Proto().ops
+    assert {op.device_option for op in ops if op.inputs and op.inputs[0].startswith("gpu_3/")} >= {
+        DeviceOption(CUDA, 3)}
+    reduce_type = "NCCLAllreduce" if use_nccl else "Sum"
+    assert sum(op.type == reduce_type for op in ops) == (4 if use_nccl else 12)
+    assert_params_close(final, torch_train(mlp_logits, initial, data))
+
+
+@pytest.mark.cuda
+def test_real_cuda_devices_train_like_eager_pytorch():
+    devices = list(range(min(num_cuda_devices(), 4)))
+    data = batches(2, 2 * len(devices), (6,))
+    model, initial, final = train(MLP, MLP_PARAMS, devices, data, cpu_device=False, check_replicas=True)
+    assert workspace.FetchTensor(f"gpu_{devices[-1]}/fc1_w").is_cuda
+    assert_params_close(final, torch_train(mlp_logits, initial, data))
+
+
+def test_per_device_update_builder_trains_like_the_optimizer_builder():
+    def update(model):
+        it = brew.iter(model, "ITER")
+        lr = model.net.LearningRate([it], "LR", base_lr=-0.1, policy="fixed")
+        one = model.param_init_net.ConstantFill([], "ONE", shape=[1], value=1.0)
+        for param in model.GetParams():
+            model.net.WeightedSum([param, one, model.param_to_grad[param], lr], param)
+
+    data = batches(3, 6, (6,))
+    model, initial, final = train(MLP, MLP_PARAMS, [1, 2, 3], data, param_update_builder_fun=update,
+                                  optimizer_builder_fun=None, check_replicas=True)
+    assert_params_close(final, torch_train(mlp_logits, initial, data, momentum=0.0))
+    assert dpm.GetLearningRateBlobNames(model) == ["cpu_1/LR", "cpu_2/LR", "cpu_3/LR"]
+    assert workspace.FetchBlob("cpu_3/ITER").tolist() == [3]
+
+
+# ---- the all-reduce the net gets ---------------------------------------------------------------------
+
+
+def _dpm_sums(model) -> list[tuple[list[str], str]]:
+    return [(op.inputs, op.outputs[0]) for op in model.net.Proto().ops if op.type == "Sum" and op.name == "dpm"]
+
+
+def _parallelized(devices, forward=MLP, **options) -> model_helper.ModelHelper:
+    model = model_helper.ModelHelper(name="m")
+    options.setdefault("optimizer_builder_fun", sgd())
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward, devices=devices,
+                    cpu_device=True, **options)
+    return model
+
+
+PAIRS = {
+    3: [(0, 1, 2)],
+    4: [(0, 1), (2, 3), (0, 2)],
+    8: [(0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (4, 6), (0, 4)],
+    16: [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15), (0, 2), (4, 6), (8, 10),
+         (12, 14), (0, 4), (8, 12), (0, 8)],
+}
+
+
+@pytest.mark.parametrize("count", [3, 4, 8, 16])
+def test_gradients_are_summed_in_reverse_creation_order_by_the_exact_tree(count):
+    devices = [d + 5 for d in range(count)]
+    model = _parallelized(devices)
+    expected = []
+    for grad in ["pred_b_grad", "pred_w_grad", "fc1_b_grad", "fc1_w_grad"]:
+        for positions in PAIRS[count]:
+            blobs = [f"cpu_{devices[p]}/{grad}" for p in positions]
+            expected.append((blobs, blobs[0]))
+    assert _dpm_sums(model) == expected
+    ops = model.net.Proto().ops
+    first_sum = next(i for i, op in enumerate(ops) if op.name == "dpm")
+    copies = [(op.inputs, op.outputs) for op in ops[first_sum:] if op.type == "Copy"]
+    assert copies[:count - 1] == [(["cpu_5/pred_b_grad"], [f"cpu_{d}/pred_b_grad"]) for d in devices[1:]]
+    assert len(copies) == 4 * (count - 1)
+
+
+def test_train_net_settings_and_initial_sync():
+    model = _parallelized([0, 1], net_type="simple", num_threads_per_device=3)
+    proto = model.net.Proto()
+    assert (proto.type, proto.num_workers) == ("simple", 6)
+    init_ops = model.param_init_net.Proto().ops
+    synced = [(op.inputs[0], op.outputs[0]) for op in init_ops if op.type == "Copy"]
+    assert synced == [(f"cpu_0/{n}", f"cpu_1/{n}") for n in
+                      MLP_PARAMS + [f"{p}_momentum" for p in MLP_PARAMS]]
+    assert init_ops[-len(synced):] == [op for op in init_ops if op.type == "Copy"]
+    proto.validate()
+    model.param_init_net.Proto().validate()
+
+
+def test_batch_norm_running_stats_are_copied_from_the_first_device():
+    def forward(model, loss_scale):
+        bn = brew.spatial_bn(model, "data", "bn", dim_in=2, epsilon=1e-5, momentum=0.5)
+        pred = brew.fc(model, bn, "pred", dim_in=2 * 3 * 3, dim_out=3)
+        _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+    (x, y), = batches(1, 4, (2, 3, 3))
+    for broadcast in (True, False):
+        workspace.ResetWorkspace()
+        model, _, _ = train(forward, ["bn_s"], [0, 1], [(x, y)], broadcast_computed_params=broadcast)
+        first_half = torch.tensor(x[:2])
+        expected = 0.5 * first_half.mean(dim=(0, 2, 3))
+        np.testing.assert_allclose(workspace.FetchBlob("cpu_0/bn_rm"), expected.numpy(), rtol=1e-5, atol=1e-6)
+        second = workspace.FetchBlob("cpu_1/bn_rm")
+        if broadcast:
+            np.testing.assert_array_equal(second, workspace.FetchBlob("cpu_0/bn_rm"))
+        else:
+            np.testing.assert_allclose(second, 0.5 * x[2:].mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_on_another_device_count_equals_the_uninterrupted_run(tmp_path):
+    data = batches(6, 6, (6,))
+    lr_schedule = sgd(lr=0.2, policy="step", stepsize=2, gamma=0.5)
+    _, _, uninterrupted = train(MLP, MLP_PARAMS, [0, 1], data, optimizer_builder_fun=lr_schedule)
+
+    workspace.SwitchWorkspace("first_half")
+    first, _, _ = train(MLP, MLP_PARAMS, [0, 1], data[:3], optimizer_builder_fun=lr_schedule)
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, dpm.GetCheckpointParams(first))
+
+    workspace.SwitchWorkspace("second_half")
+    resumed = model_helper.ModelHelper(name="resumed")
+    dpm.Parallelize(resumed, input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP,
+                    optimizer_builder_fun=lr_schedule, devices=[0, 1, 2], cpu_device=True)
+    feed(resumed, *data[3])
+    dpm.RunInitNet(resumed)
+    loaded = checkpoint.load(path)
+    assert "optimizer_iteration" in loaded  # unscoped: Caffe2's FinalizeAfterCheckpoint raised on it
+    dpm.FinalizeAfterCheckpoint(resumed, blobs=loaded)
+    for x, y in data[3:]:
+        feed(resumed, x, y)
+        dpm.RunNet(resumed, 1)
+        assert_replicas_identical(resumed, MLP_PARAMS)
+    assert workspace.FetchBlob("optimizer_iteration").tolist() == [6]
+    assert_params_close(fetch_params(resumed, MLP_PARAMS), uninterrupted, rtol=1e-5, atol=1e-6)
+
+
+def test_finalize_after_checkpoint_broadcasts_loaded_values_and_is_built_once():
+    model, _, _ = train(MLP, MLP_PARAMS, [1, 2, 3], batches(1, 3, (6,)))
+    new = np.arange(15, dtype=np.float32).reshape(3, 5)
+    workspace.FeedBlob("cpu_1/pred_w", new)
+    dpm.FinalizeAfterCheckpoint(model, blobs=["pred_w", "optimizer_iteration"])
+    net = model._checkpoint_net
+    for d in (2, 3):
+        np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/pred_w"), new)
+    workspace.FeedBlob("cpu_1/pred_w", new + 1)
+    dpm.FinalizeAfterCheckpoint(model, blobs=["ignored: built once"])
+    assert model._checkpoint_net is net
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_3/pred_w"), new + 1)
+    assert [op.outputs[0] for op in net.Proto().ops] == ["cpu_2/pred_w", "cpu_3/pred_w"]
+
+
+def test_finalize_defaults_to_every_synced_blob():
+    model, _, _ = train(MLP, MLP_PARAMS, [0, 1], batches(1, 2, (6,)))
+    workspace.FeedBlob("cpu_0/fc1_b_momentum", np.full(5, 3.0, np.float32))
+    dpm.FinalizeAfterCheckpoint(model)
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_1/fc1_b_momentum"), np.full(5, 3.0, np.float32))
+    synced = {op.outputs[0] for op in model._checkpoint_net.Proto().ops}
+    assert synced == {f"cpu_1/{p}{s}" for p in MLP_PARAMS for s in ("", "_momentum")}
+
+
+# ---- Caffe2's data_parallel_model_test, ported --------------------------------------------------
+
+
+def _equiv_run(devices: list[int]) -> np.ndarray:
+    """Caffe2's test_equiv model: FC 16->1 (zeros), Sigmoid, L2 loss; shared model, clipping, LR injection."""
+    def add_model(model, loss_scale):
+        fc = brew.fc(model, "data", "fc", dim_in=16, dim_out=1, weight_init=("ConstantFill", {}),
+                     bias_init=("ConstantFill", {}))
+        sigm = model.net.Sigmoid(model.net.FlattenToVec(fc, "fc_fl"), "sigm")
+        loss = model.net.AveragedLoss(model.net.SquaredL2Distance([sigm, "label"], "sq"), "loss")
+        model.param_init_net.UniformFill([], "sync_num", shape=[1])
+        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name=f"test{len(devices)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_model,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(
+                        m, 0.1, policy="fixed", max_gradient_norm=5.0, allow_lr_injection=True),
+                    devices=devices, cpu_device=True, shared_model=True)
+    dpm.AddBlobSync(model, ["sync_num"])
+    assert len(dpm.GetLearningRateBlobNames(model)) > 0
+    np.random.seed(2603)
+    batch = 64
+    for i in range(10):
+        data = np.random.rand(batch, 16).astype(np.float32)
+        label = np.round(data[:, 0]).astype(np.float32)
+        for j, d in enumerate(devices):
+            part = slice(j * batch // len(devices), (j + 1) * batch // len(devices))
+            workspace.FeedBlob(f"cpu_{d}/data", data[part])
+            workspace.FeedBlob(f"cpu_{d}/label", label[part])
+        if i == 0:
+            dpm.RunInitNet(model)
+        workspace.FeedBlob(f"cpu_{devices[0]}/sync_num", np.array([i * 2], np.float32))
+        dpm.RunNet(model, 1)
+        for d in devices:
+            assert abs(workspace.FetchBlob(f"cpu_{d}/sync_num")[0] - i * 2) < 0.01
+    return workspace.FetchBlob(f"cpu_{devices[0]}/fc_w")
+
+
+@pytest.mark.slow
+def test_equiv():
+    """Caffe2's test_equiv on CPU with 1, 2, 4, 8, 16 devices (combine_spatial_bn left out: not supported)."""
+    reference = _equiv_run([0])
+    assert np.abs(reference).sum() > 0
+    for count in (2, 4, 8, 16):
+        np.testing.assert_allclose(_equiv_run(list(range(count))), reference, rtol=1e-5, atol=1e-8)
+
+
+def _conv_stack(model, dim_out: int = 10):
+    """Caffe2's checkpoint-test trunk (shrunk): NHWC->NCHW, conv 7x7/2, BN, Relu, max-pool, FC."""
+    model.net.NHWC2NCHW("data", "data_nchw")
+    brew.conv(model, "data_nchw", "conv1", 3, 8, weight_init=("MSRAFill", {}), kernel=7, stride=2, pad=3)
+    brew.spatial_bn(model, "conv1", "conv1_spatbn_relu", 8, epsilon=1e-3, is_test=False)
+    brew.relu(model, "conv1_spatbn_relu", "conv1_spatbn_relu")
+    brew.max_pool(model, "conv1_spatbn_relu", "pool1", kernel=3, stride=2)
+    return brew.fc(model, "pool1", "fc", dim_in=8 * 3 * 3, dim_out=dim_out)
+
+
+def test_checkpoint_params():
+    def add_model(model, loss_scale):
+        fc = _conv_stack(model, dim_out=100)
+        sigm = model.net.Sigmoid(fc, "fc_sigm")
+        softmax = model.net.Softmax(sigm, "softmax")
+        xent = model.net.LabelCrossEntropy([softmax, "label"], "xent")
+        loss = model.net.AveragedLoss(xent, "loss")
+        model.param_init_net.ConstantFill([], "fc_w", shape=(100, 8 * 3 * 3))  # a duplicate init op
+        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+    model = model_helper.ModelHelper(name="test_checkpoint_params")
+    dpm.Parallelize_CPU(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_model,
+                        optimizer_builder_fun=sgd(), devices=[1, 2, 3])
+    params = dpm.GetCheckpointParams(model)
+    for p in model.GetParams("cpu_1/"):
+        assert p in params and p + "_momentum" in params
+    for p in model.GetParams("cpu_2/"):
+        assert p not in params
+    assert "cpu_1/fc_w_momentum" in params
+    computed = model.GetComputedParams("")
+    assert len(computed) == 6
+    for c in computed:
+        assert (c in params) == c.startswith("cpu_1/")
+    assert "cpu_1/data" not in params and "optimizer_iteration" in params
+
+
+def test_net_conversion_and_append_net():
+    other = model_helper.ModelHelper(name="other")
+    fc1 = brew.fc(other, "data", "other_fc1", dim_in=3 * 16 * 16, dim_out=10)
+    fc2 = brew.fc(other, fc1, "other_fc2", dim_in=10, dim_out=10)
+    brew.fc(other, fc2, "other_fc3", dim_in=10, dim_out=10)
+
+    def add_input(model):
+        model.net.UniformFill([], ["data"], shape=[4, 16, 16, 3])
+        model.net.UniformFill([], ["label"], shape=[4])
+
+    def add_model(model, loss_scale):
+        _conv_stack(model)
+        model.net.AppendNet(dpm.ConvertNetForDevice(other.net))
+        model.param_init_net.AppendNet(dpm.ConvertNetForDevice(other.param_init_net))
+        sigm = model.net.Sigmoid("fc", "fc_sigm")
+        softmax = model.net.Softmax(sigm, "softmax")
+        return [model.net.AveragedLoss(softmax, "loss")]
+
+    model = model_helper.ModelHelper(name="test_net_conversion")
+    dpm.Parallelize_CPU(model, input_builder_fun=add_input, forward_pass_builder_fun=add_model,
+                        optimizer_builder_fun=sgd(), devices=list(range(4)))
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    appended = [op for op in model.net.Proto().ops if op.outputs[0] == "cpu_3/other_fc3"]
+    assert [(op.inputs, op.device_option) for op in appended] == [
+        (["cpu_3/other_fc2", "cpu_3/other_fc3_w", "cpu_3/other_fc3_b"], DeviceOption(CPU, 3))]
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_3/other_fc1_w"), workspace.FetchBlob("cpu_0/other_fc1_w"))
+
+
+def test_device_scope_check():
+    with DeviceScope(DeviceOption(CUDA, 0)), pytest.raises(ParallelizeError, match="without a device scope"):
+        dpm.Parallelize_GPU(None, None, None)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_net_transformer_function(training):
+    def add_input(model):
+        model.param_init_net.UniformFill([], ["data"], shape=[32, 8])
+
+    def add_model(model, loss_scale):
+        return [brew.fc(model, "data", "fc1", dim_in=8, dim_out=8)]
+
+    transform = mock.Mock()
+    model = model_helper.ModelHelper(name="r", init_params=training)
+    dpm.Parallelize_CPU(model, input_builder_fun=add_input, forward_pass_builder_fun=add_model,
+                        net_transformer_fun=transform, devices=[1, 2, 3],
+                        optimizer_builder_fun=sgd(0.0) if training else None)
+    transform.assert_called_once_with(model, 3, "cpu", CPU)
+
+
+# ---- misuse: a clear error, and the model is left exactly as it was -------------------------------
+
+
+def _state(model) -> tuple:
+    return (sorted(vars(model)), str(model.net), str(model.param_init_net), list(model.params),
+            list(model._computed_params), dict(model.param_to_grad), model.net.Proto().type)
+
+
+def _cross_read(model, loss_scale):
+    losses = MLP(model, loss_scale)
+    if CurrentNameScope() == "cpu_1/":
+        model.net.Add([BlobReference("cpu_0/fc1"), "fc1"], "mixed")
+    return losses
+
+
+def _duplicate(model, loss_scale):
+    losses = MLP(model, loss_scale)
+    model.params.append(model.params[-1])
+    return losses
+
+
+def _external_params(model, loss_scale):
+    model.init_params = False  # params get no init op: they cannot be synced or trained
+    return MLP(model, loss_scale)
+
+
+MISUSES = {
+    "duplicate params": (dict(forward_pass_builder_fun=_duplicate), ParallelizeError, "Duplicate entries"),
+    "builder returns a blob, not a list": (
+        dict(forward_pass_builder_fun=lambda m, s: MLP(m, s)[0]), ParallelizeError, "list of loss blobs"),
+    "builder returns names, not blobs": (
+        dict(forward_pass_builder_fun=lambda m, s: [str(b) for b in MLP(m, s)]), ParallelizeError,
+        "list of loss blobs"),
+    "both update builders": (dict(param_update_builder_fun=lambda m: None), ParallelizeError, "only one of"),
+    "param not created in param_init_net": (
+        dict(forward_pass_builder_fun=_external_params), ParallelizeError, "not instantiated in param_init_net"),
+    "cross-device read": (dict(forward_pass_builder_fun=_cross_read), ParallelizeError,
+                          "touches 'cpu_0/fc1'"),
+    "nonexistent CUDA device": (dict(cpu_device=False, devices=[0, 99]), ParallelizeError, "do not exist"),
+    "shared model on CUDA": (dict(cpu_device=False, shared_model=True), ParallelizeError, "only supported on CPU"),
+    "duplicate device ids": (dict(devices=[1, 1]), ParallelizeError, "unique"),
+    "non-int device ids": (dict(devices=["0"]), TypeError, "int device ids"),
+    "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
+    "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
+    "combine_spatial_bn": (dict(combine_spatial_bn=True), NotImplementedError, "combine_spatial_bn"),
+    "memonger": (dict(optimize_gradient_memory=True), NotImplementedError, "optimize_gradient_memory"),
+    "dynamic memory": (dict(dynamic_memory_management=True), NotImplementedError, "dynamic_memory"),
+    "builder not callable": (dict(input_builder_fun=None), TypeError, "input_builder_fun must be a function"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISUSES))
+def test_misuse_raises_and_leaves_the_model_unchanged(case):
+    options, error, message = MISUSES[case]
+    model = model_helper.ModelHelper(name="misuse")
+    model.param_init_net.ConstantFill([], "shared_table", shape=[2])  # state from before Parallelize
+    model.AddParameter(BlobReference("shared_table"))
+    net, before = model.net, _state(model)
+    kwargs = dict(input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP, devices=[0, 1],
+                  cpu_device=True, optimizer_builder_fun=sgd())
+    with pytest.raises(error, match=message):
+        dpm.Parallelize(model, **{**kwargs, **options})
+    assert _state(model) == before and model.net is net
+    model.init_params = True
+    dpm.Parallelize(model, **kwargs)  # the model is still usable
+    assert model._grad_names == [f"{p}_grad" for p in MLP_PARAMS] and "shared_table" in model.params
+
+
+def test_parallelizing_twice_and_non_models_are_refused():
+    model = _parallelized([0, 1])
+    with pytest.raises(ParallelizeError, match="already parallelized"):
+        dpm.Parallelize(model, lambda m: None, MLP, devices=[0, 1], cpu_device=True)
+    with pytest.raises(TypeError, match="ModelHelper"):
+        dpm.Parallelize(object(), lambda m: None, MLP, devices=[0], cpu_device=True)
+
+
+def test_helpers_of_models_that_were_not_parallelized_raise():
+    model = model_helper.ModelHelper(name="plain")
+    for call in (dpm.RunInitNet, lambda m: dpm.RunNet(m, 1), dpm.GetCheckpointParams, dpm.GetDevices,
+                 lambda m: dpm.AddBlobSync(m, ["x"]), dpm.FinalizeAfterCheckpoint):
+        with pytest.raises(ParallelizeError, match="not parallelized"):
+            call(model)
+
+
+def test_not_yet_supported_entry_points_raise():
+    model = model_helper.ModelHelper(name="later")
+    with pytest.raises(NotImplementedError, match="BMUF"):
+        dpm.Parallelize_BMUF(model, lambda m: None, MLP, lambda m: None)
+    with pytest.raises(NotImplementedError, match="rendezvous"):
+        dpm.AddDistributedBlobSync(model, ["x"])
+    with pytest.raises(NotImplementedError, match="OptimizeGradientMemory"):
+        dpm.OptimizeGradientMemory(model, {}, [], False)
+
+
+# ---- the rest of the API --------------------------------------------------------------------------
+
+
+def test_builders_run_in_order_with_their_scopes():
+    calls = []
+
+    def record(what):
+        return lambda model: calls.append((what, CurrentNameScope(), model.gradient_ops_added))
+
+    def forward(model, loss_scale):
+        calls.append(("forward", CurrentNameScope(), loss_scale))
+        return MLP(model, loss_scale)
+
+    def build_optimizer(model):
+        calls.append(("optimizer", CurrentNameScope(), model.gradient_ops_added))
+        return optimizer.build_sgd(model, 0.1)
+
+    model = model_helper.ModelHelper(name="order")
+    dpm.Parallelize(model, input_builder_fun=record("input"), forward_pass_builder_fun=forward,
+                    optimizer_builder_fun=build_optimizer, post_sync_builder_fun=record("post_sync"),
+                    pre_grad_net_transformer_fun=record("pre_grad"), devices=[3, 7], cpu_device=True)
+    assert calls == [("input", "cpu_3/", False), ("forward", "cpu_3/", 0.5), ("input", "cpu_7/", False),
+                     ("forward", "cpu_7/", 0.5), ("pre_grad", "", False), ("optimizer", "", True),
+                     ("post_sync", "cpu_3/", True), ("post_sync", "cpu_7/", True)]
+    assert isinstance(model._optimizer, optimizer.SgdOptimizer)
+    assert dpm.GetDevices(model) == [3, 7] and model.GetDevices() == [3, 7]
+
+
+def test_forward_only_models_get_net_lists_and_share_the_trained_params():
+    (x, y), = batches(1, 4, (6,))
+    trained, _, _ = train(MLP, MLP_PARAMS, [0, 1], [(x, y)])
+    test = model_helper.ModelHelper(name="test", init_params=False)
+    dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP, devices=[0, 1],
+                    cpu_device=True)
+    assert test._data_parallel_model_nets == [test.net] and not test.param_init_net.Proto().ops
+    feed(test, x, y)
+    dpm.RunInitNet(test)
+    dpm.RunNet(test, 1)
+    params = {n: torch.tensor(v) for n, v in fetch_params(trained, MLP_PARAMS).items()}
+    expected = F.softmax(mlp_logits(params, torch.tensor(x)), dim=1).numpy()
+    softmax = np.concatenate([workspace.FetchBlob(f"cpu_{d}/softmax") for d in (0, 1)])
+    np.testing.assert_allclose(softmax, expected, rtol=1e-5, atol=1e-6)
+    assert not [op for op in test.net.Proto().ops if op.is_gradient_op or op.type == "Copy"]
+
+
+def test_forward_only_model_with_init_params_warns(caplog):
+    with caplog.at_level("WARNING", logger="graphpar.data_parallel_model"):
+        _parallelized([0, 1], optimizer_builder_fun=None)
+    assert "init_params=False" in caplog.text
+
+
+def test_run_net_runs_the_net_num_iterations_times():
+    model, _, _ = train(MLP, MLP_PARAMS, [0, 1], batches(1, 2, (6,)))
+    dpm.RunNet(model, 3)
+    assert workspace.FetchBlob("optimizer_iteration").tolist() == [4]
+
+
+def test_pre_existing_params_are_not_replicated_and_need_no_gradient():
+    model = model_helper.ModelHelper(name="pre")
+    model.param_init_net.ConstantFill([], "table", shape=[3], value=1.0)
+    model.AddParameter(BlobReference("table"))
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP,
+                    optimizer_builder_fun=sgd(), devices=[0, 1], cpu_device=True)
+    assert "table" not in model._device_grouped_blobs and model._param_names == MLP_PARAMS
+
+
+def test_add_blob_sync_appends_copies_and_needs_unprefixed_names():
+    model = _parallelized([2, 4, 6])
+    before = len(model.net.Proto().ops)
+    dpm.AddBlobSync(model, ["stat"])
+    added = model.net.Proto().ops[before:]
+    assert [(op.type, op.inputs, op.outputs) for op in added] == [
+        ("Copy", ["cpu_2/stat"], ["cpu_4/stat"]), ("Copy", ["cpu_2/stat"], ["cpu_6/stat"])]
+    dpm.AddBlobSync(model, [])
+    other = Net("other")
+    dpm.AddBlobSync(model, ["x"], net=other)
+    assert len(other.Proto().ops) == 2 and "cpu_2/x" in other.Proto().external_inputs
+    with pytest.raises(ParallelizeError, match="unprefixed"):
+        dpm.AddBlobSync(model, ["cpu_2/stat"])
+
+
+def test_convert_net_for_device_prefixes_every_blob():
+    net = Net("plain")
+    net.FC(["x", "w", "b"], "y")
+    net.Proto().ops[0].control_inputs = ["c"]
+    net.AddExternalOutput("y")
+    with DeviceScope(DeviceOption(CUDA, 2)):
+        converted = dpm.ConvertNetForDevice(net)
+    proto = converted.Proto()
+    op = proto.ops[0]
+    assert (op.inputs, op.outputs, op.control_inputs) == (["gpu_2/x", "gpu_2/w", "gpu_2/b"], ["gpu_2/y"],
+                                                           ["gpu_2/c"])
+    assert op.device_option == DeviceOption(CUDA, 2)
+    assert proto.external_inputs == ["gpu_2/x", "gpu_2/w", "gpu_2/b"] and proto.external_outputs == ["gpu_2/y"]
+    assert net.Proto().ops[0].inputs == ["x", "w", "b"]
+    cpu_op = dpm.ConvertNetForDevice(net.Proto(), DeviceOption(CPU, 1)).Proto().ops[0]
+    assert cpu_op.outputs == ["cpu_1/y"]
+    with pytest.raises(ValueError, match="needs a device"):
+        dpm.ConvertNetForDevice(net)
+
+
+def test_extract_predictor_net_gives_an_unscoped_forward_net():
+    def forward(model, loss_scale):
+        h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=5)
+        pred = brew.fc(model, brew.relu(model, h, h), "pred", dim_in=5, dim_out=3)
+        model.net.Softmax(pred, "prob")
+        return softmax_loss(model, pred, "label", loss_scale)
+
+    model, _, _ = train(forward, MLP_PARAMS, [1, 2], batches(1, 2, (6,)))
+    predictor, params = dpm.ExtractPredictorNet(model, ["data"], ["prob"], DeviceOption(CPU, 0))
+    ops = predictor.Proto().ops
+    assert [op.type for op in ops] == ["FC", "Relu", "FC", "Softmax"]
+    assert params == MLP_PARAMS
+    assert all("/" not in b for op in ops for b in (*op.inputs, *op.outputs))
+    for name in params:
+        workspace.FeedBlob(name, workspace.FetchBlob(f"cpu_1/{name}"))
+    x = np.ones((2, 6), np.float32)
+    workspace.FeedBlob("data", x)
+    workspace.RunNetOnce(predictor)
+    expected = F.softmax(mlp_logits({n: torch.tensor(workspace.FetchBlob(n)) for n in MLP_PARAMS},
+                                    torch.tensor(x)), dim=1)
+    np.testing.assert_allclose(workspace.FetchBlob("prob"), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_strip_blob_name_is_exported():
+    assert dpm.stripBlobName("gpu_3/a/b") == "a/b" and dpm.stripBlobName("optimizer_iteration") == "optimizer_iteration"
