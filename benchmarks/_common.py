@@ -21,20 +21,25 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_once(fn: Callable[[], Any]) -> float:
-    """Seconds one call of `fn` takes, GPU work included."""
+def time_once(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds one call of `fn` takes on `clock`, GPU work included.
+
+    The default is wall-clock time. Single-threaded CPU work may pass `time.thread_time`: CPU time
+    of this thread only, so time spent descheduled on a busy machine does not count.
+    """
     synchronize()
-    start = time.perf_counter()
+    start = clock()
     fn()
     synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def compare(candidates: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3) -> dict[str, list[float]]:
+def compare(candidates: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Time each candidate `repeats` times, alternating between them in one process, after `warmup` rounds.
 
     Alternating spreads slow drifts (frequency scaling, other processes) evenly over the candidates.
-    Returns {name: [seconds per repeat]}.
+    `clock` is as in `time_once`. Returns {name: [seconds per repeat]}.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -44,7 +49,7 @@ def compare(candidates: dict[str, Callable[[], Any]], repeats: int = 20, warmup:
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            times[name].append(time_once(fn))
+            times[name].append(time_once(fn, clock))
     return times
 
 

@@ -109,8 +109,8 @@ def graphpar_step(case: Case, x: np.ndarray, y: np.ndarray) -> Callable[[], obje
     return lambda: workspace.RunNet(name)
 
 
-def eager_step(case: Case, x: np.ndarray, y: np.ndarray) -> Callable[[], object]:
-    """The nn.Module with graphpar's initial weights, and one SGD step on the same batch."""
+def eager_step(case: Case, x: np.ndarray, y: np.ndarray) -> tuple[Callable[[], object], nn.Module]:
+    """One SGD step on the same batch, and the nn.Module it trains (from graphpar's initial weights)."""
     module = case.module()
     module.load_state_dict({key: workspace.FetchTensor(blob) for blob, key in case.blobs.items()}, strict=False)
     opt = torch.optim.SGD(module.parameters(), LR, momentum=MOMENTUM)
@@ -121,7 +121,17 @@ def eager_step(case: Case, x: np.ndarray, y: np.ndarray) -> Callable[[], object]
         F.cross_entropy(module(data), label).backward()
         opt.step()
 
-    return step
+    return step, module
+
+
+def check_same_step(case: Case, graphpar: Callable[[], object], eager: Callable[[], object],
+                    module: nn.Module) -> None:
+    """One step of each from the same weights gives the same params (both sides do the same work)."""
+    graphpar()
+    eager()
+    state = module.state_dict()
+    for blob, key in case.blobs.items():
+        torch.testing.assert_close(workspace.FetchTensor(blob), state[key], rtol=1e-4, atol=1e-5)
 
 
 def measure(case: Case, repeats: int, warmup: int) -> dict[str, float]:
@@ -129,7 +139,8 @@ def measure(case: Case, repeats: int, warmup: int) -> dict[str, float]:
     x = rng.standard_normal((case.batch, *case.input_shape)).astype(np.float32)
     y = rng.integers(0, 10, case.batch).astype(np.int32)
     graphpar = graphpar_step(case, x, y)
-    eager = eager_step(case, x, y)
+    eager, module = eager_step(case, x, y)
+    check_same_step(case, graphpar, eager, module)
     times = compare({"graphpar": graphpar, "eager": eager}, repeats=repeats, warmup=warmup)
     g, e = median(times["graphpar"]), median(times["eager"])
     return {"graphpar_ms": 1e3 * g, "eager_ms": 1e3 * e, "ratio": g / e}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -63,7 +63,8 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _atomic_write(path: str, data: bytes) -> None:
     """Write `data` to `path` so that the file is either the old one or the complete new one."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask, as open() would
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
@@ -179,7 +180,8 @@ def _conflicts(ws: Workspace, data: Mapping[str, torch.Tensor], names: list[str]
     return problems
 
 
-def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None, workspace: Workspace | str | None = None) -> list[str]:
+def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
+         workspace: Workspace | str | None = None) -> list[str]:
     """Feed blobs from a checkpoint into a workspace, onto their devices; return the names fed.
 
     Everything is read and checked first; only then are the blobs fed, so any error leaves the
@@ -213,14 +215,15 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None, works
 def _feed_all(ws: Workspace, path: str, data: Mapping[str, torch.Tensor]) -> None:
     """Feed every blob, or (if placing one fails, e.g. on a missing CUDA device) none of them."""
     old = {name: ws.blobs.get(name) for name in data}
+    failing = ""
     try:
-        for name, tensor in data.items():
-            ws.feed_blob(name, tensor, device_option=_device_of(name, old[name]))
+        for failing, tensor in data.items():
+            ws.feed_blob(failing, tensor, device_option=_device_of(failing, old[failing]))
     except Exception as exc:
         for name, tensor in old.items():
             if tensor is None:
                 ws.blobs.pop(name, None)
             else:
                 ws.blobs[name] = tensor
-        raise CheckpointError(f"checkpoint {path!r}: cannot place blob {name!r}: {exc}; "
+        raise CheckpointError(f"checkpoint {path!r}: cannot place blob {failing!r}: {exc}; "
                               f"nothing was loaded") from exc

@@ -2,15 +2,17 @@
 
 `Parallelize` calls the user's builder functions once per device, inside `DeviceScope` +
 `NameScope("gpu_<id>")` (or `cpu_<id>`), then rewrites the model with the passes in
-`graphpar.passes`, in Caffe2's order: gradients, all-reduce in reverse creation order, the updates,
-and the initial broadcast of every replica's state from the first device. The model is left
-unchanged if anything fails (a misuse raises before the model changes).
+`graphpar.passes`, in Caffe2's order: gradients, inter-device batch norm (`combine_spatial_bn`),
+all-reduce in reverse creation order, the updates, and the initial broadcast of every replica's
+state from the first device. The model is left unchanged if anything fails (a misuse raises before
+the model changes).
 
 Differences from Caffe2, each deliberate: misuse raises `ParallelizeError` / `TypeError` rather than
 `AssertionError`; nonexistent CUDA device ids raise instead of warning; forward-only models get
 their net lists (so `RunInitNet` / `RunNet` work on test models); `FinalizeAfterCheckpoint` accepts
 unscoped names; `GetLearningRateBlobNames` works for both update-builder styles; collectives and
-copies land in the net they were asked for; the cross-replica check covers CPU replicas too.
+copies land in the net they were asked for; the cross-replica check covers CPU replicas too;
+`combine_spatial_bn` works with any device ids; the initial sync runs in a fixed (not hash) order.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from graphpar.passes.broadcast_computed import add_computed_params_broadcast
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.group_by_device import group_by_device
 from graphpar.passes.infer_devices import infer_blob_devices
+from graphpar.passes.inter_device_bn import inter_device_batch_norm
+from graphpar.passes.interleave import interleave_ops
 from graphpar.passes.loss_gradients import add_loss_gradient_seeds
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.shared_model import prune_parameters_for_sharing, remap_shared_parameters
@@ -111,22 +115,24 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
         cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
+        combine_spatial_bn: training batch norm uses the statistics of the whole global batch
+            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it.
         blobs_to_keep, max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2
             compatibility; they matter only with the options not supported yet.
-        rendezvous, combine_spatial_bn, optimize_gradient_memory, dynamic_memory_management: not
-            supported yet (NotImplementedError).
+        rendezvous, optimize_gradient_memory, dynamic_memory_management: not supported yet
+            (NotImplementedError).
 
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, nonexistent CUDA device ids, both update
             builders, shared_model on CUDA, a builder returning something other than a list of loss
-            blobs, duplicate params, a param not created in param_init_net, an op reading another
-            replica's blob, a model parallelized twice. The model is left as it was.
+            blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
+            in param_init_net, an op reading another replica's blob, a model parallelized twice.
+            The model is left as it was.
         TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable.
         NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
-    _refuse_unsupported(rendezvous=rendezvous is not None, combine_spatial_bn=combine_spatial_bn,
-                        optimize_gradient_memory=optimize_gradient_memory,
+    _refuse_unsupported(rendezvous=rendezvous is not None, optimize_gradient_memory=optimize_gradient_memory,
                         dynamic_memory_management=dynamic_memory_management)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
@@ -148,6 +154,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         if not training:
             _finish_forward_only(model, layout)
             return
+        if combine_spatial_bn:
+            interleave_ops(model.net.Proto(), layout.devices)
+            inter_device_batch_norm(model.net.Proto(), layout, use_nccl, _peer_access(layout))
         validate_params(model.params)
         _group_gradients(model, layout, non_datapar)
         _infer_devices(model)

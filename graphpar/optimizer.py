@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
+from graphpar.ops.registry import get_schema, parse_args
+
+if TYPE_CHECKING:
+    from graphpar.core.net import Net
+    from graphpar.model_helper import ModelHelper
 
 _instance_count: defaultdict[str, int] = defaultdict(int)
 
@@ -38,7 +43,7 @@ def reset_optimizer_instance_count() -> None:
     _instance_count.clear()
 
 
-def _constant(init_net: Any, name: str, value: float, device: DeviceOption) -> BlobReference:
+def _constant(init_net: Net, name: str, value: float, device: DeviceOption) -> BlobReference:
     """A [1]-shaped float constant created once in `init_net` on `device`."""
     if not init_net.BlobIsDefined(name):
         with DeviceScope(device):
@@ -46,16 +51,16 @@ def _constant(init_net: Any, name: str, value: float, device: DeviceOption) -> B
     return BlobReference(name)
 
 
-def _one(init_net: Any, device: DeviceOption) -> BlobReference:
+def _one(init_net: Net, device: DeviceOption) -> BlobReference:
     """Caffe2's `ONE_<devtype>_<id>` constant, one per device."""
     return _constant(init_net, f"ONE_{int(device.device_type)}_{device.device_id}", 1.0, device)
 
 
-def _writes(net: Any, blob: str) -> bool:
+def _writes(net: Net, blob: str) -> bool:
     return any(blob in op.outputs for op in net.Proto().ops)
 
 
-def _iteration_counter(net: Any, init_net: Any) -> BlobReference:
+def _iteration_counter(net: Net, init_net: Net) -> BlobReference:
     """The model's one CPU iteration counter, created on first use (Caffe2's BuildUniqueMutexIter)."""
     iteration = BlobReference(OPTIMIZER_ITERATION)
     with DeviceScope(DeviceOption(CPU)):
@@ -74,6 +79,8 @@ class Optimizer:
 
     def __init__(self, base_learning_rate: float, policy: str, lr_sign: float, **policy_args: Any) -> None:
         _check_number("base_learning_rate", base_learning_rate, low=0.0)
+        parse_args(get_schema("LearningRate"), {"base_lr": float(base_learning_rate), "policy": policy,
+                                                **policy_args}, "optimizer learning-rate policy")
         cls = type(self).__name__
         self._instance_num = _instance_count[cls]
         _instance_count[cls] += 1
@@ -102,7 +109,7 @@ class Optimizer:
         kind = "gpu" if device.device_type == CUDA else "cpu"
         return f"{type(self).__name__}_{self._instance_num}_{name}_{kind}{device.device_id}"
 
-    def build_lr(self, net: Any, init_net: Any, device: DeviceOption) -> BlobReference:
+    def build_lr(self, net: Net, init_net: Net, device: DeviceOption) -> BlobReference:
         """The learning-rate blob for `device`, recorded on first use (times `lr_injection` if enabled)."""
         lr = BlobReference(self.blob_name("lr", device))
         if net.BlobIsDefined(lr):
@@ -118,15 +125,12 @@ class Optimizer:
                 injection = net.CopyCPUToGPU([injection], BlobReference(self.blob_name("lr_injection", device)))
             return net.Mul([lr, injection], BlobReference(self.blob_name("scaled_lr", device)))
 
-    def __call__(self, net: Any, init_net: Any, param: str, grad: Any) -> None:
-        """Record the update of `param` from `grad` on the current DeviceScope's device (CPU if none)."""
-        if isinstance(grad, GradientSlice):
-            raise NotImplementedError(f"{type(self).__name__}: param {param!r} has a sparse gradient "
-                                      f"(GradientSlice); sparse updates are not supported yet")
+    def __call__(self, net: Net, init_net: Net, param: str, grad: str) -> None:
+        """Record the update of `param` from its dense gradient `grad` on the current DeviceScope's device."""
         device = CurrentDeviceScope() or DeviceOption()
         self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
 
-    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
         raise NotImplementedError
 
@@ -145,7 +149,7 @@ class SgdOptimizer(Optimizer):
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
 
-    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
         one = _one(init_net, device)
         if self.weight_decay > 0:
@@ -172,7 +176,7 @@ class AdamOptimizer(Optimizer):
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
-    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
         lr = self.build_lr(net, init_net, device)
         m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
@@ -190,7 +194,7 @@ class WeightDecayBuilder(Optimizer):
         super().__init__(0.0, "fixed", -1.0)
         self.weight_decay = float(weight_decay)
 
-    def _update(self, net: Any, init_net: Any, param: BlobReference, grad: BlobReference,
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
         wd = _constant(init_net, self.blob_name("wd", device), self.weight_decay, device)
         net.WeightedSum([grad, _one(init_net, device), param, wd], grad)
@@ -204,23 +208,28 @@ def _check_number(name: str, value: Any, low: float, below: float | None = None)
         raise ValueError(f"optimizer: {name} must be {bound}, got {value!r}")
 
 
-def _optimization_params(model: Any, weights_only: bool) -> list[tuple[BlobReference, Any]]:
+def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[BlobReference, str]]:
     """(param, grad) for every trainable param with a gradient, in creation order."""
     model.Validate()
     if model.params and not model.param_to_grad:
         raise ValueError(f"model {model.name!r} has no parameter gradients; call "
                          f"model.AddGradientOperators(losses) before building the optimizer")
     weights = set(model.weights)
-    return [(p, model.param_to_grad[p]) for p in model.params
-            if p in model.param_to_grad and (not weights_only or p in weights)]
+    params = [(p, model.param_to_grad[p]) for p in model.params
+              if p in model.param_to_grad and (not weights_only or p in weights)]
+    sparse = [str(p) for p, grad in params if isinstance(grad, GradientSlice)]
+    if sparse:
+        raise NotImplementedError(f"params {sparse} have sparse gradients (GradientSlice); graphpar's "
+                                  f"optimizers support dense gradients only so far")
+    return params
 
 
-def _param_devices(model: Any) -> dict[str, DeviceOption]:
+def _param_devices(model: ModelHelper) -> dict[str, DeviceOption]:
     """Each blob's device, as the op that creates it (init net first) places it (Caffe2's InferBlobDevices)."""
     return blob_devices([model.param_init_net.Proto(), model.net.Proto()])
 
 
-def _clip_by_global_norm(model: Any, optimizer: Optimizer, params: list[tuple[BlobReference, Any]],
+def _clip_by_global_norm(model: ModelHelper, optimizer: Optimizer, params: list[tuple[BlobReference, str]],
                          devices: dict[str, DeviceOption], max_norm: float) -> None:
     """Scale each device's gradients by min(1, max_norm / ‖its gradients‖₂) (torch clip_grad_norm_).
 
@@ -241,12 +250,12 @@ def _clip_by_global_norm(model: Any, optimizer: Optimizer, params: list[tuple[Bl
                 net.ClipTensorByScaling([grad, norm], grad, threshold=float(max_norm))
 
 
-def _lr_injection(model: Any) -> BlobReference:
+def _lr_injection(model: ModelHelper) -> BlobReference:
     """The unscoped CPU blob `lr_injection` (1.0 at init) that users may feed to scale every LR."""
     return _constant(model.param_init_net, LR_INJECTION, 1.0, DeviceOption(CPU))
 
 
-def _build(model: Any, optimizer: Optimizer, weights_only: bool = False,
+def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
            max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> Optimizer:
     """Record `optimizer`'s update for each param with a gradient, on the param's device (Caffe2's _build)."""
     params = _optimization_params(model, weights_only)
@@ -262,7 +271,7 @@ def _build(model: Any, optimizer: Optimizer, weights_only: bool = False,
     return optimizer
 
 
-def build_sgd(model: Any, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
+def build_sgd(model: ModelHelper, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
               nesterov: bool = False, weight_decay: float = 0.0, max_gradient_norm: float | None = None,
               allow_lr_injection: bool = False, **policy_args: Any) -> SgdOptimizer:
     """Add SGD updates for every param of `model` that has a gradient; return the optimizer.
@@ -290,7 +299,7 @@ def build_sgd(model: Any, base_learning_rate: float, policy: str = "fixed", mome
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
-def build_adam(model: Any, base_learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
+def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
                epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> AdamOptimizer:
     """Add Adam updates (torch.optim.Adam's rule) for every param of `model` with a gradient.
 
@@ -305,7 +314,7 @@ def build_adam(model: Any, base_learning_rate: float, beta1: float = 0.9, beta2:
     return _build(model, optimizer)
 
 
-def add_weight_decay(model: Any, weight_decay: float) -> WeightDecayBuilder | None:
+def add_weight_decay(model: ModelHelper, weight_decay: float) -> WeightDecayBuilder | None:
     """Add weight_decay·w to the gradient of every weight (not bias) of `model` (Caffe2's helper).
 
     Call it after `AddGradientOperators` and before the optimizer builder. A weight decay of 0 adds nothing.

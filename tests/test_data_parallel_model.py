@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from unittest import mock
 
 import numpy as np
@@ -134,6 +135,8 @@ def test_simulated_cuda_replicas_train_like_eager_pytorch(use_nccl):
     ops = model.net.Proto().ops
     assert {op.device_option for op in ops if op.inputs and op.inputs[0].startswith("gpu_3/")} >= {
         DeviceOption(CUDA, 3)}
+    assert dpm.GetLearningRateBlobNames(model) == [f"SgdOptimizer_{model._optimizer._instance_num}_lr_gpu{d}"
+                                                   for d in devices]
     reduce_type = "NCCLAllreduce" if use_nccl else "Sum"
     assert sum(op.type == reduce_type for op in ops) == (4 if use_nccl else 12)
     assert_params_close(final, torch_train(mlp_logits, initial, data))
@@ -149,6 +152,7 @@ def test_real_cuda_devices_train_like_eager_pytorch():
 
 
 def test_per_device_update_builder_trains_like_the_optimizer_builder():
+    """GetLearningRateBlobNames works without an optimizer object (Caffe2 raised AttributeError/TypeError)."""
     def update(model):
         it = brew.iter(model, "ITER")
         lr = model.net.LearningRate([it], "LR", base_lr=-0.1, policy="fixed")
@@ -209,6 +213,7 @@ def test_train_net_settings_and_initial_sync():
     model = _parallelized([0, 1], net_type="simple", num_threads_per_device=3)
     proto = model.net.Proto()
     assert (proto.type, proto.num_workers) == ("simple", 6)
+    assert proto.args["first_iter_only_one_worker"] == 1
     init_ops = model.param_init_net.Proto().ops
     synced = [(op.inputs[0], op.outputs[0]) for op in init_ops if op.type == "Copy"]
     assert synced == [(f"cpu_0/{n}", f"cpu_1/{n}") for n in
@@ -271,6 +276,7 @@ def test_checkpoint_resume_on_another_device_count_equals_the_uninterrupted_run(
 
 
 def test_finalize_after_checkpoint_broadcasts_loaded_values_and_is_built_once():
+    """Unscoped names are accepted (Caffe2's stripBlobName raised ValueError on optimizer_iteration)."""
     model, _, _ = train(MLP, MLP_PARAMS, [1, 2, 3], batches(1, 3, (6,)))
     new = np.arange(15, dtype=np.float32).reshape(3, 5)
     workspace.FeedBlob("cpu_1/pred_w", new)
@@ -298,7 +304,8 @@ def test_finalize_defaults_to_every_synced_blob():
 
 
 def _equiv_run(devices: list[int]) -> np.ndarray:
-    """Caffe2's test_equiv model: FC 16->1 (zeros), Sigmoid, L2 loss; shared model, clipping, LR injection."""
+    """Caffe2's test_equiv model: FC 16->1 (zeros), Sigmoid, L2 loss; shared model, combine_spatial_bn
+    (interleaved replicas; the model has no batch norm), clipping, LR injection."""
     def add_model(model, loss_scale):
         fc = brew.fc(model, "data", "fc", dim_in=16, dim_out=1, weight_init=("ConstantFill", {}),
                      bias_init=("ConstantFill", {}))
@@ -312,7 +319,7 @@ def _equiv_run(devices: list[int]) -> np.ndarray:
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_model,
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(
                         m, 0.1, policy="fixed", max_gradient_norm=5.0, allow_lr_injection=True),
-                    devices=devices, cpu_device=True, shared_model=True)
+                    devices=devices, cpu_device=True, shared_model=True, combine_spatial_bn=True)
     dpm.AddBlobSync(model, ["sync_num"])
     assert len(dpm.GetLearningRateBlobNames(model)) > 0
     np.random.seed(2603)
@@ -335,7 +342,7 @@ def _equiv_run(devices: list[int]) -> np.ndarray:
 
 @pytest.mark.slow
 def test_equiv():
-    """Caffe2's test_equiv on CPU with 1, 2, 4, 8, 16 devices (combine_spatial_bn left out: not supported)."""
+    """Caffe2's test_equiv on CPU with 1, 2, 4, 8, 16 devices."""
     reference = _equiv_run([0])
     assert np.abs(reference).sum() > 0
     for count in (2, 4, 8, 16):
@@ -472,7 +479,6 @@ MISUSES = {
     "non-int device ids": (dict(devices=["0"]), TypeError, "int device ids"),
     "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
     "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
-    "combine_spatial_bn": (dict(combine_spatial_bn=True), NotImplementedError, "combine_spatial_bn"),
     "memonger": (dict(optimize_gradient_memory=True), NotImplementedError, "optimize_gradient_memory"),
     "dynamic memory": (dict(dynamic_memory_management=True), NotImplementedError, "dynamic_memory"),
     "builder not callable": (dict(input_builder_fun=None), TypeError, "input_builder_fun must be a function"),
@@ -494,6 +500,18 @@ def test_misuse_raises_and_leaves_the_model_unchanged(case):
     model.init_params = True
     dpm.Parallelize(model, **kwargs)  # the model is still usable
     assert model._grad_names == [f"{p}_grad" for p in MLP_PARAMS] and "shared_table" in model.params
+
+
+def test_a_cpu_device_scope_is_allowed_and_cpu_devices_default_to_the_core_count():
+    with DeviceScope(DeviceOption(CPU, 0)):
+        model = _parallelized(None)
+    assert model._devices == list(range(os.cpu_count() or 1))
+
+
+@pytest.mark.skipif(num_cuda_devices() > 0, reason="checks the error on machines without CUDA")
+def test_cuda_devices_default_to_none_without_a_gpu():
+    with pytest.raises(ParallelizeError, match="no devices"):
+        dpm.Parallelize(model_helper.ModelHelper(name="g"), lambda m: None, MLP, optimizer_builder_fun=sgd())
 
 
 def test_parallelizing_twice_and_non_models_are_refused():
@@ -551,6 +569,7 @@ def test_builders_run_in_order_with_their_scopes():
 
 
 def test_forward_only_models_get_net_lists_and_share_the_trained_params():
+    """Caffe2 gave forward-only models no net lists, so RunInitNet/RunNet failed on them."""
     (x, y), = batches(1, 4, (6,))
     trained, _, _ = train(MLP, MLP_PARAMS, [0, 1], [(x, y)])
     test = model_helper.ModelHelper(name="test", init_params=False)
@@ -574,12 +593,15 @@ def test_forward_only_model_with_init_params_warns(caplog):
 
 
 def test_run_net_runs_the_net_num_iterations_times():
+    """Caffe2 also ran its barrier net once per iteration; graphpar has no barrier net on one host."""
     model, _, _ = train(MLP, MLP_PARAMS, [0, 1], batches(1, 2, (6,)))
     dpm.RunNet(model, 3)
     assert workspace.FetchBlob("optimizer_iteration").tolist() == [4]
 
 
 def test_pre_existing_params_are_not_replicated_and_need_no_gradient():
+    """Caffe2 raised KeyError for a pre-existing param without a gradient and dropped the first
+    len(non_data_params) grouped entries by position; graphpar filters by name."""
     model = model_helper.ModelHelper(name="pre")
     model.param_init_net.ConstantFill([], "table", shape=[3], value=1.0)
     model.AddParameter(BlobReference("table"))

@@ -30,15 +30,16 @@ def _forward(model: ModelHelper) -> str:
     return loss
 
 
-def _model(gpus: tuple[int, ...] = ()) -> ModelHelper:
-    """An MLP with gradients, on the CPU, or replicated on logical GPUs `gpus` (scopes gpu_<id>/)."""
+def _model(gpus: tuple[int, ...] = (), device_type: int = CUDA) -> ModelHelper:
+    """An MLP with gradients, unscoped, or replicated on devices `gpus` (scopes gpu_<id>/ or cpu_<id>/)."""
     model = ModelHelper(name="opt")
     if not gpus:
         model.AddGradientOperators([_forward(model)])
         return model
     losses = []
+    prefix = "gpu" if device_type == CUDA else "cpu"
     for gpu in gpus:
-        with DeviceScope(DeviceOption(CUDA, gpu)), NameScope(f"gpu_{gpu}"):
+        with DeviceScope(DeviceOption(device_type, gpu)), NameScope(f"{prefix}_{gpu}"):
             losses.append(_forward(model))
     model.AddGradientOperators(losses)
     return model
@@ -153,6 +154,18 @@ def test_several_devices_share_one_cpu_iteration_counter():
             assert update.inputs[2] == opt.get_gpu_blob_name("lr", gpu)
 
 
+def test_cpu_devices_share_one_lr_blob_but_keep_their_own_state():
+    model = _model(gpus=(0, 1), device_type=CPU)
+    init, net, opt = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9))
+    lrs = [op for op in net if op.type == "LearningRate"]
+    assert [(op.outputs, op.device_option) for op in lrs] == [([opt.get_cpu_blob_name("lr")], CPU0)]
+    assert [op.outputs[0] for op in init if op.outputs[0].startswith("ONE")] == ["ONE_0_0", "ONE_0_1"]
+    for cpu in (0, 1):
+        update = next(op for op in net if op.type == "MomentumSGDUpdate" and op.inputs[3] == f"cpu_{cpu}/fc1_w")
+        assert update.inputs[1] == f"cpu_{cpu}/fc1_w_momentum"
+        assert update.device_option == DeviceOption(CPU, cpu)
+
+
 def test_a_second_optimizer_reuses_the_counter_and_gets_its_own_lr():
     model = _model()
     first = optimizer.build_sgd(model, 0.1)
@@ -203,6 +216,7 @@ def test_lr_injection_multiplies_every_lr():
     ({"max_gradient_norm": 0.0}, ValueError),
     ({"base_learning_rate": -1.0}, ValueError),
     ({"base_learning_rate": "0.1"}, TypeError),
+    ({"policy": "step", "step_size": 3}, TypeError),  # a typo of `stepsize`
 ])
 def test_bad_sgd_arguments_raise_before_recording(kwargs, error):
     model = _model()
@@ -222,11 +236,13 @@ def test_bad_adam_arguments_and_models_without_gradients_raise():
         optimizer.build_sgd(model, 0.1)
 
 
-def test_sparse_gradients_are_refused():
+def test_sparse_gradients_are_refused_before_recording():
     model = _model()
-    model.param_to_grad[model.params[0]] = GradientSlice("idx", "vals")
+    model.param_to_grad[model.params[-1]] = GradientSlice("idx", "vals")
+    before = len(model.net.Proto().ops)
     with pytest.raises(NotImplementedError, match="GradientSlice"):
         optimizer.build_sgd(model, 0.1)
+    assert len(model.net.Proto().ops) == before
 
 
 # ------------------------------------------------------------------------------------------------

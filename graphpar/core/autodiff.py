@@ -73,10 +73,13 @@ def backward_pass(forward_ops: Sequence[OperatorDef],
     Raises:
         GradientError: a y that no forward op writes; a gradient reaching an op that is not
             differentiable or has no gradient maker; a gradient op that would read a value a later op
-            (or the op itself, in place) overwrote; a StopGradient whose output nothing reads; partial
-            gradients of one blob that mix dense and sparse or live on different devices; a gradient
-            maker that breaks its contract.
+            (or the op itself, in place) overwrote; a version of a blob that nothing reads while a
+            later version of it receives a gradient (two ops writing one name by mistake); a
+            StopGradient whose output nothing reads; partial gradients of one blob that mix dense and
+            sparse or live on different devices; a gradient maker that breaks its contract.
         TypeError: `ys` is neither a list nor a dict, or a seed is not a blob name or GradientSlice.
+        ValueError, TypeError: a gradient op that does not fit its schema (raised by check_operator,
+            naming the forward op).
     """
     backward = _BackwardPass(list(forward_ops))
     grad_ops = backward.seed(ys)

@@ -18,7 +18,9 @@ The all-reduce is `passes.allreduce`'s (a Sum tree over device positions plus Co
 `NCCLAllreduce` with `use_nccl` on CUDA; peers without P2P access are copied to the root first).
 Unlike Caffe2, whose GPU variant reduced through `cpu_0` and which needed device ids 0..N-1, the sums
 stay on the replicas' devices and any device ids work. The statistics are two per-channel vectors, so
-per layer and direction this adds 2 collectives (NCCL) or 2·(N-1) Sums + 2·(N-1) Copies.
+per layer and direction this adds N stats ops and 2 all-reduces: 2 NCCLAllreduce ops, or 2 Sum
+reductions (N-1 pairwise Sums each for 4, 8 or 16 devices, else one N-ary Sum) and 2·(N-1) Copies.
+As in Caffe2, every device must get a batch of the same size: SpatialBN's count is N times its own.
 """
 
 from __future__ import annotations

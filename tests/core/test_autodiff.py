@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphpar import workspace
-from graphpar.core import CPU, CUDA, DeviceOption, GradientSlice, Net, OperatorDef
+from graphpar.core import CPU, CUDA, BlobReference, DeviceOption, GradientSlice, Net, OperatorDef
 from graphpar.core.autodiff import backward_pass
 from graphpar.errors import GradientError
 from graphpar.ops.registry import GI, NO_GRADIENT, NOT_DIFFERENTIABLE, gradient_op, register_op
@@ -91,6 +91,7 @@ _register("_TestBranchy", _branchy_gradient)
 _register("_TestScaled", _scaled_gradient, args={"scale": 1.0, "mode": "a"})
 _register("_TestScaledGradient", NOT_DIFFERENTIABLE, args={"scale": 1.0}, gradient_of="_TestScaled")
 _register("_TestScaledNoCopy", _scaled_gradient, args={"mode": "a"}, copy_args_to_gradient=False)
+_register("_TestBadMaker", lambda o, g: ([], [g[0], g[0]]))  # two input gradients for one input
 
 
 def op(type_, inputs, outputs, **args):
@@ -115,8 +116,7 @@ def test_direct_chain():
     grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"})
     assert summary(grad_ops) == [(DG, ["out_grad"], ["hidden_grad"]), (DG, ["hidden_grad"], ["in_grad"])]
     assert grad_map == {"out": "out_grad", "hidden": "hidden_grad", "in": "in_grad"}
-    assert all(type(k).__name__ == "BlobReference" and type(v).__name__ == "BlobReference"
-               for k, v in grad_map.items())
+    assert all(type(k) is BlobReference and type(v) is BlobReference for k, v in grad_map.items())
 
 
 def test_list_seed_is_input_shaped_constant_fill_named_grad():
@@ -454,8 +454,6 @@ def test_misuse_raises_clear_errors():
 
 
 def test_maker_breaking_its_contract_raises():
-    register_op("_TestBadMaker", kernel=_clone_kernel, doc="Test-only op.",
-                gradient=lambda o, g: ([], [g[0], g[0]]))
     with pytest.raises(GradientError, match="returned 2 input gradients for 1 inputs"):
         backward_pass([op("_TestBadMaker", "x", "y")], ["y"])
 
@@ -626,3 +624,30 @@ def test_random_nets_match_autograd(seed):
         want = np.zeros((3, 4)) if want is None else want.numpy()
         got = workspace.FetchBlob(grad_map[name]) if name in grad_map else np.zeros((3, 4))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=f"{name} in {ops}")
+
+
+def test_small_cnn_with_batch_norm_matches_autograd():
+    net = Net("cnn")
+    net.Conv(["x", "k", "kb"], "c", kernel=3, pad=1)
+    net.SpatialBN(["c", "s", "sb", "rm", "rv"], ["bn", "rm", "rv", "sm", "siv"], epsilon=1e-5)
+    net.Relu("bn", "bn")
+    net.MaxPool("bn", "p", kernel=2, stride=2)
+    net.AveragePool("p", "g", global_pooling=True)
+    net.FC(["g", "w", "b"], "logits")
+    net.SoftmaxWithLoss(["logits", "label"], ["softmax", "loss"])
+    net.Accuracy(["softmax", "label"], "accuracy")  # not differentiable, and no gradient reaches it
+    label = np.array([1, 0, 2, 1], dtype=np.int32)
+    workspace.FeedBlob("label", label)
+    workspace.FeedBlob("rm", np.zeros(3))
+    workspace.FeedBlob("rv", np.ones(3))
+    feeds = {"x": _rand(4, 2, 6, 6), "k": _rand(3, 2, 3, 3, seed=1), "kb": _rand(3, seed=2),
+             "s": _rand(3, seed=3), "sb": _rand(3, seed=4), "w": _rand(3, 3, seed=5), "b": _rand(3, seed=6)}
+
+    def reference(t):
+        c = torch.nn.functional.conv2d(t["x"], t["k"], t["kb"], padding=1)
+        bn = torch.relu(torch.nn.functional.batch_norm(c, None, None, t["s"], t["sb"], True, 0.0, 1e-5))
+        g = torch.nn.functional.max_pool2d(bn, 2, 2).mean(dim=(2, 3))
+        return torch.nn.functional.cross_entropy(g @ t["w"].T + t["b"], torch.tensor(label, dtype=torch.long))
+
+    grad_map = _run_and_compare(net, ["loss"], feeds, reference, list(feeds))
+    assert "rm" not in grad_map and "rv" not in grad_map and "accuracy" not in grad_map

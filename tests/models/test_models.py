@@ -5,8 +5,8 @@ import functools
 import numpy as np
 import pytest
 
-from graphpar import model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, optimizer, workspace
 from graphpar.models import lenet, mlp, resnet18, resnet50
 
 
@@ -49,7 +49,7 @@ def test_a_tiny_resnet_trains_on_two_devices_with_identical_replicas():
     rng = np.random.default_rng(0)
     for step in range(2):
         for d in (1, 2):
-            workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((2, 3, 16, 16), dtype=np.float32))
+            workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((2, 3, 8, 8), dtype=np.float32))
             workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 2).astype(np.int32))
         if step == 0:
             dpm.RunInitNet(model)

@@ -41,6 +41,7 @@ def test_three_devices_flat_sum_then_copies_back():
 
 
 def test_four_devices_use_positions_not_ids():
+    """Caffe2 #714: device ids that do not start at 0 crashed the old tree."""
     lay = layout([7, 4, 9, 5], gpu=True)
     net = grad_net(lay, ["g"])
     ops = allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {})
@@ -76,8 +77,9 @@ def test_gradients_are_reduced_in_the_order_given():
 def test_nccl_on_cuda_is_one_inplace_allreduce_per_gradient_chained_by_control_inputs():
     lay = layout([2, 3], gpu=True)
     names = ["a", "b", "c"]
-    ops = allreduce_gradients(grad_net(lay, names), names, {n: lay.group(n) for n in names}, lay, {},
-                              use_nccl=True)
+    net = grad_net(lay, names)
+    ops = allreduce_gradients(net, names, {n: lay.group(n) for n in names}, lay, {}, use_nccl=True)
+    assert net.ops[-3:] == ops  # Caffe2 put NCCL ops into model.net whatever net it was asked for
     assert summary(ops) == [
         ("NCCLAllreduce", ["gpu_2/a", "gpu_3/a"], ["gpu_2/a", "gpu_3/a"], gpu(2), "", []),
         ("NCCLAllreduce", ["gpu_2/b", "gpu_3/b"], ["gpu_2/b", "gpu_3/b"], gpu(2), "", ["gpu_2/a"]),
@@ -92,6 +94,7 @@ def test_nccl_is_ignored_on_cpu():
 
 
 def test_peers_without_p2p_access_are_copied_to_the_root_first_into_the_target_net():
+    """Caffe2 #633/#659 (illegal access without P2P); Caffe2 added these copies to model.net (a bug)."""
     lay = layout([0, 1, 2, 3], gpu=True)
     net, other = grad_net(lay, ["g"]), NetDef("untouched")
     islands = {0: 0, 1: 0, 2: 1, 3: 1}
