@@ -53,13 +53,14 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
 
-def build(devices: list[int], cpu: bool, lr: float, epochs: int, steps_per_epoch: int):
-    """The training model (SGD with momentum, step decay) and a forward-only test model sharing its params."""
+def build(devices: list[int], cpu: bool, lr: float, lr_step: int):
+    """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps) and a forward-only test model
+    that shares its params."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
         optimizer_builder_fun=lambda m: optimizer.build_sgd(
-            m, base_learning_rate=lr, policy="step", stepsize=max(1, (epochs * steps_per_epoch) // 2),
+            m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
         devices=devices, cpu_device=cpu)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
     parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"))
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_epoch = len(y_train) // args.batch_size
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
-    train, test = build(devices, cpu, args.lr, args.epochs, steps_per_epoch)
+    train, test = build(devices, cpu, args.lr, args.lr_step_epochs * steps_per_epoch)
     print(f"graphpar: training a CNN on {len(y_train)} digits over {count} {'CPU' if cpu else 'CUDA'} "
           f"devices ({args.batch_size // count} samples each per step)")
 
