@@ -232,9 +232,16 @@ def softmax(model: ModelHelper, blob_in: str, blob_out: str | None = None, **kwa
 
 
 @Register
-def max_pool(model: ModelHelper, blob_in: str, blob_out: str, **kwargs: Any) -> BlobReference:
-    """MaxPool; `kernel`, `stride`, `pad`, `global_pooling` go to the op."""
-    return model.net.MaxPool(blob_in, blob_out, **kwargs)
+def max_pool(model: ModelHelper, blob_in: str, blob_out: str, is_test: bool = False,
+             **kwargs: Any) -> BlobReference:
+    """MaxPool; `kernel`, `stride`, `pad`, `global_pooling` go to the op.
+
+    Training (the default) also records the arg-max indices into `<out>_index`, which MaxPoolGradient
+    reads instead of pooling again; `is_test=True` records Y only.
+    """
+    if is_test:
+        return model.net.MaxPool(blob_in, blob_out, **kwargs)
+    return model.net.MaxPool(blob_in, [blob_out, _suffixed(blob_out, "_index")], **kwargs)[0]
 
 
 @Register

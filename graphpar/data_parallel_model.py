@@ -458,6 +458,10 @@ def _gc_paused() -> Iterator[None]:
     Parallelize creates ~1e5 long-lived objects (ops, names) for a large model; each full collection
     rescans all of them, which made the build time grow quadratically with the device count (ResNet-50:
     2.8x from 8 to 16 devices, 2.1x with the collector paused). No cycles need collecting meanwhile.
+
+    On the way out the objects go straight to the oldest generation (`gc.freeze()` then `unfreeze()`),
+    where surviving objects end up anyway: otherwise the first young collection after the build scans
+    them all (60 ms for ResNet-50 on 16 devices). Skipped if the caller has frozen objects of its own.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -465,6 +469,9 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from graphpar.core.ir import BlobReference, GradientSlice
+from graphpar.core.autodiff import backward_pass
+from graphpar.core.ir import BlobReference, GradientSlice, NetDef
 from graphpar.core.net import Net
 from graphpar.core.scope import CurrentNameScope
 from graphpar.ops.registry import get_schema
@@ -201,13 +202,14 @@ class ModelHelper:
         return self.GetParams(namescope) + self.GetComputedParams(namescope)
 
     def Validate(self) -> None:  # noqa: N802
-        """Check both nets against the op registry and that no parameter is registered twice.
+        """Check that no parameter is registered twice (Caffe2's check), in O(params).
+
+        The ops are not re-checked: `Net` checks each op against its schema when it is recorded, and
+        the workspace checks the whole net again (`NetDef.validate`) when it creates it.
 
         Raises:
-            ValueError: duplicate parameters (listed), or a net invariant that does not hold.
+            ValueError: duplicate parameters (listed).
         """
-        self.param_init_net.Proto().validate()
-        self.net.Proto().validate()
         counts = Counter(str(p) for p in self.params + self._computed_params)
         dupes = sorted(p for p, n in counts.items() if n > 1)
         if dupes:
@@ -215,24 +217,48 @@ class ModelHelper:
                              f"{dupes}; create each parameter once (create_param "
                              f"returns the existing blob for a shared one)")
 
-    def AddGradientOperators(self, ys: list | dict) -> dict[BlobReference, str | GradientSlice]:  # noqa: N802
+    def AddGradientOperators(self, ys: list | dict,  # noqa: N802
+                             input_gradients: bool = False) -> dict[BlobReference, str | GradientSlice]:
         """Append the gradient ops of `net` for losses `ys` (once); fill grad_map and param_to_grad.
+
+        Like PyTorch, and unlike Caffe2, the net's inputs fed from outside (its external inputs that
+        are not parameters: data, labels) get no gradient: they have no grad_map entry, and autodiff
+        drops the gradient computation that serves only them (e.g. the first FC's dX).
+        `input_gradients=True` computes them too, as Caffe2 did (`net.AddGradientOperators`).
 
         Raises:
             RuntimeError: gradient operators were already added.
             ValueError: Validate() failed (e.g. duplicate parameters).
+            GradientError: a correct gradient cannot be built (see `backward_pass`).
         """
         if self.gradient_ops_added:
             raise RuntimeError(f"model {self.name!r}: AddGradientOperators was already called; it may run "
                                f"only once per model (pass every loss in one call)")
         self.Validate()
-        self.grad_map = self.net.AddGradientOperators(ys)
+        if input_gradients:
+            self.grad_map = self.net.AddGradientOperators(ys)
+        else:
+            self.grad_map = self._add_gradients_to_params(ys)
         self.gradient_ops_added = True
         self.param_to_grad = {p: self.grad_map[p] for p in self.params if p in self.grad_map}
         for param, grad in self.param_to_grad.items():
             info = self._parameters_info.setdefault(str(param), ParameterInfo(str(param), param, None))
             info.grad = grad
         return self.grad_map
+
+    def _add_gradients_to_params(self, ys: list | dict) -> dict[BlobReference, str | GradientSlice]:
+        """`net.AddGradientOperators(ys)` with no gradient to the external inputs that are not params."""
+        proto = self.net.Proto()
+        params = {str(p) for p in self.GetAllParams("")}
+        inputs = [b for b in proto.external_inputs if b not in params]
+        grad_ops, grad_map = backward_pass(list(proto.ops), ys, no_gradient_to=inputs)
+        self.net.AppendNet(NetDef(self.net.Name(), ops=grad_ops))
+
+        def bound(blob: str) -> BlobReference:
+            return BlobReference(blob, self.net)
+
+        return {bound(b): GradientSlice(*map(bound, g)) if isinstance(g, GradientSlice) else bound(g)
+                for b, g in grad_map.items()}
 
     def GetDevices(self) -> list[int]:  # noqa: N802
         """The device ids `data_parallel_model.Parallelize` placed this model on.

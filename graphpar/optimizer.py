@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 from graphpar.core.graph import blob_devices
@@ -56,17 +57,13 @@ def _one(init_net: Net, device: DeviceOption) -> BlobReference:
     return _constant(init_net, f"ONE_{int(device.device_type)}_{device.device_id}", 1.0, device)
 
 
-def _writes(net: Net, blob: str) -> bool:
-    return any(blob in op.outputs for op in net.Proto().ops)
-
-
 def _iteration_counter(net: Net, init_net: Net) -> BlobReference:
     """The model's one CPU iteration counter, created on first use (Caffe2's BuildUniqueMutexIter)."""
     iteration = BlobReference(OPTIMIZER_ITERATION)
     with DeviceScope(DeviceOption(CPU)):
         if not init_net.BlobIsDefined(iteration):
             init_net.ConstantFill([], iteration, shape=[1], value=0, dtype="int64")
-        if not _writes(net, iteration):
+        if not net.BlobIsProduced(iteration):
             net.Iter([iteration], [iteration])
     return iteration
 
@@ -224,8 +221,14 @@ def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[B
     return params
 
 
-def _param_devices(model: ModelHelper) -> dict[str, DeviceOption]:
-    """Each blob's device, as the op that creates it (init net first) places it (Caffe2's InferBlobDevices)."""
+def _param_devices(model: ModelHelper, params: list[tuple[BlobReference, str]]) -> dict[str, DeviceOption]:
+    """Each param's device: that of the first op using it, init net first (Caffe2's InferBlobDevices).
+
+    Params are normally created in the init net, so the train net is scanned only if one is not.
+    """
+    devices = blob_devices(model.param_init_net.Proto())
+    if all(param in devices for param, _ in params):
+        return devices
     return blob_devices([model.param_init_net.Proto(), model.net.Proto()])
 
 
@@ -259,15 +262,16 @@ def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
            max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> Optimizer:
     """Record `optimizer`'s update for each param with a gradient, on the param's device (Caffe2's _build)."""
     params = _optimization_params(model, weights_only)
-    devices = _param_devices(model)
+    devices = _param_devices(model, params)
     with NameScope(None, reset=True):
         if max_gradient_norm is not None:
             _clip_by_global_norm(model, optimizer, params, devices, max_gradient_norm)
         if allow_lr_injection:
             optimizer.lr_injection = _lr_injection(model)
-        for param, grad in params:
-            with DeviceScope(devices[param]):
-                optimizer(model.net, model.param_init_net, param, grad)
+        for device, run in groupby(params, key=lambda pair: devices[pair[0]]):
+            with DeviceScope(device):  # one scope per run of consecutive params on the same device
+                for param, grad in run:
+                    optimizer(model.net, model.param_init_net, param, grad)
     return optimizer
 
 

@@ -148,7 +148,7 @@ def test_spatial_bn_test_mode_has_one_output():
     (brew.sigmoid, "Sigmoid", {}, NCHW),
     (brew.tanh, "Tanh", {}, NCHW),
     (brew.softmax, "Softmax", {"axis": 1}, {"axis": 1, **NCHW}),
-    (brew.max_pool, "MaxPool", {"kernel": 2, "stride": 2}, {"kernel": 2, "stride": 2, **NCHW}),
+    (brew.max_pool, "MaxPool", {"kernel": 2, "stride": 2, "is_test": True}, {"kernel": 2, "stride": 2, **NCHW}),
     (brew.average_pool, "AveragePool", {"global_pooling": True}, {"global_pooling": True, **NCHW}),
     (brew.flatten, "Flatten", {}, NCHW),
 ])
@@ -159,6 +159,17 @@ def test_single_op_helpers(helper, op_type, kwargs, args):
     assert out == "gpu_0/y"
     assert ops_of(model.net) == [(op_type, ["gpu_0/x"], ["gpu_0/y"], args)]
     assert model.params == [] and model.param_init_net.Proto().ops == []
+
+
+def test_max_pool_records_its_indices_when_training():
+    model = ModelHelper(name="brew_max_pool")
+    with NameScope("gpu_0"):
+        out = brew.max_pool(model, "x", "p", kernel=2)
+    assert out == "gpu_0/p"
+    assert ops_of(model.net) == [("MaxPool", ["gpu_0/x"], ["gpu_0/p", "gpu_0/p_index"], {"kernel": 2, **NCHW})]
+    with brew.arg_scope(brew.max_pool, is_test=True):
+        brew.max_pool(model, "x", "q", kernel=2)
+    assert model.net.Proto().ops[-1].outputs == ["q"]
 
 
 def test_relu_in_place_and_softmax_auto_name():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from unittest import mock
 
@@ -512,6 +513,26 @@ def test_a_cpu_device_scope_is_allowed_and_cpu_devices_default_to_the_core_count
 def test_cuda_devices_default_to_none_without_a_gpu():
     with pytest.raises(ParallelizeError, match="no devices"):
         dpm.Parallelize(model_helper.ModelHelper(name="g"), lambda m: None, MLP, optimizer_builder_fun=sgd())
+
+
+def test_the_garbage_collector_is_left_as_it_was():
+    """Parallelize pauses the collector and promotes what it built, but keeps the caller's settings."""
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    _parallelized([0, 1])
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        _parallelized([0, 1])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    gc.freeze()  # the caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        _parallelized([0, 1])
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_parallelizing_twice_and_non_models_are_refused():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar import brew, workspace
-from graphpar.core import CUDA, BlobReference, DeviceOption, DeviceScope, NameScope
+from graphpar.core import CUDA, BlobReference, DeviceOption, DeviceScope, NameScope, Net, NetDef
 from graphpar.model_helper import ExternalInitializer, Initializer, ModelHelper, ParameterTags
 
 
@@ -205,14 +205,39 @@ def test_param_both_trainable_and_computed_is_a_duplicate():
         model.Validate()
 
 
+def test_validate_checks_params_without_rescanning_the_nets(monkeypatch: pytest.MonkeyPatch):
+    """Ops were checked when recorded (and are again at CreateNet): Validate costs O(params), not O(ops)."""
+    model = _mlp("mh_validate_cheap")
+    monkeypatch.setattr(NetDef, "validate", lambda self: pytest.fail(f"net {self.name} re-validated"))
+    monkeypatch.setattr(Net, "Proto", lambda self: pytest.fail(f"net {self.Name()} proto fetched"))
+    model.Validate()
 
-def test_mlp_gradients_equal_torch_autograd():
+
+
+def test_inputs_fed_from_outside_get_no_gradient_unless_asked():
+    model = _mlp("mh_inputs")
+    grad_map = model.AddGradientOperators(["loss"])
+    first_fc = [op for op in model.net.Proto().ops if op.type == "FCGradient"][-1]
+    assert (first_fc.inputs, first_fc.outputs) == (["data", "fc1_w", "fc1_grad"], ["fc1_w_grad", "fc1_b_grad"])
+    assert first_fc.args["no_gradient_to_input"] is True
+    assert not {"data", "target"} & set(grad_map) and grad_map["fc1"] == "fc1_grad"  # intermediates kept
+    assert all(isinstance(k, BlobReference) and k.Net() is model.net for k in grad_map)
+    assert not any("data_grad" in op.outputs for op in model.net.Proto().ops)
+
+    caffe2 = _mlp("mh_inputs_caffe2")
+    grad_map = caffe2.AddGradientOperators(["loss"], input_gradients=True)
+    assert grad_map["data"] == "data_grad" and grad_map["target"] == "target_grad"
+    assert caffe2.param_to_grad == model.param_to_grad
+
+
+@pytest.mark.parametrize("input_gradients", [False, True])
+def test_mlp_gradients_equal_torch_autograd(input_gradients):
     model = ModelHelper(name="mh_autograd")
     h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=5)
     h = brew.relu(model, h, h)
     pred = brew.fc(model, h, "pred", dim_in=5, dim_out=3)
     _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
-    model.AddGradientOperators([loss])
+    model.AddGradientOperators([loss], input_gradients=input_gradients)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 6)).astype(np.float32)
     label = rng.integers(0, 3, size=8).astype(np.int32)
@@ -230,3 +255,4 @@ def test_mlp_gradients_equal_torch_autograd():
     assert set(model.param_to_grad) == set(params)
     for param, grad in model.param_to_grad.items():
         torch.testing.assert_close(workspace.FetchTensor(grad), params[param].grad, rtol=1e-4, atol=1e-5)
+    assert workspace.HasBlob("data_grad") == input_gradients

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphpar import brew, optimizer, workspace
-from graphpar.core import CPU, CUDA, DeviceOption, DeviceScope, GradientSlice, NameScope
+from graphpar.core import CPU, CUDA, DeviceOption, DeviceScope, GradientSlice, NameScope, Net
 from graphpar.devices import cuda_on_cpu
 from graphpar.model_helper import ModelHelper
 
@@ -152,6 +152,39 @@ def test_several_devices_share_one_cpu_iteration_counter():
             update = next(op for op in net if op.type == "MomentumSGDUpdate" and op.inputs[3] == name)
             assert fill.device_option == device and update.device_option == device
             assert update.inputs[2] == opt.get_gpu_blob_name("lr", gpu)
+
+
+def test_building_rescans_each_net_a_fixed_number_of_times(monkeypatch: pytest.MonkeyPatch):
+    """Per-device LRs do not rescan the train net (that made GPU builds quadratic in the devices)."""
+    rebuilds = []
+    original = Net._rebuild_tables
+    monkeypatch.setattr(Net, "_rebuild_tables", lambda self: (rebuilds.append(self.Name()), original(self)))
+    counts = []
+    for gpus in ((0, 1), (0, 1, 2, 3)):
+        model = _model(gpus=gpus)
+        rebuilds.clear()
+        optimizer.build_sgd(model, 0.1, momentum=0.9)
+        counts.append(len(rebuilds))
+        assert len([op for op in model.net.Proto().ops if op.type == "LearningRate"]) == len(gpus)
+    assert counts[0] == counts[1] <= 2
+
+
+def test_a_net_that_reads_the_counter_still_gets_it_advanced():
+    """The counter is advanced unless the net already *writes* it; reading it does not count."""
+    model = _model()
+    model.net.Scale(["optimizer_iteration"], "iteration_copy")  # an external input of the net
+    _, net, _ = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1))
+    assert [op.type for op in net if "optimizer_iteration" in op.outputs] == ["Iter"]
+
+
+def test_params_the_init_net_does_not_create_are_placed_by_the_train_net():
+    model = ModelHelper(name="opt_external", init_params=False)
+    with DeviceScope(DeviceOption(CUDA, 1)):
+        model.AddGradientOperators([_forward(model)])
+    _, net, _ = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1))
+    updates = [op for op in net if op.type == "WeightedSum"]
+    assert [op.outputs[0] for op in updates] == PARAMS
+    assert all(op.device_option == DeviceOption(CUDA, 1) for op in updates)
 
 
 def test_cpu_devices_share_one_lr_blob_but_keep_their_own_state():

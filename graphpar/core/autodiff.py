@@ -32,12 +32,21 @@ Where graphpar deliberately differs from Caffe2 (each difference has a test):
 - A seed blob given in `ys` is accumulated with the gradients from y's other readers (Caffe2 silently
   dropped it), and never overwritten when the caller feeds it.
 - Blobs are visited in input order, never set order, so the emitted ops are reproducible.
+
+Unwanted gradients (`no_gradient_to`, e.g. the data and labels fed from outside, as PyTorch leaves
+inputs without gradient) are removed after the walk by dead-gradient elimination over the emitted ops:
+a gradient blob is live if it is the final gradient of a wanted blob (every blob in the map but the
+unwanted ones) or a later live gradient op reads it; a gradient op with no live output is dropped. A
+live op's dead last output is dropped when its schema has Caffe2's `no_gradient_to_input` argument
+(FCGradient, ConvGradient: that output is dX, which the kernel then skips). So only gradients that
+flow solely into unwanted blobs disappear; an intermediate's gradient (Caffe2's tests read
+`tanh_grad`) is kept.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +59,11 @@ Gradient = str | GradientSlice | None
 Maker = Callable[[OperatorDef, list], tuple[list, list]]
 
 _PROBE = "\x00autodiff-probe:"  # prefix of the stand-in names used to tell an input from an output
+NO_GRADIENT_TO_INPUT = "no_gradient_to_input"  # Caffe2's argument: a gradient op omits its last output, dX
 
 
-def backward_pass(forward_ops: Sequence[OperatorDef],
-                  ys: Sequence[str] | dict[str, Any]) -> tuple[list[OperatorDef], dict]:
+def backward_pass(forward_ops: Sequence[OperatorDef], ys: Sequence[str] | dict[str, Any],
+                  no_gradient_to: Iterable[str] = ()) -> tuple[list[OperatorDef], dict]:
     """The gradient ops of `forward_ops` for the outputs `ys`, and the map of every gradient.
 
     Args:
@@ -61,6 +71,8 @@ def backward_pass(forward_ops: Sequence[OperatorDef],
         ys: a list of blobs, each seeded with ones (`ConstantFill([y], [y_grad], value=1.0)` on the
             device of the op that wrote y), or a dict `{y: seed}` where the seed is a gradient blob
             name, a GradientSlice, or None for the automatic ones.
+        no_gradient_to: blobs whose gradients nobody wants (e.g. data and labels). They get no map
+            entry, and the gradient computation that serves only them is eliminated (module docstring).
 
     Returns:
         `(grad_ops, grad_map)`: the gradient ops to append to the net (seed fills first, then the
@@ -77,16 +89,60 @@ def backward_pass(forward_ops: Sequence[OperatorDef],
             later version of it receives a gradient (two ops writing one name by mistake); a
             StopGradient whose output nothing reads; partial gradients of one blob that mix dense and
             sparse or live on different devices; a gradient maker that breaks its contract.
-        TypeError: `ys` is neither a list nor a dict, or a seed is not a blob name or GradientSlice.
+        TypeError: `ys` is neither a list nor a dict, a seed is not a blob name or GradientSlice, or
+            `no_gradient_to` is not a list of blob names.
         ValueError, TypeError: a gradient op that does not fit its schema (raised by check_operator,
             naming the forward op).
     """
+    unwanted = _blob_names(no_gradient_to)
     backward = _BackwardPass(list(forward_ops))
     grad_ops = backward.seed(ys)
     for index in reversed(range(len(backward.ops))):
         grad_ops += backward.differentiate(index)
         grad_ops += backward.accumulate(index)
-    return grad_ops, backward.grad_map()
+    grad_map = backward.grad_map()
+    if not unwanted:
+        return grad_ops, grad_map
+    grad_map = {blob: g for blob, g in grad_map.items() if blob not in unwanted}
+    return eliminate_dead_gradients(grad_ops, [part for g in grad_map.values() for part in _parts(g)]), grad_map
+
+
+def eliminate_dead_gradients(grad_ops: Sequence[OperatorDef], wanted: Iterable[str]) -> list[OperatorDef]:
+    """The gradient ops needed to compute the final values of the `wanted` blobs.
+
+    One reverse sweep: an op is kept if it writes a blob that is live after it (wanted at the end, or
+    read by a later kept op before being overwritten); a kept op's dead last output is dropped when its
+    schema takes `no_gradient_to_input` (the op then skips computing dX). Ops without outputs are kept.
+    The kept ops are modified in place and returned in program order.
+    """
+    live = set(wanted)
+    kept = []
+    for grad_op in reversed(grad_ops):
+        if grad_op.outputs and not live.intersection(grad_op.outputs):
+            continue
+        if grad_op.outputs[-1:] and grad_op.outputs[-1] not in live and _can_drop_input_gradient(grad_op):
+            grad_op.outputs = grad_op.outputs[:-1]
+            grad_op.args = {**grad_op.args, NO_GRADIENT_TO_INPUT: True}
+        live.difference_update(grad_op.outputs)
+        live.update(grad_op.inputs)
+        live.update(grad_op.control_inputs)
+        kept.append(grad_op)
+    return kept[::-1]
+
+
+def _can_drop_input_gradient(grad_op: OperatorDef) -> bool:
+    return NO_GRADIENT_TO_INPUT in get_schema(grad_op.type).args and not grad_op.args.get(NO_GRADIENT_TO_INPUT)
+
+
+def _blob_names(blobs: Iterable[str]) -> set[str]:
+    if isinstance(blobs, str) or not isinstance(blobs, Iterable):
+        raise TypeError(f"no_gradient_to must be a list of blob names, got {type(blobs).__name__} {blobs!r}")
+    names = set()
+    for blob in blobs:
+        if not isinstance(blob, str):
+            raise TypeError(f"no_gradient_to must hold blob names, got {type(blob).__name__} {blob!r}")
+        names.add(str(blob))
+    return names
 
 
 def _parts(gradient: str | GradientSlice) -> list[str]:

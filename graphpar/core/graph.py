@@ -6,11 +6,11 @@ and never re-derive them. Control inputs count as reads everywhere (Caffe2's DAG
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import networkx as nx
 
-from graphpar.core.ir import DeviceOption, NetDef
+from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 
 EDGE_KINDS = ("raw", "waw", "war")
 
@@ -90,13 +90,29 @@ def blob_devices(netdefs: NetDef | Iterable[NetDef],
     if isinstance(netdefs, NetDef):
         netdefs = [netdefs]
     placed: dict[str, DeviceOption] = {}
+    hooks: dict[str, Callable | None] = {}  # op type -> its schema's device_inference
     for netdef in netdefs:
+        net_device = netdef.device_option or default or DeviceOption()
         for op in netdef.ops:
-            device = op.device_option or netdef.device_option or default or DeviceOption()
-            infer = get_schema(op.type).device_inference
-            in_devs, out_devs = infer(op, device) if infer is not None else ((), ())
-            for blobs, devs in ((op.inputs, in_devs), (op.outputs, out_devs)):
-                for k, blob in enumerate(blobs):
+            if op.type not in hooks:
+                hooks[op.type] = get_schema(op.type).device_inference
+            infer, device = hooks[op.type], op.device_option or net_device
+            if infer is None:  # the common case, fast: every blob on the op's device
+                for blob in op.inputs:
                     if blob not in placed:
-                        placed[blob] = (devs[k] if k < len(devs) else None) or device
+                        placed[blob] = device
+                for blob in op.outputs:
+                    if blob not in placed:
+                        placed[blob] = device
+            elif not (all(b in placed for b in op.inputs) and all(b in placed for b in op.outputs)):
+                _place_inferred(placed, op, device, infer(op, device))
     return placed
+
+
+def _place_inferred(placed: dict[str, DeviceOption], op: OperatorDef, device: DeviceOption,
+                    inferred: tuple[Sequence, Sequence]) -> None:
+    """Place the op's new blobs from its device-inference hook's (input devices, output devices)."""
+    for names, devices in zip((op.inputs, op.outputs), inferred):
+        for k, blob in enumerate(names):
+            if blob not in placed:
+                placed[blob] = (devices[k] if k < len(devices) else None) or device

@@ -4,7 +4,9 @@
 (a `BlobReference` is taken as is), auto-names missing outputs, records inputs no earlier op produced
 as external inputs, stamps the current `DeviceScope` and the user's call site, and appends the op.
 
-Look-up tables (blobs produced, external inputs) keep op creation O(1) on nets of 100k ops. `Proto()`
+Look-up tables (blobs produced, external inputs) keep op creation O(1) on nets of 100k ops, and the
+registry's check of an op is skipped when an op of the same signature (type, input/output counts,
+aliasing, argument names, types and values) passed it before: models record many ops alike. `Proto()`
 hands out the live `NetDef`; because its caller may edit it, the tables are rebuilt (O(ops)) before
 the next op is recorded, as in Caffe2. Code that alternates `Proto()` and op creation on a huge net
 should fetch the proto once.
@@ -33,11 +35,22 @@ _USER_CODE_DIRS = tuple(f"{_PACKAGE_DIR}{sub}{os.sep}" for sub in ("models", "ex
 BlobNames = str | Iterable[str] | None
 
 
+_is_library_file: dict[str, bool] = {}  # per source file: inside graphpar, and not builder code
+
+
+def _library_file(filename: str) -> bool:
+    """True for graphpar's own files, except the model zoo and examples (cached per file)."""
+    known = _is_library_file.get(filename)
+    if known is None:
+        known = filename.startswith(_PACKAGE_DIR) and not filename.startswith(_USER_CODE_DIRS)
+        _is_library_file[filename] = known
+    return known
+
+
 def _call_site() -> str:
     """'file:line' of the first stack frame outside the graphpar library (the user's builder call)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR) and (
-            not frame.f_code.co_filename.startswith(_USER_CODE_DIRS)):
+    while frame is not None and _library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
 
@@ -47,10 +60,10 @@ def _names(blobs: BlobNames, what: str, op_type: str, scope: str | None = None) 
     if blobs is None:
         return []
     if type(blobs) is str and blobs:  # the common case, fast
-        return [blobs if scope is None else scope + blobs]
+        return [scope + blobs if scope else blobs]
     if isinstance(blobs, str):
         blobs = [blobs]
-    elif not isinstance(blobs, Iterable):
+    elif type(blobs) not in (list, tuple) and not isinstance(blobs, Iterable):
         raise TypeError(f"{op_type}: {what} must be a blob name or a list of them, got "
                         f"{type(blobs).__name__} {blobs!r}")
     names = []
@@ -58,17 +71,26 @@ def _names(blobs: BlobNames, what: str, op_type: str, scope: str | None = None) 
         if not isinstance(blob, str) or not blob:
             raise TypeError(f"{op_type}: {what} must be non-empty blob names (str or BlobReference), "
                             f"got {type(blob).__name__} {blob!r}")
-        scoped = scope is not None and not isinstance(blob, BlobReference)
-        names.append(scope + blob if scoped else str(blob))
+        if not scope or isinstance(blob, BlobReference):
+            names.append(blob if type(blob) is str else str(blob))
+        else:
+            names.append(scope + blob)
     return names
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def _plain_arg(value: Any) -> Any:
     """An argument value as stored in the OperatorDef: Nets become NetDef copies, arrays lists."""
+    if type(value) in _SCALARS:  # the common case, fast
+        return value
     if isinstance(value, Net):
         return value._net.copy()
     if isinstance(value, str):
         return str(value)
+    if type(value) in (list, tuple) and _SCALARS.issuperset(map(type, value)):  # common, fast
+        return list(value)
     if hasattr(value, "tolist"):
         return value.tolist()  # numpy arrays and scalars, torch tensors
     if isinstance(value, (list, tuple)):
@@ -78,20 +100,66 @@ def _plain_arg(value: Any) -> Any:
 
 def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
               device_option: DeviceOption | None, engine: str, control_inputs: list[str],
-              args: dict[str, Any], where: str) -> OperatorDef:
-    """Validate against the registry and build the OperatorDef; nothing is recorded anywhere."""
-    from graphpar.ops.registry import check_operator
-
+              args: dict[str, Any], net_name: str | None) -> OperatorDef:
+    """Validate against the registry and build the OperatorDef (for the net named `net_name`, if
+    any: error messages say so); nothing is recorded anywhere."""
     if device_option is not None and not isinstance(device_option, DeviceOption):
-        raise TypeError(f"{where}: device_option must be a DeviceOption, got {device_option!r}")
+        raise TypeError(f"{_where(op_type, net_name)}: device_option must be a DeviceOption, got "
+                        f"{device_option!r}")
     name, engine = name or "", engine or ""  # Caffe2 code passes None for "unset"
     if not isinstance(name, str) or not isinstance(engine, str):
-        raise TypeError(f"{where}: name and engine must be str, got {name!r} and {engine!r}")
-    op = OperatorDef(op_type, inputs, outputs, {k: _plain_arg(v) for k, v in args.items()},
+        raise TypeError(f"{_where(op_type, net_name)}: name and engine must be str, got {name!r} and "
+                        f"{engine!r}")
+    args = {k: v if type(v) in _SCALARS else _plain_arg(v) for k, v in args.items()}
+    op = OperatorDef(op_type, inputs, outputs, args,
                      device_option if device_option is not None else CurrentDeviceScope(),
                      name, engine, control_inputs, source=_call_site())
-    check_operator(op, where)
+    _check(op, net_name)
     return op
+
+
+def _where(op_type: str, net_name: str | None) -> str:
+    """How error messages name an op being built."""
+    return f"operator {op_type}" if net_name is None else f"{op_type} in net {net_name!r}"
+
+
+# What check_operator's verdict depends on, for ops that passed it: (type, input and output counts,
+# the (input, output) index pairs that name the same blob, each arg's name, type and value). Ops are
+# recorded in large numbers with few distinct signatures, so most are checked by one set look-up.
+_passed: set[tuple] = set()
+_MAX_PASSED = 1 << 14  # signatures remembered (later ones are checked every time)
+_MAX_LIST = 16  # longer list args (e.g. GivenTensorFill values) are checked every time
+
+
+def _check(op: OperatorDef, net_name: str | None) -> None:
+    """`registry.check_operator(op)`, skipped when an op of the same signature passed it."""
+    from graphpar.ops.registry import check_operator
+
+    signature = _signature(op)
+    if signature is not None and signature in _passed:
+        return
+    check_operator(op, _where(op.type, net_name))
+    if signature is not None and len(_passed) < _MAX_PASSED:
+        _passed.add(signature)
+
+
+def _signature(op: OperatorDef) -> tuple | None:
+    """The op's signature for `_check`, or None when an arg is not a scalar or a short list of them."""
+    args = []
+    for name, value in op.args.items():
+        kind = type(value)
+        if kind is list:
+            types = tuple(map(type, value))
+            if len(value) > _MAX_LIST or not _SCALARS.issuperset(types):
+                return None
+            value = (tuple(value), types)
+        elif kind not in _SCALARS:
+            return None
+        args.append((name, kind, value))
+    inputs, outputs = op.inputs, op.outputs
+    aliases = () if set(inputs).isdisjoint(outputs) else tuple(
+        (i, o) for i, blob in enumerate(inputs) for o, out in enumerate(outputs) if blob == out)
+    return op.type, len(inputs), len(outputs), aliases, tuple(args)
 
 
 def CreateOperator(  # noqa: N802 - Caffe2 name
@@ -114,8 +182,7 @@ def CreateOperator(  # noqa: N802 - Caffe2 name
     """
     _schema(type)
     return _build_op(type, _names(inputs, "inputs", type), _names(outputs, "outputs", type), name,
-                     device_option, engine, _names(control_input, "control_input", type), args,
-                     f"operator {type}")
+                     device_option, engine, _names(control_input, "control_input", type), args, None)
 
 
 def _schema(op_type: str) -> Any:
@@ -206,18 +273,15 @@ class Net:
                 or net.external_inputs is not seen[2] or len(net.external_inputs) != seen[3]):
             self._rebuild_tables()
 
-    def _append(self, op: OperatorDef) -> None:
-        """Append a built op; its inputs that nothing produced so far become external inputs."""
-        self._ensure_fresh()
-        self._append_fresh(op)
-
     def _append_fresh(self, op: OperatorDef) -> None:
+        """Append a built op (tables fresh); its inputs that nothing produced so far become external inputs."""
+        produced, external = self._produced, self._external
         for blob in op.inputs:
-            if blob not in self._produced and blob not in self._external:
+            if blob not in produced and blob not in external:
                 self._net.external_inputs.append(blob)
-                self._external.add(blob)
+                external.add(blob)
         self._net.ops.append(op)
-        self._produced.update(op.outputs)
+        produced.update(op.outputs)
         self._remember_shape()
 
     # ---- recording operators -------------------------------------------------------------------
@@ -245,13 +309,12 @@ class Net:
         else:
             out_names = _names(outputs, "outputs", op_type, scope)
         op = _build_op(op_type, _names(inputs, "inputs", op_type, scope), out_names, name, device_option,
-                       engine, _names(control_input, "control_input", op_type, scope), args,
-                       f"{op_type} in net {self._net.name!r}")
+                       engine, _names(control_input, "control_input", op_type, scope), args, self._net.name)
         self._append_fresh(op)
         if hint is not None:
             self._auto_next.update([hint])
-        refs = tuple(BlobReference(blob, self) for blob in op.outputs)
-        return None if not refs else refs[0] if len(refs) == 1 else refs
+        refs = [BlobReference(blob, self) for blob in op.outputs]
+        return None if not refs else refs[0] if len(refs) == 1 else tuple(refs)
 
     def _auto_outputs(self, op_type: str, count: int | None, scope: str) -> tuple[list[str], tuple[str, int]]:
         """`<scope><net>/<Op>` (then `_2`, `_3`, ...), with `:<i>` per output when a count is given.
@@ -288,6 +351,11 @@ class Net:
         """True if an op of this net produces `blob` or it is an external input."""
         self._ensure_fresh()
         return blob in self._produced or blob in self._external
+
+    def BlobIsProduced(self, blob: str) -> bool:  # noqa: N802
+        """True if an op of this net writes `blob` (being an external input does not count)."""
+        self._ensure_fresh()
+        return blob in self._produced
 
     def NextBlob(self, prefix: str = "unnamed") -> BlobReference:  # noqa: N802
         """A blob name not defined in this net nor handed out before: `prefix`, `prefix_auto_0`, ..."""
@@ -368,10 +436,11 @@ class Net:
             if blob not in self._produced and blob not in self._external:
                 self._net.external_inputs.append(blob)
                 self._external.add(blob)
+        self._remember_shape()
         for op in list(theirs.ops):  # a copy of the list: `other` may be this net
             op = op.copy()
             op.device_option = op.device_option or theirs.device_option
-            self._append(op)
+            self._append_fresh(op)
         self._net.external_outputs.extend(
             b for b in dict.fromkeys(theirs.external_outputs) if b not in self._net.external_outputs)
         return self
@@ -395,8 +464,9 @@ class Net:
         from graphpar.core.autodiff import backward_pass
 
         grad_ops, grad_map = backward_pass(list(self._net.ops), ys)
+        self._ensure_fresh()
         for op in grad_ops:
-            self._append(op)
+            self._append_fresh(op)
         return {BlobReference(blob, self): self._bound(grad) for blob, grad in grad_map.items()}
 
     def _bound(self, grad: Any) -> Any:

@@ -80,8 +80,22 @@ def _fc(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     return fc
 
 
+def _with_input_gradient(a: SimpleNamespace, ctx: KernelContext, counts: tuple[int, int]) -> bool:
+    """Whether a gradient op computes dX (its last output): not with `no_gradient_to_input` (Caffe2's).
+
+    Raises ValueError when the op does not have `counts[0]` outputs without dX or `counts[1]` with it.
+    """
+    with_dx = not a.no_gradient_to_input
+    if len(ctx.op.outputs) != counts[with_dx]:
+        raise ValueError(
+            f"{op_label(ctx.op)}: with no_gradient_to_input={int(not with_dx)} the op has "
+            f"{counts[with_dx]} outputs, got {len(ctx.op.outputs)}"
+        )
+    return with_dx
+
+
 def _fc_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
-    with_dx = len(ctx.op.outputs) == 3
+    with_dx = _with_input_gradient(a, ctx, (2, 3))
 
     def fc_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
         x2, w2 = flatten_2d(x, a.axis), flatten_2d(w, a.axis_w)
@@ -110,9 +124,12 @@ register_op(
     "FCGradient",
     inputs=3,
     outputs=(2, 3),
+    args={"no_gradient_to_input": False},
     gradient_of="FC",
     kernel=_fc_grad,
-    doc="FCGradient(X, W, dY) -> dW = dYᵀ·X, db = Σ_rows dY, [dX = dY·W] (X and W flattened as in FC).",
+    doc="FCGradient(X, W, dY) -> dW = dYᵀ·X, db = Σ_rows dY, dX = dY·W (X and W flattened as in FC). "
+    "no_gradient_to_input=1 (Caffe2's arg; autodiff sets it when nobody wants dX) drops dX, the last "
+    "output.",
 )
 
 
@@ -247,7 +264,8 @@ def _conv(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]
 
 def _conv_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     geo, padding, prepare = _conv_plan(a, ctx)
-    with_bias = len(ctx.op.outputs) == 3
+    with_bias = len(ctx.op.outputs) == 3 or (len(ctx.op.outputs) == 2 and a.no_gradient_to_input)
+    with_dx = _with_input_gradient(a, ctx, (1 + with_bias, 2 + with_bias))
 
     def conv_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
         dx, dw, db = aten.convolution_backward(
@@ -261,10 +279,11 @@ def _conv_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
             False,
             (0, 0),
             a.group,
-            (True, True, with_bias),
+            (with_dx, True, with_bias),
         )
-        dx = dx if geo.symmetric else _crop(dx, x, geo)
-        return (dw, db, dx) if with_bias else (dw, dx)
+        dx = dx if geo.symmetric or not with_dx else _crop(dx, x, geo)
+        grads = (dw, *((db,) if with_bias else ()), *((dx,) if with_dx else ()))
+        return grads if len(grads) > 1 else dw
 
     return conv_grad
 
@@ -291,11 +310,12 @@ register_op(
 register_op(
     "ConvGradient",
     inputs=3,
-    outputs=(2, 3),
+    outputs=(1, 3),
+    args={"no_gradient_to_input": False},
     gradient_of="Conv",
     kernel=_conv_grad,
-    doc="ConvGradient(X, filter, dY) -> dfilter, [dbias], dX (three outputs when the Conv had a bias), "
-    "through aten.convolution_backward.",
+    doc="ConvGradient(X, filter, dY) -> dfilter, [dbias], dX (dbias when the Conv had a bias), through "
+    "aten.convolution_backward. no_gradient_to_input=1 (Caffe2's arg) drops dX, the last output.",
 )
 
 
@@ -334,12 +354,21 @@ def _pool_planner(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Ten
     return lambda x: plan
 
 
-def _max_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    planner = _pool_planner(a, ctx)
+def _padded_empty(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+    """An uninitialised tensor shaped like X after F.pad: a pooling backward reads only its shape."""
+    left, r, t, b = geo.f_pad
+    return x.new_empty((*x.shape[:-2], x.shape[-2] + t + b, x.shape[-1] + left + r))
 
-    def max_pool(x: torch.Tensor) -> torch.Tensor:
+
+def _max_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], Any]:
+    planner = _pool_planner(a, ctx)
+    with_indices = len(ctx.op.outputs) == 2
+
+    def max_pool(x: torch.Tensor) -> Any:
         p = planner(x)
         x = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
+        if with_indices:
+            return tuple(aten.max_pool2d_with_indices(x, p.kernel, p.stride, p.padding))
         return F.max_pool2d(x, p.kernel, p.stride, p.padding)
 
     return max_pool
@@ -348,16 +377,27 @@ def _max_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor]
 def _max_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     planner = _pool_planner(a, ctx)
 
-    def max_pool_grad(x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    def max_pool_grad(
+        x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
         p = planner(x)
-        xp = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
-        _, indices = aten.max_pool2d_with_indices(xp, p.kernel, p.stride, p.padding)
+        if indices is None:
+            xp = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
+            _, indices = aten.max_pool2d_with_indices(xp, p.kernel, p.stride, p.padding)
+        else:
+            xp = x if p.geo is None else _padded_empty(x, p.geo)
         dx = aten.max_pool2d_with_indices_backward(
             dy, xp, p.kernel, p.stride, p.padding, (1, 1), False, indices
         )
         return dx if p.geo is None else _crop(dx, x, p.geo)
 
     return max_pool_grad
+
+
+def _max_pool_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
+    """MaxPoolGradient(X, Y, dY[, indices]): the indices MaxPool recorded, when it has that output."""
+    inputs = [op.inputs[0], op.outputs[0], g[0], *op.outputs[1:]]
+    return [gradient_op("MaxPoolGradient", inputs, [GI(op, 0)])], [GI(op, 0)]
 
 
 def _pad_counts(x: torch.Tensor, p: _PoolPlan) -> torch.Tensor:
@@ -386,10 +426,8 @@ def _average_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., 
         p = planner(x)
         if p.geo is None:
             return aten.avg_pool2d_backward(dy, x, p.kernel, p.stride, p.padding, False, False, None)
-        l_, r, t, b = p.geo.f_pad
-        shape = (*x.shape[:-2], x.shape[-2] + t + b, x.shape[-1] + l_ + r)
         dx = aten.avg_pool2d_backward(
-            dy / _pad_counts(x, p), x.new_empty(shape), p.kernel, p.stride, (0, 0), False, True, 1
+            dy / _pad_counts(x, p), _padded_empty(x, p.geo), p.kernel, p.stride, (0, 0), False, True, 1
         )
         return _crop(dx, x, p.geo)
 
@@ -407,21 +445,25 @@ _POOL_ARGS = {**_SPATIAL_ARGS, "global_pooling": False}
 
 register_op(
     "MaxPool",
+    outputs=(1, 2),
     args=_POOL_ARGS,
     kernel=_max_pool,
-    gradient=_pool_gradient("MaxPoolGradient"),
+    gradient=_max_pool_gradient,
     doc="2-D max pooling, NCHW, with Conv's kernel/stride/pad arguments (pads must be smaller than the "
-    "kernel; padded cells never win) or global_pooling over H x W.",
+    "kernel; padded cells never win) or global_pooling over H x W. An optional second output records "
+    "the arg-max indices (int64, PyTorch's, within each (padded) H x W plane), which MaxPoolGradient "
+    "then reads instead of pooling X again (brew.max_pool asks for it when training).",
 )
 
 register_op(
     "MaxPoolGradient",
-    inputs=3,
+    inputs=(3, 4),
     gradient_of="MaxPool",
     kernel=_max_pool_grad,
-    doc="MaxPoolGradient(X, Y, dY) -> dX via aten.max_pool2d_with_indices_backward, indices recomputed "
-    "from X. Ties: dY goes to ONE arg-max per window (PyTorch's first in scan order), whereas "
-    "Caffe2's CPU kernel gave it to every element equal to the max; they differ only on exact ties.",
+    doc="MaxPoolGradient(X, Y, dY[, indices]) -> dX via aten.max_pool2d_with_indices_backward, with "
+    "MaxPool's recorded indices or, without them, indices recomputed from X. Ties: dY goes to ONE "
+    "arg-max per window (PyTorch's first in scan order), whereas Caffe2's CPU kernel gave it to every "
+    "element equal to the max; they differ only on exact ties.",
 )
 
 register_op(

@@ -42,7 +42,12 @@ class DeviceLayout:
 
     def option(self, device_id: int) -> DeviceOption:
         """The DeviceOption replica `device_id` runs on."""
-        return DeviceOption(self.device_type, device_id)
+        return self._options.get(device_id) or DeviceOption(self.device_type, device_id)
+
+    @cached_property
+    def _options(self) -> dict[int, DeviceOption]:
+        """One DeviceOption per replica, shared by the many ops passes create."""
+        return {d: DeviceOption(self.device_type, d) for d in self.devices}
 
     def scope(self, device_id: int) -> str:
         """The replica's name scope without the trailing '/', e.g. 'gpu_3'."""

@@ -31,9 +31,11 @@ def group_by_device(blobs: Iterable[Blob], layout: DeviceLayout) -> dict[str, di
 
 
 def _replica(blob: Blob, layout: DeviceLayout) -> int:
-    parts = (blob.indices, blob.values) if isinstance(blob, GradientSlice) else (blob,)
-    devices = {layout.replica_of(str(part)) for part in parts}
-    device = devices.pop() if len(devices) == 1 else None
+    if isinstance(blob, GradientSlice):
+        devices = {layout.replica_of(str(part)) for part in blob}
+        device = devices.pop() if len(devices) == 1 else None
+    else:
+        device = layout.replica_of(str(blob))
     if device is None:
         scopes = ", ".join(f"{layout.scope(d)}/" for d in layout.devices)
         raise ParallelizeError(f"blob {blob!r} is not in a replica name scope ({scopes}); data-parallel "

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphpar import workspace
-from graphpar.core import CPU, CUDA, BlobReference, DeviceOption, GradientSlice, Net, OperatorDef
+from graphpar.core import CPU, CUDA, BlobReference, DeviceOption, GradientSlice, Net, NetDef, OperatorDef
 from graphpar.core.autodiff import backward_pass
 from graphpar.errors import GradientError
 from graphpar.ops.registry import GI, NO_GRADIENT, NOT_DIFFERENTIABLE, gradient_op, register_op
@@ -441,6 +441,81 @@ def test_sum_ops_take_the_generators_device_and_the_forward_ops_are_untouched():
     assert summary(ops) == before and not any(o.is_gradient_op for o in ops)
 
 
+# -- unwanted gradients (no_gradient_to) -------------------------------------------------------------
+
+def test_gradient_ops_serving_only_unwanted_blobs_are_dropped():
+    ops = [op(D, "in", "hidden"), op(D, "hidden", "out")]
+    grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["in"])
+    assert summary(grad_ops) == [(DG, ["out_grad"], ["hidden_grad"])]
+    assert grad_map == {"out": "out_grad", "hidden": "hidden_grad"}
+
+
+def test_gradients_of_intermediates_are_kept():
+    """Caffe2's multi-device BN test reads `tanh_grad`, the gradient of an op's output."""
+    ops = [op("Tanh", "data", "tanh"), op(D, "tanh", "out")]
+    grad_ops, grad_map = backward_pass(ops, ["out"], no_gradient_to=["data"])
+    assert summary(grad_ops) == [("ConstantFill", ["out"], ["out_grad"]), (DG, ["out_grad"], ["tanh_grad"])]
+    assert "data" not in grad_map and grad_map["tanh"] == "tanh_grad"
+
+
+def test_a_gradient_shared_with_a_wanted_blob_is_kept():
+    ops = [op("_TestAlias", "x", "y"), op(D, "y", "out")]  # x's gradient IS y's (pass-through)
+    grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["x"])
+    assert summary(grad_ops) == [(DG, ["out_grad"], ["y_grad"])]
+    assert grad_map == {"out": "out_grad", "y": "y_grad"}
+
+
+def test_an_op_with_a_wanted_output_keeps_its_other_outputs():
+    ops = [op("_TestPair", ["x", "w"], "out")]  # no schema mechanism drops x_grad here
+    grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["x"])
+    assert summary(grad_ops) == [("_TestPairGradient", ["out_grad"], ["x_grad", "w_grad"])]
+    assert grad_map == {"out": "out_grad", "w": "w_grad"}
+
+
+def test_partial_gradients_and_their_sum_into_an_unwanted_blob_are_dropped():
+    ops = [op(D, "x", "a"), op(D, "x", "b"), op("_TestAdd", ["a", "b"], "out")]
+    full, _ = backward_pass(ops, {"out": "out_grad"})
+    assert [o.type for o in full] == [DG, DG, "Sum"]
+    assert backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["x"]) == ([], {"out": "out_grad",
+                                                                                 "a": "out_grad",
+                                                                                 "b": "out_grad"})
+
+
+def test_a_gradient_read_after_being_overwritten_keeps_both_writers():
+    ops = [op(D, "x", "h"), op(D, "h", "h"), op(D, "h", "out")]  # h_grad written twice, in place
+    grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["x"])
+    assert summary(grad_ops) == [(DG, ["out_grad"], ["h_grad"]), (DG, ["h_grad"], ["h_grad"])]
+    assert grad_map == {"out": "out_grad", "h": "h_grad"}
+
+
+def test_dead_input_gradient_of_fc_and_conv_is_dropped_by_no_gradient_to_input():
+    ops = [op("Conv", ["x", "k"], "c", kernel=3), op("FC", ["c", "w", "b"], "h"), op("Relu", "h", "h"),
+           op("FC", ["h", "w2", "b2"], "y"), op("FC", ["d", "w3", "b3"], "z")]
+    full, _ = backward_pass(ops, {"y": "dy", "z": "dz"})
+    grad_ops, grad_map = backward_pass(ops, {"y": "dy", "z": "dz"}, no_gradient_to=["x", "d"])
+    assert summary(grad_ops) == [
+        ("FCGradient", ["d", "w3", "dz"], ["w3_grad", "b3_grad"]),
+        ("FCGradient", ["h", "w2", "dy"], ["w2_grad", "b2_grad", "h_grad"]),
+        ("ReluGradient", ["h", "h_grad"], ["h_grad"]),
+        ("FCGradient", ["c", "w", "h_grad"], ["w_grad", "b_grad", "c_grad"]),
+        ("ConvGradient", ["x", "k", "c_grad"], ["k_grad"]),
+    ]
+    assert [o.args.get("no_gradient_to_input", False) for o in grad_ops] == [True, False, False, False, True]
+    assert summary(full)[0] == ("FCGradient", ["d", "w3", "dz"], ["w3_grad", "b3_grad", "d_grad"])
+    assert "x" not in grad_map and "d" not in grad_map and grad_map["c"] == "c_grad"
+
+
+def test_no_unwanted_blobs_changes_nothing():
+    ops = [op(D, "x", "a"), op(D, "x", "b"), op("_TestAdd", ["a", "b"], "out")]
+    assert summary(backward_pass(ops, ["out"], no_gradient_to=[])[0]) == summary(backward_pass(ops, ["out"])[0])
+
+
+@pytest.mark.parametrize("bad", ["x", [1], None])
+def test_no_gradient_to_must_be_a_list_of_blob_names(bad):
+    with pytest.raises(TypeError, match="no_gradient_to"):
+        backward_pass([op(D, "x", "out")], ["out"], no_gradient_to=bad)
+
+
 # -- misuse --------------------------------------------------------------------------------------------
 
 def test_misuse_raises_clear_errors():
@@ -460,9 +535,20 @@ def test_maker_breaking_its_contract_raises():
 
 # -- numerical checks against torch.autograd ---------------------------------------------------------
 
-def _run_and_compare(net, ys, feeds, reference, blobs):
+def _add_gradients(net, ys, no_gradient_to):
+    """Append the gradient ops of `net` for `ys`, without gradients to `no_gradient_to`."""
+    grad_ops, grad_map = backward_pass(net.Proto().ops, ys, no_gradient_to=no_gradient_to)
+    net.AppendNet(NetDef("grads", ops=grad_ops))
+    return grad_map
+
+
+def _run_and_compare(net, ys, feeds, reference, blobs, no_gradient_to=None):
     """Add gradient ops to `net`, run it, and compare the gradients of `blobs` with torch.autograd."""
-    grad_map = net.AddGradientOperators(ys)
+    if no_gradient_to is None:
+        grad_map = net.AddGradientOperators(ys)
+    else:
+        grad_map = _add_gradients(net, ys, no_gradient_to)
+        assert not set(no_gradient_to) & set(grad_map)
     for name, value in feeds.items():
         workspace.FeedBlob(name, value)
     workspace.RunNetOnce(net)
@@ -626,6 +712,45 @@ def test_random_nets_match_autograd(seed):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=f"{name} in {ops}")
 
 
+def _is_subsequence(part, whole):
+    rest = iter(whole)
+    return all(any(item == other for other in rest) for item in part)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_nets_without_unwanted_gradients_match_autograd(seed):
+    """Unwanted: some of the inputs and intermediates; the other inputs' gradients must not change."""
+    rng = np.random.default_rng(1000 + seed)
+    ops = _random_net(rng)
+    net = Net("random_unwanted")
+    for type_, inputs, out in ops:
+        getattr(net, type_)(inputs, out, **({"scale": 0.7} if type_ == "Scale" else {}))
+    net.SumSqrElements("total", "loss")
+    blobs = sorted({b for _, inputs, out in ops for b in [*inputs, out]})
+    unwanted = [b for b in blobs if rng.random() < 0.4] or ["x0"]
+    full, _ = backward_pass(net.Proto().ops, ["loss"])
+    grad_ops, grad_map = backward_pass(net.Proto().ops, ["loss"], no_gradient_to=unwanted)
+    assert _is_subsequence(summary(grad_ops), summary(full)) and not set(unwanted) & set(grad_map)
+    net.AppendNet(NetDef("grads", ops=grad_ops))
+    feeds = {f"x{i}": rng.standard_normal((3, 4)) for i in range(3)}
+    for name, value in feeds.items():
+        workspace.FeedBlob(name, value)
+    workspace.RunNetOnce(net)
+    env = {n: torch.tensor(v, requires_grad=True) for n, v in feeds.items()}
+    inputs = list(env.values())
+    for type_, op_inputs, out in ops:
+        env[out] = _RANDOM_OPS[type_][0](*[env[b] for b in op_inputs])
+    loss = env["total"].pow(2).sum()
+    expected = (torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad
+                else [None] * len(inputs))
+    for name, want in zip(feeds, expected):
+        if name in unwanted:
+            continue
+        want = np.zeros((3, 4)) if want is None else want.numpy()
+        got = workspace.FetchBlob(grad_map[name]) if name in grad_map else np.zeros((3, 4))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=f"{name} in {ops}, {unwanted}")
+
+
 def test_small_cnn_with_batch_norm_matches_autograd():
     net = Net("cnn")
     net.Conv(["x", "k", "kb"], "c", kernel=3, pad=1)
@@ -651,3 +776,30 @@ def test_small_cnn_with_batch_norm_matches_autograd():
 
     grad_map = _run_and_compare(net, ["loss"], feeds, reference, list(feeds))
     assert "rm" not in grad_map and "rv" not in grad_map and "accuracy" not in grad_map
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cnn_without_input_gradients_matches_autograd(bias):
+    net = Net("cnn_params_only")
+    net.Conv(["x", "k", "kb"] if bias else ["x", "k"], "c", kernel=3, pad=1)
+    net.Relu("c", "c")
+    net.MaxPool("c", ["p", "p_index"], kernel=2, stride=2)
+    net.FC(["p", "w", "b"], "logits")
+    net.SoftmaxWithLoss(["logits", "label"], ["softmax", "loss"])
+    label = np.array([1, 0, 2, 1], dtype=np.int32)
+    workspace.FeedBlob("label", label)
+    feeds = {"x": _rand(4, 2, 6, 6), "k": _rand(3, 2, 3, 3, seed=1), "kb": _rand(3, seed=2),
+             "w": _rand(3, 27, seed=5), "b": _rand(3, seed=6)}
+    feeds = feeds if bias else {n: v for n, v in feeds.items() if n != "kb"}
+
+    def reference(t):
+        c = torch.relu(torch.nn.functional.conv2d(t["x"], t["k"], t.get("kb"), padding=1))
+        p = torch.nn.functional.max_pool2d(c, 2, 2).flatten(1)
+        return torch.nn.functional.cross_entropy(p @ t["w"].T + t["b"], torch.tensor(label, dtype=torch.long))
+
+    params = [n for n in feeds if n != "x"]
+    _run_and_compare(net, ["loss"], feeds, reference, params, no_gradient_to=["x", "label"])
+    grads = [(o.type, o.inputs, o.outputs) for o in net.Proto().ops if o.is_gradient_op]
+    assert ("MaxPoolGradient", ["c", "p", "p_grad", "p_index"], ["c_grad"]) in grads
+    assert grads[-1] == ("ConvGradient", ["x", "k", "c_grad"], ["k_grad", "kb_grad"] if bias else ["k_grad"])
+    assert not workspace.HasBlob("x_grad")

@@ -15,7 +15,7 @@ from graphpar.core.graph import (
     dependency_graph,
     producers,
 )
-from graphpar.ops.registry import register_op
+from graphpar.ops.registry import get_schema, register_op
 
 CPU0, GPU0, GPU1 = DeviceOption(CPU, 0), DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
 
@@ -125,3 +125,34 @@ def test_blob_devices_first_use_wins_across_nets() -> None:
                        "q": CPU0, "r": CPU0}
     assert blob_devices(plain, default=GPU1) == {"q": GPU1, "r": GPU1}
     assert blob_devices(main.Proto())["w"] == GPU0  # a single NetDef is accepted
+
+
+def _reference_blob_devices(netdefs: list[NetDef], default: DeviceOption | None) -> dict[str, DeviceOption]:
+    """The definition, run literally: every op, in order; the first placement of a blob wins."""
+    placed: dict[str, DeviceOption] = {}
+    for netdef in netdefs:
+        for op in netdef.ops:
+            device = op.device_option or netdef.device_option or default or CPU0
+            infer = get_schema(op.type).device_inference
+            in_devs, out_devs = infer(op, device) if infer is not None else ((), ())
+            for blobs, devs in ((op.inputs, in_devs), (op.outputs, out_devs)):
+                for k, blob in enumerate(blobs):
+                    placed.setdefault(blob, (devs[k] if k < len(devs) else None) or device)
+    return placed
+
+
+_DEVICES = st.sampled_from([None, CPU0, GPU0, GPU1])
+_PLACED_OPS = st.one_of(
+    st.builds(lambda ins, outs, dev: OperatorDef("Sum", ins, outs, device_option=dev),
+              st.lists(_BLOBS, min_size=1, max_size=3), st.lists(_BLOBS, min_size=1, max_size=1), _DEVICES),
+    st.builds(lambda blob, dev: OperatorDef("_TestGraphIter", [blob], [blob], device_option=dev), _BLOBS, _DEVICES),
+    st.builds(lambda x, y, dev: OperatorDef("_TestGraphToCPU", [x], [y], device_option=dev), _BLOBS, _BLOBS,
+              _DEVICES))
+_PLACED_NETS = st.lists(st.builds(lambda ops, dev: NetDef("random", ops, device_option=dev),
+                                  st.lists(_PLACED_OPS, max_size=8), _DEVICES), min_size=1, max_size=3)
+
+
+@given(_PLACED_NETS, _DEVICES)
+def test_blob_devices_on_random_nets_match_the_definition(netdefs: list[NetDef], default) -> None:
+    """Device hooks, net and op devices, in-place and repeated blobs: as the literal definition places them."""
+    assert blob_devices(netdefs, default=default) == _reference_blob_devices(netdefs, default)

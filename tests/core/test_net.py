@@ -24,7 +24,9 @@ from graphpar.core import (
     NetDef,
     OperatorDef,
 )
+from graphpar.core import net as net_module
 from graphpar.errors import UnknownOperatorError
+from graphpar.ops import registry
 from graphpar.ops.registry import Arg, register_op
 
 register_op("_TestNetPair", inputs=1, outputs=2, kernel=lambda a, ctx: lambda x: (x, x),
@@ -110,6 +112,43 @@ def test_create_operator_unknown_type_suggests_close_names() -> None:
 def test_create_operator_rejects_bad_ops(call, error, message) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_each_op_signature_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_operator runs again for any difference in type, counts, aliasing or arg names/types/values."""
+    monkeypatch.setattr(net_module, "_passed", set())
+    checked = []
+    real = registry.check_operator
+    monkeypatch.setattr(registry, "check_operator",
+                        lambda op, where="": (checked.append(op.outputs[0]), real(op, where))[1])
+    net = Net("test_net_check_once")
+    net.Conv(["x", "w"], "y1", kernels=[3, 3], stride=1)
+    net.Conv(["x2", "w2"], "y2", kernels=[3, 3], stride=1)  # same signature, other blobs: not re-checked
+    net.Conv(["x", "w"], "y3", kernels=[3, 3], stride=2)
+    net.Conv(["x", "w"], "y4", kernels=[3, 3], stride=True)  # == 1, but another type
+    net.Conv(["x", "w", "b"], "y5", kernels=[3, 3], stride=1)
+    net.Conv(["x", "w"], "y6", stride=1, kernels=[3, 3])  # argument order differs: checked again
+    net.Relu("r", "r")
+    net.Relu("s", "s")
+    net.Relu("r", "t")
+    net.GivenTensorFill([], "v1", values=[0.0] * 17, shape=[17])  # long lists: checked every time
+    net.GivenTensorFill([], "v2", values=[0.0] * 17, shape=[17])
+    assert checked == ["y1", "y3", "y4", "y5", "y6", "r", "t", "v1", "v2"]
+
+
+@pytest.mark.parametrize("outputs, args, error, message", [
+    ("z", {"kernels": [3, 3], "stride": 1.0}, TypeError, "argument 'stride' must be int, got float 1.0"),
+    ("z", {"kernels": [3, 3.0], "stride": 1}, TypeError, "argument 'kernels' must be ints"),
+    ("z", {"kernels": [3, 3], "stride": "1"}, TypeError, "argument 'stride' must be int, got str"),
+    ("z", {"kernels": [3, 3], "stride": 1, "strid": 1}, TypeError, "unknown argument 'strid'"),
+    ("x", {"kernels": [3, 3], "stride": 1}, ValueError, "may not run in place"),
+])
+def test_a_passed_signature_hides_no_error(monkeypatch: pytest.MonkeyPatch, outputs, args, error, message) -> None:
+    monkeypatch.setattr(net_module, "_passed", set())
+    net = Net("test_net_check_cached")
+    net.Conv(["x", "w"], "y", kernels=[3, 3], stride=1)  # passes: its signature is remembered
+    with pytest.raises(error, match=message):
+        net.Conv(["x", "w"], outputs, **args)
 
 
 # ---- recording ops into a Net ------------------------------------------------------------------------
@@ -344,6 +383,14 @@ def test_run_all_on_gpu_and_device() -> None:
         net.RunAllOnDevice("cpu")  # type: ignore[arg-type]
 
 
+def test_blob_is_produced_ignores_external_inputs() -> None:
+    net = Net("test_net_produced")
+    net.Relu("x", "y")
+    assert net.BlobIsProduced("y") and not net.BlobIsProduced("x") and net.BlobIsDefined("x")
+    net.Proto().ops[0].outputs = ["z"]  # edits through Proto() are seen
+    assert net.BlobIsProduced("z") and not net.BlobIsProduced("y")
+
+
 def test_recording_does_not_rescan_the_net(monkeypatch: pytest.MonkeyPatch) -> None:
     """Op creation is O(1): the look-up tables are rebuilt only after Proto() was handed out."""
     net = Net("test_net_o1")
@@ -359,6 +406,21 @@ def test_recording_does_not_rescan_the_net(monkeypatch: pytest.MonkeyPatch) -> N
     net.Relu("y0", "z")
     net.Relu("z", "w")
     assert rebuilds == [1]
+
+
+def test_appending_a_net_does_not_rescan_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Net("test_net_append_o1")
+    net.Relu("x", "y")
+    other = Net("test_net_append_o1_other")
+    other.Relu("fed", "z")  # brings a new external input along
+    other.Relu("z", "w")
+    other_proto = other.Proto()
+    rebuilds = []
+    original = Net._rebuild_tables
+    monkeypatch.setattr(Net, "_rebuild_tables", lambda self: (rebuilds.append(1), original(self)))
+    net.AppendNet(other_proto)
+    net.Relu("w", "v")
+    assert rebuilds == [] and net.BlobIsProduced("w") and net.Proto().external_inputs == ["x", "fed"]
 
 
 def test_proto_is_live_and_edits_are_seen() -> None:

@@ -66,6 +66,61 @@ def test_fc_gradient() -> None:
     check_gradient("FC", [x, w, b], lambda x, w, b: F.linear(x.reshape(4, 6), w, b), wrt=(0, 1, 2))
 
 
+def _without_dx(grad_op: OperatorDef) -> OperatorDef:
+    """The gradient op as autodiff rewrites it when nobody wants dX (its last output)."""
+    grad_op = grad_op.copy()
+    grad_op.outputs, grad_op.args = grad_op.outputs[:-1], {**grad_op.args, "no_gradient_to_input": True}
+    return grad_op
+
+
+def _run_gradient_ops(op: OperatorDef, blobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the op's gradient ops (dY named `<output>_grad`) twice: as made, and without dX."""
+    (grad_op,), _ = gradient_ops(op, [f"{op.outputs[0]}_grad"])
+    full = dict(zip(grad_op.outputs, run_op(grad_op, [blobs[b] for b in grad_op.inputs])))
+    short = _without_dx(grad_op)
+    partial = dict(zip(short.outputs, run_op(short, [blobs[b] for b in short.inputs])))
+    assert list(partial) == grad_op.outputs[:-1]
+    return full, partial
+
+
+def test_fc_gradient_without_input_gradient() -> None:
+    x, w, b = _randn(0, 4, 6), _randn(1, 5, 6), _randn(2, 5)
+    dy = _randn(3, 4, 5)
+    full, partial = _run_gradient_ops(OperatorDef("FC", ["x", "w", "b"], ["y"]),
+                                      {"x": x, "w": w, "b": b, "y_grad": dy})
+    leaves = [t.clone().requires_grad_() for t in (w, b)]
+    want = torch.autograd.grad(F.linear(x, *leaves), leaves, dy)
+    assert set(full) == {"w_grad", "b_grad", "x_grad"} and set(partial) == {"w_grad", "b_grad"}
+    for name, expected in zip(("w_grad", "b_grad"), want):
+        _close(partial[name], expected)
+        _close(full[name], expected)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_gradient_without_input_gradient(bias: bool) -> None:
+    x, w, b, dy = _randn(0, 2, 3, 6, 5), _randn(1, 4, 3, 3, 3), _randn(2, 4), _randn(3, 2, 4, 5, 3)
+    args = dict(kernel=3, pad_t=1, pad_l=0, pad_b=0, pad_r=0)  # asymmetric: F.pad before the conv
+    inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    full, partial = _run_gradient_ops(OperatorDef("Conv", inputs, ["y"], args),
+                                      {"x": x, "w": w, "b": b, "y_grad": dy})
+    leaves = [t.clone().requires_grad_() for t in ((w, b) if bias else (w,))]
+    want = torch.autograd.grad(F.conv2d(F.pad(x, (0, 0, 1, 0)), *leaves), leaves, dy)
+    assert "x_grad" in full and "x_grad" not in partial
+    for name, expected in zip(("w_grad", "b_grad"), want):
+        _close(partial[name], expected)
+        _close(full[name], expected)
+
+
+@pytest.mark.parametrize("op_type, outputs", [("FCGradient", 3), ("ConvGradient", 3), ("ConvGradient", 1)])
+def test_gradient_output_count_must_match_no_gradient_to_input(op_type: str, outputs: int) -> None:
+    flag = outputs == 3  # three outputs include dX; one (a ConvGradient without bias) cannot
+    op = OperatorDef(op_type, ["x", "w", "dy"], ["dw", "db", "dx"][:outputs],
+                     {"no_gradient_to_input": flag, "kernel": 1} if op_type == "ConvGradient"
+                     else {"no_gradient_to_input": flag})
+    with pytest.raises(ValueError, match="no_gradient_to_input"):
+        run_op(op, [_randn(0, 1, 2, 3, 3), _randn(1, 2, 2, 1, 1), _randn(2, 1, 2, 3, 3)])
+
+
 def test_fc_rejects_bias_of_wrong_size() -> None:
     with pytest.raises(ValueError, match="bias has 1 elements"):
         run_kernel("FC", [_randn(0, 2, 3), _randn(1, 4, 3), _randn(2, 1)])
@@ -272,6 +327,41 @@ def test_pool_gradient(op_type: str, args: dict) -> None:
         return F.avg_pool2d(x, k, s, p, count_include_pad=False)
 
     check_gradient(op_type, [x], reference, **args)
+
+
+@pytest.mark.parametrize(
+    "args, pads",
+    [
+        (dict(kernel=2, stride=2), (0, 0, 0, 0)),
+        (dict(kernel=3, stride=1, pad=1), (0, 0, 0, 0)),
+        (dict(global_pooling=True), (0, 0, 0, 0)),
+        (dict(kernels=[3, 3], strides=[2, 1], pads=[0, 1, 2, 0]), (1, 0, 0, 2)),  # F.pad order
+    ],
+)
+def test_max_pool_records_indices_and_its_gradient_uses_them(args: dict, pads: tuple) -> None:
+    x = _randn(1, 2, 3, 6, 5)
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xp = F.pad(x, pads, value=-math.inf)
+        if args.get("global_pooling"):
+            return F.max_pool2d(xp, xp.shape[-2:], return_indices=True)
+        kernel = args.get("kernel") or args["kernels"]
+        stride = args.get("stride") or args["strides"]
+        return F.max_pool2d(xp, kernel, stride, args.get("pad", 0), return_indices=True)
+
+    op = make_op("MaxPool", 1, 2, **args)
+    (grad,), _ = gradient_ops(op, ["Y0_grad", None])
+    assert grad.inputs == ["X0", "Y0", "Y0_grad", "Y1"]
+    (_, indices) = run_op(op, [x])
+    assert indices.dtype == torch.int64 and torch.equal(indices, reference(x)[1])
+    check_gradient("MaxPool", [x], reference, n_outputs=2, **args)
+
+
+def test_max_pool_gradient_routes_dy_by_the_given_indices() -> None:
+    x, dy = torch.ones(1, 1, 2, 2, dtype=torch.float64), torch.full((1, 1, 1, 1), 3.0, dtype=torch.float64)
+    grad = OperatorDef("MaxPoolGradient", ["x", "y", "dy", "idx"], ["dx"], {"kernel": 2})
+    (dx,) = run_op(grad, [x, x[..., :1, :1], dy, torch.tensor([[[[3]]]])])  # not the recomputed 0
+    assert dx.flatten().tolist() == [0.0, 0.0, 0.0, 3.0]
 
 
 def test_max_pool_gradient_ties_go_to_one_element() -> None:

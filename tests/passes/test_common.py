@@ -9,7 +9,8 @@ def test_layout_names_scopes_and_devices():
     lay = layout([4, 5, 7], gpu=True)
     assert lay.device_type == CUDA and lay.master == 4
     assert lay.scoped(7, "fc_w") == "gpu_7/fc_w" and lay.scope(5) == "gpu_5"
-    assert lay.option(5) == gpu(5)
+    assert lay.option(5) == gpu(5) and lay.option(5) is lay.option(5)  # one shared option per replica
+    assert lay.option(6) == gpu(6)  # not a replica: still the device of that id
     assert lay.group("w") == {4: "gpu_4/w", 5: "gpu_5/w", 7: "gpu_7/w"}
     assert [lay.replica_of(b) for b in ("gpu_5/a/b", "gpu_6/x", "cpu_5/x", "x", "gpu_5")] == [5, None, None,
                                                                                           None, None]
