@@ -6,12 +6,20 @@ Every helper takes the model first: `brew.fc(model, "data", "fc1", dim_in=64, di
 `model.arg_scope` (only the keys a helper names, unless it takes **kwargs, whose extra keys go to the
 op as arguments), then active `brew.arg_scope` contexts, then the call's own arguments (positional
 ones included). `brew.Register` adds custom helpers that get the same merging.
+
+Arguments every helper shares: `model` (the ModelHelper), `blob_in` (or a list `blobs_in`) and
+`blob_out` (plain names get the current name scope, BlobReferences are taken as they are), and
+`**kwargs`, passed to the op as its arguments. Sizes (`dim_in`, `dim_out`, `kernel`) are ints (numpy
+integers too). Each helper returns the BlobReference of its (first) output and raises TypeError when
+the first argument is not a ModelHelper; an op argument the op does not know, or of the wrong kind,
+raises TypeError, and a parameter re-created with another shape ValueError (`create_param`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -116,10 +124,14 @@ def _initializer(cls: type | None, op_and_kwargs: Sequence[Any] | None,
 
 def _kernel_args(kernel: int | Sequence[int]) -> tuple[tuple[int, int], dict[str, int]]:
     """((kh, kw), the Conv arguments naming them) for an int or a [kh, kw] kernel."""
-    if isinstance(kernel, int):
-        return (kernel, kernel), {"kernel": kernel}
-    if isinstance(kernel, (list, tuple)) and len(kernel) == 2 and all(isinstance(k, int) for k in kernel):
-        return (kernel[0], kernel[1]), {"kernel_h": kernel[0], "kernel_w": kernel[1]}
+    def integer(k: Any) -> bool:
+        return isinstance(k, numbers.Integral) and not isinstance(k, bool)
+
+    if integer(kernel):
+        return (int(kernel), int(kernel)), {"kernel": int(kernel)}
+    if isinstance(kernel, (list, tuple)) and len(kernel) == 2 and all(integer(k) for k in kernel):
+        kh, kw = int(kernel[0]), int(kernel[1])
+        return (kh, kw), {"kernel_h": kh, "kernel_w": kw}
     raise ValueError(f"brew.conv: kernel must be an int or [kernel_h, kernel_w] (2-D only), got {kernel!r}")
 
 

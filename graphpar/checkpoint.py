@@ -50,8 +50,8 @@ def _names(blobs: Iterable[str], what: str) -> list[str]:
 
 def _digest(tensors: Mapping[str, torch.Tensor], names: list[str]) -> str:
     digest = hashlib.sha256()
-    for name in names:
-        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+    for name in names:  # the tensors are contiguous CPU copies: hash their bytes in place
+        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
@@ -94,7 +94,8 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
 
     Raises:
         CheckpointError: a named blob does not exist (nothing is written).
-        TypeError: `metadata` is not JSON-serialisable.
+        KeyError: `workspace` names a workspace that does not exist.
+        TypeError: `blobs` is a single string, or `metadata` is not JSON-serialisable.
         OSError: the file could not be written (the previous file, if any, is left intact).
     """
     ws = _workspace(workspace)
@@ -196,6 +197,8 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
     Raises:
         CheckpointError: the file is unreadable, corrupt or of another format version; a requested blob
             is not in it; or a tensor's shape or dtype differs from the existing blob of the same name.
+        KeyError: `workspace` names a workspace that does not exist.
+        TypeError: `blobs` is a single string.
     """
     path = os.fspath(path)
     ws = _workspace(workspace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -11,25 +12,36 @@ from graphpar.naming import device_scoped
 
 
 def split_batch(array: np.ndarray, parts: int) -> list[np.ndarray]:
-    """Split `array` along axis 0 into `parts` equal contiguous chunks, in device order.
+    """Split `array` along axis 0 into `parts` equal contiguous chunks (views), in device order.
 
     Raises:
-        ValueError: the batch size is not a multiple of `parts`.
+        ValueError: `parts` is not a positive int, `array` has no batch axis, or the batch size is
+            not a multiple of `parts`.
     """
-    if parts < 1 or len(array) % parts:
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"split_batch: parts must be a positive int (the device count), got {parts!r}")
+    if np.ndim(array) == 0:
+        raise ValueError("split_batch: cannot split a scalar; pass an array whose axis 0 is the batch")
+    if len(array) % parts:
         raise ValueError(f"a batch of {len(array)} cannot be split evenly over {parts} devices; "
                          f"use a batch size that is a multiple of {parts}")
     size = len(array) // parts
     return [array[i * size:(i + 1) * size] for i in range(parts)]
 
 
-def feed_batch(model, blobs: Mapping[str, np.ndarray]) -> None:
+def feed_batch(model: Any, blobs: Mapping[str, np.ndarray]) -> None:
     """Feed each unscoped blob (e.g. {"data": x, "label": y}) to every replica of a parallelized model.
 
     Device i of `model._devices` gets the i-th contiguous chunk of the batch, so N devices together
-    see exactly the batch one device would.
+    see exactly the batch one device would. Every blob is split before any is fed, so a batch that
+    does not split feeds nothing.
+
+    Raises:
+        RuntimeError: the model was not parallelized (see ModelHelper.GetDevices).
+        ValueError: a batch size is not a multiple of the device count (see split_batch).
+        TypeError: a value cannot be fed (see workspace.FeedBlob).
     """
-    devices = model._devices
+    devices = model.GetDevices()
     chunks = {name: split_batch(np.asarray(value), len(devices)) for name, value in blobs.items()}
     for name, parts in chunks.items():
         for device_id, part in zip(devices, parts):
@@ -38,8 +50,19 @@ def feed_batch(model, blobs: Mapping[str, np.ndarray]) -> None:
 
 def minibatches(n: int, batch_size: int, rng: np.random.Generator | None = None,
                 drop_last: bool = True) -> Iterator[np.ndarray]:
-    """Index arrays of successive minibatches over `n` samples (shuffled when `rng` is given)."""
+    """Index arrays of successive minibatches over `n` samples (shuffled when `rng` is given).
+
+    With `drop_last` (the default) a final partial batch is skipped, so every batch has
+    `batch_size` indices; without it the last one may be shorter.
+
+    Raises:
+        ValueError: `n` is negative or `batch_size` is not a positive int (at the call, not at the
+            first `next()`).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"minibatches: batch_size must be a positive int, got {batch_size!r}")
+    if n < 0:
+        raise ValueError(f"minibatches: the sample count must be >= 0, got {n!r}")
     order = rng.permutation(n) if rng is not None else np.arange(n)
     stop = n - n % batch_size if drop_last else n
-    for start in range(0, stop, batch_size):
-        yield order[start:start + batch_size]
+    return (order[start:start + batch_size] for start in range(0, stop, batch_size))

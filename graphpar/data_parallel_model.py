@@ -10,9 +10,14 @@ the model changes).
 Differences from Caffe2, each deliberate: misuse raises `ParallelizeError` / `TypeError` rather than
 `AssertionError`; nonexistent CUDA device ids raise instead of warning; forward-only models get
 their net lists (so `RunInitNet` / `RunNet` work on test models); `FinalizeAfterCheckpoint` accepts
-unscoped names; `GetLearningRateBlobNames` works for both update-builder styles; collectives and
-copies land in the net they were asked for; the cross-replica check covers CPU replicas too;
-`combine_spatial_bn` works with any device ids; the initial sync runs in a fixed (not hash) order.
+unscoped names and refuses names of devices that are not replicas (a checkpoint saved with other
+devices, whose values Caffe2 silently left unused); `GetLearningRateBlobNames` works for both
+update-builder styles; collectives and copies land in the net they were asked for, and every NCCL
+collective of a net (batch-norm statistics and computed params included, not only gradients) is in
+one chain of control inputs; the cross-replica check covers CPU replicas too; `combine_spatial_bn`
+works with any device ids and with host-side ops in GPU replicas; `ExtractPredictorNet` takes only the
+first replica's ops (interleaved replicas are not swept in); the initial sync runs in a fixed (not
+hash) order.
 """
 
 from __future__ import annotations
@@ -116,14 +121,17 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it.
+            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
+            Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
+            N times its own batch).
         blobs_to_keep, max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2
             compatibility; they matter only with the options not supported yet.
         rendezvous, optimize_gradient_memory, dynamic_memory_management: not supported yet
             (NotImplementedError).
 
     Raises:
-        ParallelizeError: inside a non-CPU DeviceScope, nonexistent CUDA device ids, both update
+        ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
+            nonexistent CUDA device ids, a bad net_type or num_threads_per_device, both update
             builders, shared_model on CUDA, a builder returning something other than a list of loss
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
             in param_init_net, an op reading another replica's blob, a model parallelized twice.
@@ -155,7 +163,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             _finish_forward_only(model, layout)
             return
         if combine_spatial_bn:
-            interleave_ops(model.net.Proto(), layout.devices)
+            interleave_ops(model.net.Proto(), layout.devices, layout.replica_of)
             inter_device_batch_norm(model.net.Proto(), layout, use_nccl, _peer_access(layout))
         validate_params(model.params)
         _group_gradients(model, layout, non_datapar)
@@ -278,12 +286,16 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
     """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint).
 
     The first call builds `model._checkpoint_net` for `blobs` (default: every synced blob); every
-    call runs it in the current workspace. Names may be scoped (`cpu_0/fc_w`) or unscoped (`fc_w`, as
-    `GetCheckpointParams` also returns `optimizer_iteration`, a global blob that needs no broadcast).
-    `cpu_mode` is accepted for Caffe2 compatibility: each copy already runs on its blob's device.
+    call runs it in the current workspace (as in Caffe2, `blobs` of later calls are not looked at).
+    Names may be scoped (`cpu_0/fc_w`) or unscoped (`fc_w`); an unscoped name that is not a
+    replicated blob of the model is a global blob that needs no broadcast (`GetCheckpointParams`
+    also returns `optimizer_iteration`; Caffe2 raised on it). `cpu_mode` is accepted for Caffe2
+    compatibility: each copy already runs on its blob's device.
 
     Raises:
-        ParallelizeError: the model was not parallelized. MissingBlobError: a first-device blob is missing.
+        ParallelizeError: the model was not parallelized, or a name is in the scope of a device that is
+            not a replica (a checkpoint saved with other devices); nothing is built then.
+        MissingBlobError: a first-device blob is missing.
     """
     layout = _layout_of(model)
     net = getattr(model, "_checkpoint_net", None)
@@ -301,8 +313,12 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
 def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802
     """Append to `net` (default `model.net`) copies of each blob from the first device to the others.
 
+    Call it before `RunInitNet` creates the nets: as in Caffe2, ops added to a net that was already
+    created run only once it is created again (`CreateNet(model, overwrite=True)`).
+
     Args:
         blobs: unprefixed names (`"sync_num"` names `cpu_0/sync_num`, `cpu_1/sync_num`, ...).
+        net: the Net or NetDef to append to (e.g. `model.param_init_net`); default `model.net`.
 
     Raises:
         ParallelizeError: a prefixed name, or a model that was not parallelized.
@@ -327,12 +343,14 @@ def ConvertNetForDevice(net: Net | NetDef, device: DeviceOption | None = None) -
 
     Raises:
         ValueError: no device given and no DeviceScope active.
-        TypeError: `net` is not a Net or NetDef.
+        TypeError: `net` is not a Net or NetDef, or `device` is not a DeviceOption.
     """
     device = device if device is not None else CurrentDeviceScope()
     if device is None:
         raise ValueError("ConvertNetForDevice needs a device: pass device= or call it inside a DeviceScope "
                          "(e.g. inside a Parallelize builder function)")
+    if not isinstance(device, DeviceOption):
+        raise TypeError(f"ConvertNetForDevice: device must be a DeviceOption, got {device!r}")
     if not isinstance(net, (Net, NetDef)):
         raise TypeError(f"ConvertNetForDevice takes a Net or a NetDef, got {type(net).__name__}")
     scope = f"{device_prefix(device.device_type == CPU)}_{device.device_id}/"
@@ -365,15 +383,25 @@ def ExtractPredictorNet(model: ModelHelper, inputs: Sequence[str], outputs: Sequ
     layout = _layout_of(model)
     scope = layout.scoped(layout.master, "")
     proto = model.net.Proto()
-    renames = {b: b[len(scope):] for op in proto.ops for b in (*op.inputs, *op.outputs) if b.startswith(scope)}
-    predictor, params = extract_predictor_net(proto, [scope + str(b) for b in inputs],
+    # Only the first replica's ops: other replicas' ops read external inputs too and, interleaved
+    # (combine_spatial_bn), sit between the first replica's, so the extraction would take them along.
+    ops = [op for op in proto.ops
+           if all(layout.replica_of(b) in (None, layout.master) for b in (*op.inputs, *op.outputs))]
+    renames = {b: b[len(scope):] for op in ops for b in (*op.inputs, *op.outputs) if b.startswith(scope)}
+    predictor, params = extract_predictor_net(NetDef(proto.name, ops, list(proto.external_inputs)),
+                                              [scope + str(b) for b in inputs],
                                               [scope + str(b) for b in outputs], device, renames)
     return Net(predictor), params
 
 
 def GetLearningRateBlobNames(model: ModelHelper) -> list[str]:  # noqa: N802
-    """The outputs of the model's `LearningRate` ops, in net order (one per device or one shared CPU
-    blob). Works whichever update builder was used (Caffe2 failed for param_update_builder_fun)."""
+    """The learning-rate blobs of `model.net`: the outputs of its `LearningRate` ops, in net order.
+
+    One per device (`<Optimizer>_<n>_lr_gpu<id>`, or a per-device builder's own names) or one blob
+    shared by CPU replicas (`<Optimizer>_<n>_lr_cpu`), as Caffe2 returned for its optimizers; the
+    blob before any `allow_lr_injection` multiplier. Works whichever update builder was used (Caffe2
+    raised for `param_update_builder_fun`). Raises nothing: a model without one gives [].
+    """
     return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops if op.type == "LearningRate"))
 
 
@@ -417,6 +445,7 @@ def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: A
 
 def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[int, ...]:
     """Device ids, checked: non-negative ints, unique, existing (CUDA, unless simulated on the CPU)."""
+    defaulted = devices is None
     if devices is None:
         devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
     try:
@@ -424,8 +453,9 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
     except TypeError:
         raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
     if not ids:
-        raise ParallelizeError("Parallelize: no devices (no CUDA device was found); pass devices=[...], "
-                               "cpu_device=True, or GRAPHPAR_CUDA_ON_CPU=1 to simulate CUDA devices")
+        why = "no CUDA device was found" if defaulted else "devices is empty"
+        raise ParallelizeError(f"Parallelize: no devices ({why}); pass devices=[...], cpu_device=True, or "
+                               f"GRAPHPAR_CUDA_ON_CPU=1 to simulate CUDA devices")
     if len(set(ids)) != len(ids) or min(ids) < 0:
         raise ParallelizeError(f"Parallelize: device ids must be unique and >= 0, got {list(ids)}")
     if not cpu_device and not cuda_is_simulated():

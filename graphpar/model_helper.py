@@ -9,6 +9,7 @@ created with `create_param`, usually through `graphpar.brew` helpers, and are re
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -73,19 +74,27 @@ class ParameterInfo:
 
 
 def _normalize_tags(tags: str | Iterable[str] | None) -> tuple[str, ...]:
+    """A tag or a list of tags as a tuple; TypeError for anything else."""
     if tags is None:
         return ()
-    return (tags,) if isinstance(tags, str) else tuple(tags)
+    if isinstance(tags, str):
+        return (tags,)
+    if isinstance(tags, Iterable):
+        result = tuple(tags)
+        if all(isinstance(t, str) for t in result):
+            return result
+    raise TypeError(f"parameter tags must be a tag or a list of tags (ParameterTags.WEIGHT, ...), got {tags!r}")
 
 
 def _normalize_shape(param_name: str, shape: Iterable[int]) -> tuple[int, ...]:
+    """The shape as a tuple of Python ints (numpy integers accepted, as in op arguments)."""
     try:
         dims = tuple(shape)
     except TypeError:
         raise TypeError(f"create_param({param_name!r}): shape must be a list of ints, got {shape!r}") from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+    if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise TypeError(f"create_param({param_name!r}): shape must be non-negative ints, got {list(dims)}")
-    return dims
+    return tuple(int(d) for d in dims)
 
 
 def _in_scope(blobs: list[BlobReference], namescope: str | None) -> list[BlobReference]:
@@ -152,13 +161,14 @@ class ModelHelper:
 
         Raises:
             ValueError: the name exists with another shape.
-            TypeError: a bad shape or initializer.
+            TypeError: a bad name, shape, initializer or tags (checked before anything is recorded).
         """
         if not isinstance(param_name, str) or not param_name:
             raise TypeError(f"create_param: param_name must be a non-empty str or BlobReference, got "
                             f"{param_name!r}")
         name = str(param_name) if isinstance(param_name, BlobReference) else CurrentNameScope() + param_name
         dims = _normalize_shape(name, shape)
+        tag_tuple = _normalize_tags(tags)
         existing = self._parameters_info.get(name)
         if existing is not None:
             if existing.shape != dims:
@@ -173,13 +183,16 @@ class ModelHelper:
             raise TypeError(f"create_param({name!r}): initializer must be an Initializer or "
                             f"ExternalInitializer, got {initializer!r}")
         blob = BlobReference(initializer.create_param(BlobReference(name), self.param_init_net, dims))
-        tag_tuple = _normalize_tags(tags)
         self._parameters_info[name] = ParameterInfo(name, blob, dims, initializer, tag_tuple)
         self.AddParameter(blob, tag_tuple)
         return blob
 
     def AddParameter(self, param: BlobReference, tags: str | Iterable[str] | None = None) -> None:  # noqa: N802
-        """Register an existing blob as a parameter (COMPUTED_PARAM -> computed params) and by tag."""
+        """Register an existing blob as a parameter (COMPUTED_PARAM -> computed params) and by tag.
+
+        Raises:
+            TypeError: `param` is not a BlobReference, or `tags` is not a tag or a list of tags.
+        """
         if not isinstance(param, BlobReference):
             raise TypeError(f"AddParameter needs a BlobReference, got {type(param).__name__} {param!r}")
         tags = _normalize_tags(tags)

@@ -65,10 +65,12 @@ def stripBlobName(blob: str | GradientSlice) -> str:  # noqa: N802 - Caffe2 name
 
 
 def momentum_name(param: str) -> str:
+    """The momentum state blob of `param` under SGD with momentum (Caffe2: `fc_w` -> `fc_w_momentum`)."""
     return f"{param}_momentum"
 
 
 def adam_moment_names(param: str) -> tuple[str, str]:
+    """Adam's first and second moment blobs of `param` (Caffe2's names)."""
     return f"{param}_first_moment", f"{param}_second_moment"
 
 

@@ -17,6 +17,11 @@ subtracts its step, so its LR blob holds +base_learning_rate·factor(iter).
 Momentum follows Caffe2: `MomentumSGDUpdate` keeps m = μ·m + lr·g and applies param -= m. With a
 constant learning rate this is exactly `torch.optim.SGD(momentum=μ)` (m = lr·buf); when the rate changes
 between steps the two differ, because Caffe2's buffer holds lr-scaled gradients.
+
+Dtypes: the learning-rate, `ONE_*` and weight-decay blobs are float32 [1] tensors, as in Caffe2; the
+update ops cast them to each param's dtype. Params, gradients and optimizer state keep their own dtype,
+but a float64 model is updated with the float32 rounding of lr·factor(iter) and weight_decay (a relative
+difference of at most 6e-8 from torch.optim, which keeps them as Python floats).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
+from graphpar.ops.optim import learning_rate_schedule
 from graphpar.ops.registry import get_schema, parse_args
 
 if TYPE_CHECKING:
@@ -76,9 +82,11 @@ class Optimizer:
 
     def __init__(self, base_learning_rate: float, policy: str, lr_sign: float, **policy_args: Any) -> None:
         _check_number("base_learning_rate", base_learning_rate, low=0.0)
-        parse_args(get_schema("LearningRate"), {"base_lr": float(base_learning_rate), "policy": policy,
-                                                **policy_args}, "optimizer learning-rate policy")
         cls = type(self).__name__
+        where = f"{cls}: learning-rate policy {policy!r}"
+        lr_args = parse_args(get_schema("LearningRate"), {"base_lr": float(base_learning_rate),
+                                                          "policy": policy, **policy_args}, where)
+        learning_rate_schedule(lr_args, where)  # a bad policy fails here, not at CreateNet
         self._instance_num = _instance_count[cls]
         _instance_count[cls] += 1
         self.base_learning_rate = float(base_learning_rate)

@@ -9,6 +9,9 @@ want float32 pass float32. Python floats and lists of floats become torch's defa
 ints int64, bools bool. A fed value is always copied, and a value that cannot be fed leaves the
 workspace unchanged.
 
+Nets of type "dag" run their ops in program order, like "simple" ones, so results are identical
+and reproducible; `graphpar.executor.plan.Plan` says why ops are not dispatched concurrently.
+
 Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's generators; `Workspaces()`
 lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
 dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v` feeds,
@@ -97,8 +100,19 @@ class Workspace:
         return tensor
 
     def fetch_blob(self, name: str) -> np.ndarray:
-        """A host numpy copy of blob `name`. Raises MissingBlobError if there is none."""
-        return self.fetch_tensor(name).detach().to("cpu", copy=True).numpy()
+        """A host numpy copy of blob `name`.
+
+        Raises:
+            MissingBlobError: there is no such blob.
+            TypeError: its dtype has no numpy equivalent (e.g. bfloat16); use fetch_tensor.
+        """
+        host = self.fetch_tensor(name).detach().to("cpu", copy=True)
+        try:
+            return host.numpy()
+        except TypeError:  # torch: "Got unsupported ScalarType BFloat16"
+            raise TypeError(f"blob {str(name)!r} is {str(host.dtype).removeprefix('torch.')}, which numpy "
+                            f"cannot hold; use FetchTensor({str(name)!r}) (and .float() for a float32 "
+                            f"copy)") from None
 
     def has_blob(self, name: str) -> bool:
         """Whether blob `name` exists."""
@@ -129,7 +143,13 @@ class Workspace:
         return plan
 
     def run_net(self, net_or_name: Any, num_iter: int = 1) -> None:
-        """Run a created net `num_iter` times. Raises RuntimeError if it was never created."""
+        """Run a created net (by name, Net or NetDef) `num_iter` times.
+
+        Raises:
+            RuntimeError: the net was never created in this workspace.
+            ValueError: `num_iter` is not a non-negative int (checked before anything runs).
+            OperatorError, MissingBlobError: an op failed (see executor.run).
+        """
         name = net_or_name if isinstance(net_or_name, str) else _as_netdef(net_or_name).name
         plan = self.nets.get(name)
         if plan is None:
@@ -141,11 +161,12 @@ class Workspace:
             run(plan)
 
     def run_net_once(self, net: Any) -> None:
-        """Compile and run `net` once without keeping it (typical for init nets)."""
+        """Compile and run `net` once without keeping it (typical for init nets); raises as
+        create_net and run_net."""
         run(compile_net(_as_netdef(net), self))
 
     def run_operator_once(self, op: OperatorDef) -> None:
-        """Compile and run a single operator once."""
+        """Compile and run a single operator once; TypeError if `op` is not an OperatorDef."""
         if not isinstance(op, OperatorDef):
             raise TypeError(f"RunOperatorOnce needs an OperatorDef, got {type(op).__name__}")
         self.run_net_once(NetDef(name=f"RunOperatorOnce({op.type})", ops=[op]))
@@ -194,7 +215,8 @@ def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
         if value.dtype.kind not in _FEEDABLE_KINDS:
             raise TypeError(f"FeedBlob({name!r}): numpy dtype {value.dtype} has no tensor equivalent; "
                             f"feed a numeric or bool array")
-        return torch.from_numpy(np.array(value, order="C")).to(device)  # our own contiguous copy
+        native = value.dtype.newbyteorder("=")  # torch reads native byte order only
+        return torch.from_numpy(np.array(value, dtype=native, order="C")).to(device)  # our own copy
     if isinstance(value, (bool, int, float, complex, list, tuple)):
         try:
             return torch.tensor(value, device=device)
@@ -220,6 +242,9 @@ def get_workspace(name: str | None = None) -> Workspace:
 def FeedBlob(name: str, value: Any, device_option: DeviceOption | None = None) -> bool:  # noqa: N802
     """Store a copy of `value` as blob `name` in the current workspace; returns True (as Caffe2).
 
+    numpy arrays and tensors keep their dtype (float64 stays float64: pass float32 for float32
+    blobs); Python floats and lists of floats become float32, ints int64, bools bool.
+
     Device: `device_option`, else the current DeviceScope, else the name's replica scope
     ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Raises TypeError for values that are not
     numeric data (None, str, dict, object arrays, ragged lists) and RuntimeError for a CUDA device
@@ -230,7 +255,11 @@ def FeedBlob(name: str, value: Any, device_option: DeviceOption | None = None) -
 
 
 def FetchBlob(name: str) -> np.ndarray:  # noqa: N802
-    """A host numpy copy of blob `name`. Raises MissingBlobError if there is none."""
+    """A host numpy copy of blob `name` (GPU blobs are copied to the host).
+
+    Raises MissingBlobError if there is none, TypeError if its dtype has no numpy equivalent
+    (bfloat16: use FetchTensor).
+    """
     return get_workspace().fetch_blob(name)
 
 
@@ -263,7 +292,8 @@ def CreateNet(net: Any, overwrite: bool = False) -> bool:  # noqa: N802
 def RunNet(net_or_name: Any, num_iter: int = 1) -> bool:  # noqa: N802
     """Run a created net (by name, Net or NetDef) `num_iter` times; returns True.
 
-    Raises RuntimeError if it was not created, OperatorError (or MissingBlobError) naming the failing op.
+    Raises RuntimeError if it was not created, ValueError for a bad `num_iter`, and OperatorError
+    (or MissingBlobError) naming the failing op.
     """
     get_workspace().run_net(net_or_name, num_iter)
     return True

@@ -101,6 +101,18 @@ def test_conv_params_and_ops():
     assert model.weights == ["c1_w", "c2_w"] and model.biases == ["c1_b"]
 
 
+def test_conv_and_fc_accept_numpy_integer_sizes():
+    model = ModelHelper(name="brew_np_ints")
+    dim, k = np.int64(4), np.int64(3)
+    brew.conv(model, "img", "c1", dim_in=dim, dim_out=6, kernel=k)
+    brew.conv(model, "c1", "c2", dim_in=6, dim_out=dim, kernel=[k, np.int32(1)])
+    brew.fc(model, "c2", "fc", dim_in=dim * 2, dim_out=np.int32(5))
+    shapes = [op.args["shape"] for op in model.param_init_net.Proto().ops]
+    assert shapes == [[6, 4, 3, 3], [6], [4, 6, 3, 1], [4], [5, 8], [5]]
+    conv1, conv2, _ = model.net.Proto().ops
+    assert conv1.args["kernel"] == 3 and (conv2.args["kernel_h"], conv2.args["kernel_w"]) == (3, 1)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"order": "NHWC"}, "order='NCHW' only"),
     ({"group": 3}, "divisible by group=3"),

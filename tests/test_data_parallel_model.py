@@ -292,6 +292,14 @@ def test_finalize_after_checkpoint_broadcasts_loaded_values_and_is_built_once():
     assert [op.outputs[0] for op in net.Proto().ops] == ["cpu_2/pred_w", "cpu_3/pred_w"]
 
 
+def test_finalize_refuses_blobs_of_other_devices_and_builds_nothing():
+    """E.g. a checkpoint saved on devices [0, 1] loaded for replicas [1, 2]: cpu_0/... would go unused."""
+    model, _, _ = train(MLP, MLP_PARAMS, [1, 2], batches(1, 2, (6,)))
+    with pytest.raises(ParallelizeError, match="saved with other devices"):
+        dpm.FinalizeAfterCheckpoint(model, blobs=["cpu_0/pred_w", "optimizer_iteration"])
+    assert getattr(model, "_checkpoint_net", None) is None
+
+
 def test_finalize_defaults_to_every_synced_blob():
     model, _, _ = train(MLP, MLP_PARAMS, [0, 1], batches(1, 2, (6,)))
     workspace.FeedBlob("cpu_0/fc1_b_momentum", np.full(5, 3.0, np.float32))
@@ -304,9 +312,10 @@ def test_finalize_defaults_to_every_synced_blob():
 # ---- Caffe2's data_parallel_model_test, ported --------------------------------------------------
 
 
-def _equiv_run(devices: list[int]) -> np.ndarray:
-    """Caffe2's test_equiv model: FC 16->1 (zeros), Sigmoid, L2 loss; shared model, combine_spatial_bn
-    (interleaved replicas; the model has no batch norm), clipping, LR injection."""
+def _equiv_run(devices: list[int], gpu: bool = False) -> np.ndarray:
+    """Caffe2's test_equiv model: FC 16->1 (zeros), Sigmoid, L2 loss; clipping, LR injection; on CPU
+    also a shared model and combine_spatial_bn (interleaved replicas; the model has no batch norm).
+    `gpu` runs on logical CUDA devices placed on the CPU (Caffe2 needed that many GPUs)."""
     def add_model(model, loss_scale):
         fc = brew.fc(model, "data", "fc", dim_in=16, dim_out=1, weight_init=("ConstantFill", {}),
                      bias_init=("ConstantFill", {}))
@@ -316,38 +325,41 @@ def _equiv_run(devices: list[int]) -> np.ndarray:
         return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
     workspace.ResetWorkspace()
+    prefix = "gpu" if gpu else "cpu"
     model = model_helper.ModelHelper(name=f"test{len(devices)}")
-    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_model,
-                    optimizer_builder_fun=lambda m: optimizer.build_sgd(
-                        m, 0.1, policy="fixed", max_gradient_norm=5.0, allow_lr_injection=True),
-                    devices=devices, cpu_device=True, shared_model=True, combine_spatial_bn=True)
-    dpm.AddBlobSync(model, ["sync_num"])
-    assert len(dpm.GetLearningRateBlobNames(model)) > 0
-    np.random.seed(2603)
-    batch = 64
-    for i in range(10):
-        data = np.random.rand(batch, 16).astype(np.float32)
-        label = np.round(data[:, 0]).astype(np.float32)
-        for j, d in enumerate(devices):
-            part = slice(j * batch // len(devices), (j + 1) * batch // len(devices))
-            workspace.FeedBlob(f"cpu_{d}/data", data[part])
-            workspace.FeedBlob(f"cpu_{d}/label", label[part])
-        if i == 0:
-            dpm.RunInitNet(model)
-        workspace.FeedBlob(f"cpu_{devices[0]}/sync_num", np.array([i * 2], np.float32))
-        dpm.RunNet(model, 1)
-        for d in devices:
-            assert abs(workspace.FetchBlob(f"cpu_{d}/sync_num")[0] - i * 2) < 0.01
-    return workspace.FetchBlob(f"cpu_{devices[0]}/fc_w")
+    with cuda_on_cpu(gpu):
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_model,
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(
+                            m, 0.1, policy="fixed", max_gradient_norm=5.0, allow_lr_injection=True),
+                        devices=devices, cpu_device=not gpu, shared_model=not gpu, combine_spatial_bn=not gpu)
+        dpm.AddBlobSync(model, ["sync_num"])
+        assert len(dpm.GetLearningRateBlobNames(model)) > 0
+        np.random.seed(2603)
+        batch = 64
+        for i in range(10):
+            data = np.random.rand(batch, 16).astype(np.float32)
+            label = np.round(data[:, 0]).astype(np.float32)
+            for j, d in enumerate(devices):
+                part = slice(j * batch // len(devices), (j + 1) * batch // len(devices))
+                workspace.FeedBlob(f"{prefix}_{d}/data", data[part])
+                workspace.FeedBlob(f"{prefix}_{d}/label", label[part])
+            if i == 0:
+                dpm.RunInitNet(model)
+            workspace.FeedBlob(f"{prefix}_{devices[0]}/sync_num", np.array([i * 2], np.float32))
+            dpm.RunNet(model, 1)
+            for d in devices:
+                assert abs(workspace.FetchBlob(f"{prefix}_{d}/sync_num")[0] - i * 2) < 0.01
+    return workspace.FetchBlob(f"{prefix}_{devices[0]}/fc_w")
 
 
 @pytest.mark.slow
-def test_equiv():
-    """Caffe2's test_equiv on CPU with 1, 2, 4, 8, 16 devices."""
-    reference = _equiv_run([0])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_equiv(gpu):
+    """Caffe2's test_equiv with 1, 2, 4, 8, 16 devices, on CPU and on (logical) CUDA devices."""
+    reference = _equiv_run([0], gpu)
     assert np.abs(reference).sum() > 0
     for count in (2, 4, 8, 16):
-        np.testing.assert_allclose(_equiv_run(list(range(count))), reference, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(_equiv_run(list(range(count)), gpu), reference, rtol=1e-5, atol=1e-8)
 
 
 def _conv_stack(model, dim_out: int = 10):
@@ -477,6 +489,7 @@ MISUSES = {
     "nonexistent CUDA device": (dict(cpu_device=False, devices=[0, 99]), ParallelizeError, "do not exist"),
     "shared model on CUDA": (dict(cpu_device=False, shared_model=True), ParallelizeError, "only supported on CPU"),
     "duplicate device ids": (dict(devices=[1, 1]), ParallelizeError, "unique"),
+    "no devices": (dict(devices=[]), ParallelizeError, r"no devices \(devices is empty\)"),
     "non-int device ids": (dict(devices=["0"]), TypeError, "int device ids"),
     "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
     "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
@@ -664,16 +677,21 @@ def test_convert_net_for_device_prefixes_every_blob():
     assert cpu_op.outputs == ["cpu_1/y"]
     with pytest.raises(ValueError, match="needs a device"):
         dpm.ConvertNetForDevice(net)
+    with pytest.raises(TypeError, match="must be a DeviceOption, got 1"):
+        dpm.ConvertNetForDevice(net, 1)
 
 
-def test_extract_predictor_net_gives_an_unscoped_forward_net():
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_extract_predictor_net_gives_an_unscoped_forward_net(interleaved):
+    """Interleaved replicas (combine_spatial_bn) put the other replicas' ops between the first one's;
+    they must not be extracted too."""
     def forward(model, loss_scale):
         h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=5)
         pred = brew.fc(model, brew.relu(model, h, h), "pred", dim_in=5, dim_out=3)
         model.net.Softmax(pred, "prob")
         return softmax_loss(model, pred, "label", loss_scale)
 
-    model, _, _ = train(forward, MLP_PARAMS, [1, 2], batches(1, 2, (6,)))
+    model, _, _ = train(forward, MLP_PARAMS, [1, 2], batches(1, 2, (6,)), combine_spatial_bn=interleaved)
     predictor, params = dpm.ExtractPredictorNet(model, ["data"], ["prob"], DeviceOption(CPU, 0))
     ops = predictor.Proto().ops
     assert [op.type for op in ops] == ["FC", "Relu", "FC", "Softmax"]

@@ -93,6 +93,23 @@ def test_create_param_rejects_bad_shapes(shape):
         ModelHelper(name="mh_badshape").create_param("w", shape, Initializer("XavierFill"))
 
 
+def test_create_param_accepts_numpy_integer_dims():
+    model = ModelHelper(name="mh_npshape")
+    w = model.create_param("w", [np.int64(3), np.int32(2)], Initializer("XavierFill"))
+    assert model._parameters_info[w].shape == (3, 2)
+    (fill,) = model.param_init_net.Proto().ops
+    assert fill.args["shape"] == [3, 2] and all(type(d) is int for d in fill.args["shape"])
+
+
+@pytest.mark.parametrize("tags", [5, [ParameterTags.WEIGHT, 3]])
+def test_create_param_rejects_bad_tags_before_recording(tags):
+    model = ModelHelper(name="mh_badtags")
+    with pytest.raises(TypeError, match="tags"):
+        model.create_param("w", [2], Initializer("XavierFill"), tags=tags)
+    assert model.param_init_net.Proto().ops == [] and model.params == []
+    assert "w" not in model._parameters_info
+
+
 def test_create_param_rejects_bad_names():
     with pytest.raises(TypeError, match="param_name must be"):
         ModelHelper(name="mh_badname").create_param(None, [1], Initializer("XavierFill"))

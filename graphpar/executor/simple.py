@@ -18,7 +18,7 @@ from graphpar.executor.plan import BINARY, NARY, UNARY, Plan, Step, op_location,
 
 
 def run(plan: Plan) -> None:
-    """Execute every step of `plan` once, in program order (for "simple" and, for now, "dag" nets).
+    """Execute every step of `plan` once, in program order ("simple" and "dag" nets: see `Plan`).
 
     Raises:
         MissingBlobError: an input blob was removed from the workspace after CreateNet.

@@ -18,7 +18,6 @@ from graphpar.core.ir import DeviceOption, OperatorDef
 from graphpar.devices import device_option_for_blob
 from graphpar.ops.registry import NOT_DIFFERENTIABLE, KernelContext, register_op, same_index
 
-MAX_DEVICES = 1024  # NCCLBroadcast enforces output i == input i for i below this
 
 
 def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
@@ -88,7 +87,7 @@ def _broadcast(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
 
 register_op(
     "NCCLBroadcast", inputs=(1, None), outputs=(1, None), args={"root": 0},
-    enforce_inplace={(i, i) for i in range(MAX_DEVICES)}, kernel=_broadcast, gradient=NOT_DIFFERENTIABLE,
+    enforce_inplace=same_index, kernel=_broadcast, gradient=NOT_DIFFERENTIABLE,
     device_inference=_devices,
     doc="Output i = X[root] on input i's device (in place enforced; `root` is a position in the input "
         "list, not a GPU id). torch.cuda.nccl when every copy is on its own GPU, else plain copies.")

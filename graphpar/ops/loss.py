@@ -4,7 +4,9 @@ SigmoidCrossEntropyWithLogits and Accuracy.
 Integer labels may be int32 or int64, shaped [N] or [N, 1]; float labels are refused (except as
 probabilities where the op takes them), since truncating them would hide a wrong feed. Labels are not
 range-checked on the host (that would synchronise the GPU every step); an out-of-range label fails in
-PyTorch's gather.
+PyTorch's gather. Counts and shapes are checked, as Caffe2 does: one label (and weight) per row, and
+inputs that must match (SquaredL2Distance's A and B, CrossEntropy's X and target) of one shape, since
+gather and broadcasting would otherwise turn a wrong feed into a wrong loss without an error.
 """
 
 from __future__ import annotations
@@ -23,11 +25,46 @@ from graphpar.ops.registry import GI, NOT_DIFFERENTIABLE, KernelContext, gradien
 _PROB_FLOOR = 1e-20  # Caffe2's floor under probabilities before taking their log
 
 
-def _label_index(label: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    """Integer labels as an int64 [N, 1] index for gather/scatter."""
+def _label_index(label: torch.Tensor, rows: int, ctx: KernelContext) -> torch.Tensor:
+    """Integer labels, one per row of the scores, as an int64 [rows, 1] index for gather/scatter.
+
+    A label count that differs from the row count raises: gather would otherwise use the first
+    labels only, or broadcast a single one, and give a wrong loss silently.
+    """
     if label.is_floating_point() or label.dtype == torch.bool:
         raise TypeError(f"{op_label(ctx.op)}: labels must be integers (int32/int64), got {label.dtype}")
+    if label.numel() != rows:
+        raise ValueError(f"{op_label(ctx.op)}: {label.numel()} labels (shape {tuple(label.shape)}) for "
+                         f"{rows} rows of scores; feed one label per row")
     return label.reshape(-1, 1).long()
+
+
+def _same_shape(x: torch.Tensor, y: torch.Tensor, what: str, ctx: KernelContext) -> None:
+    """Raise unless `y` (named `what`) has X's shape; broadcasting would give a wrong result silently."""
+    if x.shape != y.shape:
+        raise ValueError(f"{op_label(ctx.op)}: {what} has shape {tuple(y.shape)}, X has {tuple(x.shape)}; "
+                         f"they must match")
+
+
+def _label_probs(label: torch.Tensor, x: torch.Tensor, x2: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    """label_prob=1 targets, shaped like the logits or their 2-D view, as X2's shape and dtype.
+
+    Any other shape raises, even with the same element count: a transposed feed would reshape silently.
+    """
+    if label.shape != x.shape and label.shape != x2.shape:
+        raise ValueError(f"{op_label(ctx.op)}: label probabilities have shape {tuple(label.shape)}, "
+                         f"the logits {tuple(x.shape)}; with label_prob=1 they must match")
+    return label.to(x2.dtype).reshape(x2.shape)
+
+
+def _weights(w: torch.Tensor | None, rows: int, dtype: torch.dtype, ctx: KernelContext) -> torch.Tensor | None:
+    """SoftmaxWithLoss's per-row weights as a [rows] vector of `dtype` (None without weights)."""
+    if w is None:
+        return None
+    if w.numel() != rows:
+        raise ValueError(f"{op_label(ctx.op)}: {w.numel()} weights (shape {tuple(w.shape)}) for {rows} "
+                         f"rows; feed one weight per row")
+    return w.reshape(-1).to(dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -50,14 +87,15 @@ def _swl_weight_sum(w: torch.Tensor | None, n: int) -> torch.Tensor | float:
 
 def _softmax_with_loss(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     def softmax_with_loss(x: torch.Tensor, label: torch.Tensor, w: torch.Tensor | None = None) -> tuple:
-        x2, w = flatten_2d(x, a.axis), None if w is None else w.to(x.dtype)
+        x2 = flatten_2d(x, a.axis, ctx.op)
+        w = _weights(w, x2.shape[0], x.dtype, ctx)
         logp = torch.log_softmax(x2, 1)
         if a.label_prob:
-            nll = -(label.to(x.dtype).reshape(x2.shape) * logp).sum(1)
+            nll = -(_label_probs(label, x, x2, ctx) * logp).sum(1)
         else:
-            nll = -logp.gather(1, _label_index(label, ctx)).squeeze(1)
+            nll = -logp.gather(1, _label_index(label, x2.shape[0], ctx)).squeeze(1)
         if w is not None:
-            nll = nll * w.reshape(-1)
+            nll = nll * w
         loss = nll.sum() * (a.scale / _swl_weight_sum(w, x2.shape[0]))
         return logp.exp().reshape(x.shape), loss
 
@@ -69,11 +107,12 @@ def _softmax_with_loss_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[
 
     def softmax_with_loss_grad(x: torch.Tensor, label: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         w, p, dloss = rest if weighted else (None, *rest)
-        p2, w = flatten_2d(p, a.axis), None if w is None else w.to(p.dtype)
+        p2 = flatten_2d(p, a.axis, ctx.op)
+        w = _weights(w, p2.shape[0], p.dtype, ctx)
         if a.label_prob:
-            d = p2 - label.to(p.dtype).reshape(p2.shape)
+            d = p2 - _label_probs(label, p, p2, ctx)
         else:
-            d = p2.scatter_add(1, _label_index(label, ctx), p2.new_full((p2.shape[0], 1), -1.0))
+            d = p2.scatter_add(1, _label_index(label, p2.shape[0], ctx), p2.new_full((p2.shape[0], 1), -1.0))
         coeff = dloss.reshape(()) * (a.scale / _swl_weight_sum(w, p2.shape[0]))
         d = d * coeff if w is None else d * (w.reshape(-1, 1) * coeff)
         return d.reshape(x.shape)
@@ -123,7 +162,8 @@ register_op(
 
 def _label_xent(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     def label_xent(x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        picked = _rows(x).gather(1, _label_index(label, ctx)).squeeze(1)
+        x2 = _rows(x)
+        picked = x2.gather(1, _label_index(label, x2.shape[0], ctx)).squeeze(1)
         return -picked.clamp_min(_PROB_FLOOR).log()
 
     return label_xent
@@ -131,7 +171,8 @@ def _label_xent(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.T
 
 def _label_xent_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     def label_xent_grad(x: torch.Tensor, label: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        x2, index = _rows(x), _label_index(label, ctx)
+        x2 = _rows(x)
+        index = _label_index(label, x2.shape[0], ctx)
         picked = x2.gather(1, index).clamp_min(_PROB_FLOOR)
         return torch.zeros_like(x2).scatter_(1, index, -dy.reshape(-1, 1) / picked).reshape(x.shape)
 
@@ -162,10 +203,19 @@ register_op(
     "0 elsewhere (Caffe2's formula, also below the floor); the label gets no gradient.",
 )
 
+
+def _xent(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def xent(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        _same_shape(x, t, "the target", ctx)
+        return -(t * x.clamp_min(_PROB_FLOOR).log()).reshape(_rows(x).shape).sum(1)
+
+    return xent
+
+
 register_op(
     "CrossEntropy",
     inputs=2,
-    kernel=lambda a, ctx: lambda x, t: -(t * x.clamp_min(_PROB_FLOOR).log()).reshape(_rows(x).shape).sum(1),
+    kernel=_xent,
     gradient=_xent_gradient("CrossEntropyGradient"),
     doc="CrossEntropy(X, target) -> Y[N] = -Σ_j target_ij·log(max(X_ij, 1e-20)), with X and the target "
     "distribution both [N, D].",
@@ -185,9 +235,13 @@ register_op(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _sq_l2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    diff = (x - y).reshape(x.shape[0] if x.dim() else 1, -1)
-    return 0.5 * diff.square().sum(1)
+def _sq_l2(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    def sq_l2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _same_shape(x, y, "B", ctx)
+        diff = (x - y).reshape(x.shape[0] if x.dim() else 1, -1)
+        return 0.5 * diff.square().sum(1)
+
+    return sq_l2
 
 
 def _sq_l2_grad(x: torch.Tensor, y: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +252,7 @@ def _sq_l2_grad(x: torch.Tensor, y: torch.Tensor, dd: torch.Tensor) -> tuple[tor
 register_op(
     "SquaredL2Distance",
     inputs=2,
-    kernel=lambda a, ctx: _sq_l2,
+    kernel=_sq_l2,
     gradient=lambda op, g: (
         [gradient_op("SquaredL2DistanceGradient", [*op.inputs, g[0]], [GI(op, 0), GI(op, 1)])],
         [GI(op, 0), GI(op, 1)],
@@ -262,7 +316,9 @@ def _accuracy(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Ten
         raise ValueError(f"{op_label(ctx.op)}: top_k must be >= 1, got {a.top_k}")
 
     def accuracy(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        index = _label_index(label, ctx)
+        if pred.dim() != 2:
+            raise ValueError(f"{op_label(ctx.op)}: predictions must be [N, D], got shape {tuple(pred.shape)}")
+        index = _label_index(label, pred.shape[0], ctx)
         score = pred.gather(1, index)
         classes = torch.arange(pred.shape[1], device=pred.device)
         ahead = (pred > score) | ((pred == score) & (classes < index))  # ties rank the lower class first

@@ -46,9 +46,18 @@ def require_nchw(args: SimpleNamespace, ctx: KernelContext) -> None:
         )
 
 
-def flatten_2d(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """X viewed as [prod(shape[:axis]), prod(shape[axis:])] (Caffe2's canonical 2-D view)."""
-    axis = axis + x.dim() if axis < 0 else axis
+def flatten_2d(x: torch.Tensor, axis: int, op: OperatorDef | None = None) -> torch.Tensor:
+    """X viewed as [prod(shape[:axis]), prod(shape[axis:])] (Caffe2's canonical 2-D view).
+
+    Raises ValueError (naming `op`) unless -ndim <= axis < ndim, as Caffe2's canonical_axis_index
+    does: past the last dim every row would hold one element, so e.g. a Softmax would be all ones.
+    """
+    ndim = x.dim()
+    if not -ndim <= axis < ndim:
+        where = f"{op_label(op)}: " if op is not None else ""
+        raise ValueError(f"{where}axis {axis} is out of range for a {ndim}-d input of shape "
+                         f"{tuple(x.shape)}; use an axis in [{-ndim}, {ndim})")
+    axis = axis + ndim if axis < 0 else axis
     return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
 
 
@@ -68,7 +77,7 @@ def _grad_from_output(grad_type: str) -> Callable[[OperatorDef, list], tuple[lis
 
 def _fc(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     def fc(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        x2, w2 = flatten_2d(x, a.axis), flatten_2d(w, a.axis_w)
+        x2, w2 = flatten_2d(x, a.axis, ctx.op), flatten_2d(w, a.axis_w, ctx.op)
         if b.numel() != w2.shape[0]:
             raise ValueError(
                 f"{op_label(ctx.op)}: bias has {b.numel()} elements, W has {w2.shape[0]} "
@@ -98,7 +107,7 @@ def _fc_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     with_dx = _with_input_gradient(a, ctx, (2, 3))
 
     def fc_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
-        x2, w2 = flatten_2d(x, a.axis), flatten_2d(w, a.axis_w)
+        x2, w2 = flatten_2d(x, a.axis, ctx.op), flatten_2d(w, a.axis_w, ctx.op)
         dy2 = dy.reshape(x2.shape[0], w2.shape[0])
         dw, db = dy2.t().mm(x2).reshape(w.shape), dy2.sum(0)
         return (dw, db, dy2.mm(w2).reshape(x.shape)) if with_dx else (dw, db)
@@ -574,12 +583,12 @@ register_op(
 
 
 def _softmax(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: torch.softmax(flatten_2d(x, a.axis), 1).reshape(x.shape)
+    return lambda x: torch.softmax(flatten_2d(x, a.axis, ctx.op), 1).reshape(x.shape)
 
 
 def _softmax_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     def softmax_grad(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        y2 = flatten_2d(y, a.axis)
+        y2 = flatten_2d(y, a.axis, ctx.op)
         return aten._softmax_backward_data(dy.reshape(y2.shape), y2, 1, y.dtype).reshape(y.shape)
 
     return softmax_grad

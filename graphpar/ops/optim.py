@@ -156,12 +156,22 @@ def _make_schedule(policy: str, get: Getter, where: str) -> Schedule:
     return _POLICIES[policy](get, where)
 
 
-def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    where = _where(ctx)
+def learning_rate_schedule(a: SimpleNamespace, where: str) -> Schedule:
+    """`factor(iter)` for a LearningRate op's parsed arguments (see `parse_args`).
+
+    The kernel builds it at CreateNet; optimizers build it when they record the op, so a bad policy
+    fails before the model changes.
+
+    Raises:
+        ValueError: an unknown policy, or a policy argument it needs that is missing or out of range.
+    """
     if a.policy == "composite":
-        schedule = _composite(a, where)
-    else:
-        schedule = _make_schedule(a.policy, lambda name: getattr(a, name), where)
+        return _composite(a, where)
+    return _make_schedule(a.policy, lambda name: getattr(a, name), where)
+
+
+def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    schedule = learning_rate_schedule(a, _where(ctx))
     base_lr, device = a.base_lr, ctx.device
     return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
 

@@ -104,10 +104,14 @@ class OpSchema:
     gradient: Any = None
     doc: str = ""
     inplace: Callable[[int, int], bool] = field(default=lambda i, o: False)
-    enforce_inplace: frozenset[tuple[int, int]] = frozenset()
+    enforce_inplace: Callable[[int, int], bool] = field(default=lambda i, o: False)
     gradient_of: str | None = None
     copy_args_to_gradient: bool = True
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None
+
+    def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
+        """The (input, output) pairs that must name the same blob, for an op with these counts."""
+        return [(i, o) for i in range(num_inputs) for o in range(num_outputs) if self.enforce_inplace(i, o)]
 
     def all_args(self) -> dict[str, Arg]:
         """Own args plus, for a gradient op, those of its forward op (autodiff copies them over)."""
@@ -147,7 +151,7 @@ def register_op(
     outputs: int | tuple[int, int | None] = 1,
     args: dict[str, Any] | None = None,
     inplace: Iterable[tuple[int, int]] | Callable[[int, int], bool] = (),
-    enforce_inplace: Iterable[tuple[int, int]] = (),
+    enforce_inplace: Iterable[tuple[int, int]] | Callable[[int, int], bool] = (),
     gradient: Any = None,
     gradient_of: str | None = None,
     copy_args_to_gradient: bool = True,
@@ -163,12 +167,12 @@ def register_op(
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
-    enforce = frozenset(enforce_inplace)
+    enforce = _inplace_rule(enforce_inplace)
     allowed = _inplace_rule(inplace)
     schema = OpSchema(
         type=type_, num_inputs=_count_range(inputs), num_outputs=_count_range(outputs),
         args={name: _arg_from_default(d) for name, d in (args or {}).items()}, kernel=kernel,
-        gradient=gradient, doc=doc, inplace=lambda i, o: (i, o) in enforce or allowed(i, o),
+        gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference)
     _REGISTRY[type_] = schema
@@ -284,8 +288,8 @@ def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
             if blob == out and not schema.inplace(i, o):
                 raise ValueError(f"{where}: input {i} and output {o} are both {blob!r}, but {op.type} "
                                  f"may not run in place on that pair; give the output another name")
-    for i, o in schema.enforce_inplace:
-        if i < len(op.inputs) and o < len(op.outputs) and op.inputs[i] != op.outputs[o]:
+    for i, o in schema.enforced_pairs(len(op.inputs), len(op.outputs)):
+        if op.inputs[i] != op.outputs[o]:
             raise ValueError(f"{where}: output {o} must be input {i} ({op.inputs[i]!r}) in place, "
                              f"got {op.outputs[o]!r}")
     parse_args(schema, op.args, where)

@@ -432,14 +432,18 @@ register_op("SumSqrElementsGradient", inputs=2, gradient_of="SumSqrElements",
 
 
 def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    where = _where(ctx)
     if len(ctx.op.inputs) % 2:
-        raise ValueError(f"{_where(ctx)}: WeightedSum takes pairs X0, w0, X1, w1, ...; got "
+        raise ValueError(f"{where}: WeightedSum takes pairs X0, w0, X1, w1, ...; got "
                          f"{len(ctx.op.inputs)} inputs")
 
     def run(*xw: torch.Tensor) -> torch.Tensor:
-        dtype = xw[0].dtype
+        dtype, shape = xw[0].dtype, xw[0].shape
         out = xw[0] * xw[1].reshape(()).to(dtype)
         for i in range(2, len(xw), 2):
+            if xw[i].shape != shape:  # addcmul_ would broadcast a smaller X silently
+                raise ValueError(f"{where}: X{i // 2} has shape {tuple(xw[i].shape)}, X0 has "
+                                 f"{tuple(shape)}; WeightedSum needs equal shapes")
             out.addcmul_(xw[i], xw[i + 1].reshape(()).to(dtype))
         return out
 
@@ -473,7 +477,7 @@ def _weighted_sum_grad_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callab
 register_op(
     "WeightedSum", inputs=(2, None), inplace={(0, 0)}, args={"grad_on_w": False},
     kernel=_weighted_sum_kernel, gradient=_weighted_sum_maker,
-    doc="Y = w0 X0 + w1 X1 + ... (X0's shape and dtype) with 1-element weights; in place into X0 allowed. "
+    doc="Y = w0 X0 + w1 X1 + ... (equal shapes; X0's dtype) with 1-element weights; in place into X0 allowed. "
         "Gradient WeightedSumGradient: dXi = wi dY, and dwi = sum(dY Xi) with grad_on_w.")
 register_op(
     "WeightedSumGradient", inputs=(2, None), outputs=(1, None), gradient_of="WeightedSum",

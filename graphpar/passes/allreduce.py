@@ -1,8 +1,8 @@
 """Pass: all-reduce (sum) every gradient across the replicas of one host.
 
-With NCCL on CUDA: one in-place `NCCLAllreduce` per gradient, each chained to the previous one by a
-control input so every device issues the collectives in one fixed order (concurrent NCCL launches
-can deadlock). Otherwise a tree of `Sum` ops named "dpm" over device *positions*, the result on the
+With NCCL on CUDA: one in-place `NCCLAllreduce` per gradient, each chained to the previous collective
+of the net by a control input (`common.chain_collectives`) so every device issues the collectives in
+one fixed order (concurrent NCCL launches can deadlock). Otherwise a tree of `Sum` ops named "dpm" over device *positions*, the result on the
 first device, then a `Copy` back to every other device. A peer without P2P access to the root of a
 Sum is first copied to the root (Caffe2 issues #633/#659: a cross-GPU Sum without it read invalid
 memory).
@@ -20,6 +20,7 @@ from graphpar.passes.common import (
     DeviceLayout,
     append_ops,
     broadcast_ops,
+    chain_collectives,
     make_op,
 )
 
@@ -61,18 +62,17 @@ def allreduce_gradients(net: NetDef, names: Iterable[str], grouped: Mapping[str,
     if len(layout.devices) < 2:
         return []
     ops: list[OperatorDef] = []
-    previous: str | None = None
     for name in names:
         group = _checked_group(name, grouped[name], layout)
         if group is None:
             continue
         if use_nccl and layout.device_type == CUDA:
-            ops.append(_nccl_allreduce(group, layout, previous))
-            previous = group[0]
+            ops.append(make_op("NCCLAllreduce", group, group, layout.option(layout.master)))
             continue
         ops.extend(_sum_tree(name, group, layout, peer_access))
         if broadcast:
             ops.extend(broadcast_ops(layout, dict(zip(layout.devices, group)), blob_devices))
+    chain_collectives(net.ops, ops)
     return append_ops(net, ops)
 
 
@@ -88,11 +88,6 @@ def _checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) -
         raise NotImplementedError(f"gradient {name!r} is sparse (GradientSlice); all-reducing sparse "
                                   f"gradients is not supported yet")
     return [str(copies[d]) for d in layout.devices]
-
-
-def _nccl_allreduce(group: list[str], layout: DeviceLayout, previous: str | None) -> OperatorDef:
-    return make_op("NCCLAllreduce", group, group, layout.option(layout.master),
-                   control_inputs=[previous] if previous else [])
 
 
 def _sum_tree(name: str, group: list[str], layout: DeviceLayout,

@@ -7,7 +7,7 @@ to, so device ids need not start at 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -95,6 +95,24 @@ def append_ops(net: NetDef, ops: Iterable[OperatorDef]) -> list[OperatorDef]:
         known.update(op.outputs)
     net.ops.extend(ops)
     return ops
+
+
+def chain_collectives(earlier: Sequence[OperatorDef], ops: Iterable[OperatorDef]) -> None:
+    """Chain the NCCL ops among `ops`, in order, after the last NCCL op of `earlier` (the ops they
+    follow in the net): each gets a control input on the first output of the NCCL op before it.
+
+    Single-process NCCL launches issued concurrently (by the DAG executor's workers) can deadlock, so
+    every collective of a net runs in one fixed order, whichever pass added it (Caffe2 chained only
+    its gradient all-reduces, not its batch-norm or computed-param collectives).
+    """
+    ops = [op for op in ops if op.type.startswith("NCCL")]
+    if not ops:
+        return
+    previous = next((op.outputs[0] for op in reversed(earlier) if op.type.startswith("NCCL")), None)
+    for op in ops:
+        if previous is not None and previous not in op.control_inputs:
+            op.control_inputs.append(previous)
+        previous = op.outputs[0]
 
 
 def copy_device(layout: DeviceLayout, device_id: int, blob: str, blob_devices: BlobDevices) -> DeviceOption:

@@ -29,7 +29,7 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
 from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
-from graphpar.passes.common import DeviceLayout, make_op
+from graphpar.passes.common import DeviceLayout, chain_collectives, make_op
 
 BN_TYPES = ("SpatialBN", "SpatialBNGradient")
 
@@ -56,7 +56,6 @@ def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool
         return netdef
     taken = {b for op in netdef.ops for b in (*op.inputs, *op.outputs)} | set(netdef.external_inputs)
     rewritten: list[OperatorDef] = []
-    chain: list[str] = []  # the last NCCLAllreduce output, to chain the next one to
     index = 0
     while index < len(netdef.ops):
         op = netdef.ops[index]
@@ -66,7 +65,7 @@ def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool
             continue
         group = netdef.ops[index:index + count]
         _check_group(netdef, index, group, layout)
-        rewritten += _combine(group, layout, taken, use_nccl, peer_access, chain)
+        rewritten += _combine(group, layout, taken, use_nccl, peer_access, rewritten)
         index += count
     netdef.ops[:] = rewritten
     return netdef
@@ -94,8 +93,9 @@ def _label(op: OperatorDef) -> str:
 
 
 def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], use_nccl: bool,
-             peer_access: PeerAccess | None, chain: list[str]) -> list[OperatorDef]:
-    """The stats ops and their all-reduce, then the group's ops, edited to read the global stats."""
+             peer_access: PeerAccess | None, earlier: list[OperatorDef]) -> list[OperatorDef]:
+    """The stats ops and their all-reduce (chained after the NCCL ops of `earlier`, the ops before the
+    group), then the group's ops, edited to read the global stats."""
     if group[0].type == "SpatialBN":
         stats = [make_op("ChannelStats", [op.inputs[0]],
                          [_fresh(f"{op.inputs[0]}_sums", taken), _fresh(f"{op.inputs[0]}_sumsq", taken)],
@@ -103,7 +103,8 @@ def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], us
     else:  # SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std) -> dX, dscale, dbias
         stats = [make_op("ChannelBackpropStats", [op.inputs[0], op.inputs[3], op.inputs[4], op.inputs[2]],
                          op.outputs[1:3], op.device_option) for op in group]
-    reduce_ops = _allreduce([stat.outputs for stat in stats], layout, use_nccl, peer_access, chain)
+    reduce_ops = _allreduce([stat.outputs for stat in stats], layout, use_nccl, peer_access)
+    chain_collectives(earlier, reduce_ops)
     for op, stat in zip(group, stats):
         op.inputs.extend(stat.outputs)
         op.args["num_batches"] = len(group)
@@ -111,19 +112,14 @@ def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], us
 
 
 def _allreduce(outputs: list[list[str]], layout: DeviceLayout, use_nccl: bool,
-               peer_access: PeerAccess | None, chain: list[str]) -> list[OperatorDef]:
+               peer_access: PeerAccess | None) -> list[OperatorDef]:
     """All-reduce each stats output over the devices (outputs[p][k]: device position p, output k).
 
     `allreduce_gradients` appends to a net, so the ops are built in a scratch net and returned for
     splicing in before the group.
     """
     grouped = {stripBlobName(copies[0]): dict(zip(layout.devices, copies)) for copies in zip(*outputs)}
-    ops = allreduce_gradients(NetDef("inter_device_bn"), grouped, grouped, layout, {}, use_nccl, peer_access)
-    nccl = [op for op in ops if op.type == "NCCLAllreduce"]
-    if nccl:
-        nccl[0].control_inputs.extend(chain)
-        chain[:] = [nccl[-1].outputs[0]]
-    return ops
+    return allreduce_gradients(NetDef("inter_device_bn"), grouped, grouped, layout, {}, use_nccl, peer_access)
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -8,21 +8,25 @@ together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 
 
-def interleave_ops(netdef: NetDef, devices: Sequence[int]) -> NetDef:
+def interleave_ops(netdef: NetDef, devices: Sequence[int],
+                   replica_of: Callable[[str], int | None] | None = None) -> NetDef:
     """Reorder `netdef.ops` in place to op 0 of every device, then op 1 of every device, and so on.
 
-    Input invariant: every op belongs to one replica, the position of its device option's
-    `device_id` in `devices` (ids need not be 0..N-1; an op without an option takes the net's, else
-    CPU 0); no op reads what another replica writes; every replica records the same number of ops
-    with the same types in the same order. Guarantees: `netdef.ops[j * N + p]` is the j-th op of
-    the device at position p, each replica's ops keep their relative order (so its program is
-    unchanged), and no op is added or removed. Returns `netdef`.
+    Input invariant: every op belongs to one replica: with `replica_of` (blob name -> device id or
+    None, e.g. `DeviceLayout.replica_of`), that of the first replica blob it writes, else reads;
+    otherwise, or for an op without replica blobs, the position of its device option's `device_id`
+    in `devices` (ids need not be 0..N-1; an op without an option takes the net's, else CPU 0). The
+    blobs decide first because a GPU replica's host-side ops (a copy to the CPU, a CPU counter) run
+    on CPU device 0 whatever the replica. No op reads what another replica writes; every replica
+    records the same number of ops with the same types in the same order. Guarantees:
+    `netdef.ops[j * N + p]` is the j-th op of the device at position p, each replica's ops keep their
+    relative order (so its program is unchanged), and no op is added or removed. Returns `netdef`.
 
     Raises:
         ParallelizeError: an op runs on a device not in `devices`, or the replicas differ (naming the
@@ -34,7 +38,9 @@ def interleave_ops(netdef: NetDef, devices: Sequence[int]) -> NetDef:
         raise ParallelizeError(f"interleave_ops: devices must be distinct and non-empty, got {list(devices)}")
     decks: list[list[OperatorDef]] = [[] for _ in devices]
     for index, op in enumerate(netdef.ops):
-        device = netdef.op_device(op).device_id
+        device = _replica(op, replica_of) if replica_of is not None else None
+        if device is None:
+            device = netdef.op_device(op).device_id
         if device not in position:
             raise ParallelizeError(
                 f"interleave_ops: net {netdef.name!r} op #{index} {op.type} runs on device {device}, which "
@@ -43,6 +49,15 @@ def interleave_ops(netdef: NetDef, devices: Sequence[int]) -> NetDef:
     _check_same_programs(netdef.name, devices, decks)
     netdef.ops = [op for ops in zip(*decks) for op in ops]
     return netdef
+
+
+def _replica(op: OperatorDef, replica_of: Callable[[str], int | None]) -> int | None:
+    """The replica of the first replica blob `op` writes, else reads, else None."""
+    for blob in (*op.outputs, *op.inputs):
+        replica = replica_of(blob)
+        if replica is not None:
+            return replica
+    return None
 
 
 def _check_same_programs(net_name: str, devices: Sequence[int], decks: list[list[OperatorDef]]) -> None:

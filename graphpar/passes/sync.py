@@ -11,7 +11,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
-from graphpar.naming import stripBlobName
+from graphpar.naming import parse_device_scope, stripBlobName
 from graphpar.passes.common import BlobDevices, DeviceLayout, append_ops, broadcast_ops
 
 
@@ -69,13 +69,17 @@ def sync_blobs(net: NetDef, names: Iterable[str], layout: DeviceLayout,
 
 
 def check_unprefixed(names: Iterable[str], layout: DeviceLayout) -> list[str]:
-    """The names as plain strs, after checking none is inside a replica scope.
+    """The names as plain strs, after checking none is inside a device scope of the layout's prefix.
+
+    Names that merely start with the prefix ('cpu_time' in a CPU model) are plain names; Caffe2
+    refused every name starting with the prefix.
 
     Raises:
-        ParallelizeError: a name such as 'gpu_0/x' (pass 'x': it names the blob on every device).
+        ParallelizeError: a name such as 'gpu_0/x' or 'gpu_9/x' (pass 'x': it names the blob on every
+            device).
     """
     names = [str(n) for n in names]
-    scoped = [n for n in names if layout.replica_of(n) is not None or n.startswith(f"{layout.prefix}_")]
+    scoped = [n for n in names if (parse_device_scope(n) or ("",))[0] == layout.prefix]
     if scoped:
         raise ParallelizeError(f"blob sync needs unprefixed names, got {scoped}; pass "
                                f"{[stripBlobName(n) for n in scoped]}")
@@ -85,16 +89,28 @@ def check_unprefixed(names: Iterable[str], layout: DeviceLayout) -> list[str]:
 def checkpoint_sync_names(blobs: Iterable[str], known: Collection[str], layout: DeviceLayout) -> list[str]:
     """The unscoped names a checkpoint sync broadcasts for `blobs` (scoped or unscoped names).
 
-    A scoped name ('gpu_0/fc_w') or the unscoped name of a known replicated blob ('fc_w') is synced.
-    Any other unscoped name is a global blob with a single copy (e.g. `optimizer_iteration`), which
-    needs no broadcast on one host; Caffe2 raised ValueError on such names.
+    A name in a replica scope ('gpu_0/fc_w') or the unscoped name of a known replicated blob ('fc_w')
+    is synced. Any other unscoped name is a global blob with a single copy (e.g.
+    `optimizer_iteration`), which needs no broadcast on one host; Caffe2 raised ValueError on such names.
+
+    Raises:
+        ParallelizeError: a name in the scope of a device that is not a replica ('cpu_0/fc_w' for a
+            model on devices 1 and 2, or a 'gpu_*' name for CPU replicas): typically a checkpoint
+            saved from other devices, whose values would otherwise be silently left unused.
     """
-    names = []
+    names, foreign = [], []
     for blob in map(str, blobs):
         if layout.replica_of(blob) is not None:
             names.append(stripBlobName(blob))
+        elif parse_device_scope(blob) is not None:
+            foreign.append(blob)
         elif blob in known:
             names.append(blob)
+    if foreign:
+        scopes = ", ".join(f"{layout.scope(d)}/" for d in layout.devices)
+        raise ParallelizeError(f"blobs {foreign} are not in this model's replica scopes ({scopes}), so they "
+                               f"cannot be broadcast to the replicas; was the checkpoint saved with other "
+                               f"devices? Resume with the same first device ({layout.scope(layout.master)}/)")
     return list(dict.fromkeys(names))
 
 

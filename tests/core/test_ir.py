@@ -16,6 +16,7 @@ from graphpar.core import (
     OperatorDef,
     device_option_equal,
 )
+from graphpar.errors import UnknownOperatorError
 from graphpar.ops.registry import register_op
 
 # Test-only operators with known schemas (registered once, when this module is imported).
@@ -37,8 +38,8 @@ def test_device_option_defaults_equality_and_hashing() -> None:
         DeviceOption().device_id = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("bad", [dict(device_type=2), dict(device_type="cuda"), dict(device_id=-1),
-                                 dict(device_id=1.0), dict(device_id=True)])
+@pytest.mark.parametrize("bad", [dict(device_type=2), dict(device_type="cuda"), dict(device_type=True),
+                                 dict(device_id=-1), dict(device_id=1.0), dict(device_id=True)])
 def test_device_option_rejects_bad_fields(bad: dict) -> None:
     with pytest.raises(TypeError):
         DeviceOption(**bad)
@@ -80,10 +81,20 @@ def test_blob_reference_records_ops_on_its_net() -> None:
     relu, fc = net.Proto().ops
     assert (relu.type, relu.inputs, relu.outputs) == ("Relu", ["x"], ["y"])
     assert (fc.type, fc.inputs, fc.outputs, fc.args) == ("FC", ["y", "w", "b"], ["z"], {"axis": 1})
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="bound to no Net"):
         BlobReference("unbound").Relu()
     with pytest.raises(AttributeError):
         x._private  # noqa: B018
+
+
+def test_blob_reference_attributes_are_only_registered_ops() -> None:
+    """An unknown name fails at attribute access, naming close op types, so probing with hasattr works."""
+    net = Net("ir_sugar_unknown")
+    x = net.AddExternalInput("x")
+    with pytest.raises(UnknownOperatorError, match="'Rleu'.*Did you mean Relu"):
+        x.Rleu  # noqa: B018
+    assert not hasattr(x, "tolist") and not hasattr(x, "Proto") and hasattr(x, "Relu")
+    assert net.Proto().ops == []
 
 
 def test_gradient_slice_fields() -> None:
@@ -93,8 +104,8 @@ def test_gradient_slice_fields() -> None:
 
 def test_operator_def_copy_is_independent() -> None:
     inner = NetDef("inner", [OperatorDef("_TestIrCopy", ["a"], ["b"])])
-    op = OperatorDef("_TestIrUnary", ["x"], ["y"], {"alpha": 2.0, "net": inner}, DeviceOption(CUDA, 1),
-                     "name", "ENGINE", ["c"], True, "f.py:3")
+    op = OperatorDef("_TestIrUnary", ["x"], ["y"], {"alpha": 2.0, "net": inner, "shape": [2, 3]},
+                     DeviceOption(CUDA, 1), "name", "ENGINE", ["c"], True, "f.py:3")
     dup = op.copy()
     for field in ("type", "inputs", "outputs", "device_option", "name", "engine", "control_inputs",
                   "is_gradient_op", "source"):
@@ -104,8 +115,9 @@ def test_operator_def_copy_is_independent() -> None:
     dup.control_inputs.clear()
     dup.args["alpha"] = 3.0
     dup.args["net"].ops[0].inputs[0] = "changed"
+    dup.args["shape"].append(4)  # list args are copied too
     assert op.inputs == ["x"] and op.outputs == ["y"] and op.control_inputs == ["c"]
-    assert op.args["alpha"] == 2.0 and inner.ops[0].inputs == ["a"]
+    assert op.args["alpha"] == 2.0 and inner.ops[0].inputs == ["a"] and op.args["shape"] == [2, 3]
 
 
 def test_net_def_copy_and_op_device() -> None:
@@ -118,6 +130,9 @@ def test_net_def_copy_and_op_device() -> None:
     dup.ops[0].inputs[0] = "q"
     dup.external_inputs.append("q")
     assert op.inputs == ["x"] and netdef.external_inputs == ["x"] and netdef.copy().name == "n"
+    netdef.args["hosts"] = ["a"]
+    netdef.copy().args["hosts"].append("b")  # net-level list args are copied as well
+    assert netdef.args["hosts"] == ["a"]
     assert netdef.op_device(op) == DeviceOption(CUDA, 2)  # inherits the net's option
     assert netdef.op_device(own) == DeviceOption(CPU, 0)  # its own option wins
     assert NetDef("bare").op_device(op) == DeviceOption()  # nothing set: CPU 0
@@ -138,6 +153,9 @@ def test_validate_accepts_a_good_net() -> None:
 
 @pytest.mark.parametrize("edit, error, message", [
     (lambda n: setattr(n, "type", "parallel"), ValueError, "'simple' or 'dag'"),
+    (lambda n: setattr(n, "num_workers", 0), ValueError, "num_workers must be an int >= 1"),
+    (lambda n: setattr(n, "num_workers", 2.0), ValueError, "num_workers must be an int >= 1"),
+    (lambda n: setattr(n, "device_option", "cuda:0"), TypeError, "net 'v': device_option must be"),
     (lambda n: n.ops[2].inputs.__setitem__(0, ""), TypeError, "non-empty strings"),
     (lambda n: n.ops[2].control_inputs.append(3), TypeError, "non-empty strings"),
     (lambda n: setattr(n.ops[0], "device_option", "cuda:0"), TypeError, "DeviceOption"),

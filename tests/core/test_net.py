@@ -494,3 +494,14 @@ def test_add_gradient_operators_with_autodiff() -> None:
     assert all(op.is_gradient_op for op in net.Proto().ops[3:])
     assert net.Proto().external_inputs == ["x", "w", "b"]
     net.Proto().validate()
+
+
+def test_array_arguments_are_flattened_as_caffe2_did():
+    import numpy as np
+
+    net = Net("given")
+    net.GivenTensorFill([], "w", values=np.arange(6.0).reshape(2, 3), shape=[2, 3])
+    op = net.Proto().ops[-1]
+    assert op.args["values"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    net.ConstantFill([], "c", shape=np.array([2, 3]), value=np.float32(1.5))
+    assert net.Proto().ops[-1].args == {"shape": [2, 3], "value": 1.5}

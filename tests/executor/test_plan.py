@@ -12,6 +12,7 @@ from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor import compile_net
 from graphpar.executor.plan import BINARY, MULTI, NARY, UNARY
+from graphpar.ops import registry
 from tests.executor import toy_ops
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
@@ -32,6 +33,27 @@ def test_kernels_are_built_once_at_create_net_not_per_run() -> None:
     workspace.RunNet(net, num_iter=5)
     assert toy_ops.FACTORY_CALLS["built_once"] == 2
     np.testing.assert_array_equal(workspace.FetchBlob("z"), [4.5] * 3)  # 1 + 1.0 default + 2.5
+
+
+def test_run_net_does_no_validation_registry_look_ups_or_argument_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RunNet only executes the plan: everything that needs the schema happened at CreateNet."""
+    _feed("x")
+    net = core.Net("hot_path")
+    net.Scale("x", "y", scale=2.0)
+    net.Relu("y", "z")
+    workspace.CreateNet(net)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("called at RunNet")
+
+    for module in (registry, plan_module):
+        for name in ("get_schema", "parse_args", "check_operator"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, forbidden)
+    monkeypatch.setattr(NetDef, "validate", forbidden)
+    monkeypatch.setattr(NetDef, "copy", forbidden)
+    workspace.RunNet(net, num_iter=3)
+    np.testing.assert_array_equal(workspace.FetchBlob("z"), [2.0] * 3)
 
 
 def test_steps_are_specialised_by_call_kind_with_plain_string_names() -> None:

@@ -30,9 +30,8 @@ def make_op(op_type: str, n_inputs: int, n_outputs: int | None = None, **args: A
     n_out = schema.num_outputs[0] if n_outputs is None else n_outputs
     inputs = [f"X{i}" for i in range(n_inputs)]
     outputs = [f"Y{o}" for o in range(n_out)]
-    for i, o in schema.enforce_inplace:
-        if i < n_inputs and o < n_out:
-            outputs[o] = inputs[i]
+    for i, o in schema.enforced_pairs(n_inputs, n_out):
+        outputs[o] = inputs[i]
     return OperatorDef(op_type, inputs, outputs, dict(args))
 
 
@@ -102,7 +101,8 @@ def check_gradient(op_type: str, inputs: Sequence[torch.Tensor], reference: Call
                    wrt: Sequence[int] = (0,), grad_outputs: Sequence[int] = (0,),
                    n_outputs: int | None = None, rtol: float = 1e-6, seed: int = 0,
                    **args: Any) -> list[torch.Tensor | None]:
-    """Compare the op's forward and input gradients (`wrt`) with eager `reference` and torch.autograd.
+    """Compare the op's forward (values and dtypes) and input gradients (`wrt`) with eager `reference`
+    and torch.autograd.
 
     `reference(*inputs)` mirrors the op's outputs (a tensor or a tuple). Random output gradients
     (seeded) are fed for the outputs in `grad_outputs`. Raises AssertionError on a mismatch;
@@ -114,8 +114,9 @@ def check_gradient(op_type: str, inputs: Sequence[torch.Tensor], reference: Call
     expected = reference(*leaves)
     expected = expected if isinstance(expected, tuple) else (expected,)
     for k, (got, want) in enumerate(zip(outputs, expected)):
-        if rel_err(got, want.detach()) >= rtol:
-            raise AssertionError(f"{op_type} output {k}: rel. err {rel_err(got, want.detach()):.3g}")
+        if rel_err(got, want.detach()) >= rtol or got.dtype != want.dtype:
+            raise AssertionError(f"{op_type} output {k}: rel. err {rel_err(got, want.detach()):.3g}, "
+                                 f"dtype {got.dtype} (expected {want.dtype})")
     gen = torch.Generator().manual_seed(seed)
     dys = {i: torch.randn(outputs[i].shape, generator=gen, dtype=torch.float64).to(outputs[i].dtype)
            for i in grad_outputs}

@@ -94,3 +94,13 @@ def test_real_nccl_matches_the_reference() -> None:
     assert all(torch.equal(x.cpu(), c) for x, c in zip(gpu, cpu))
     got = run_kernel("NCCLBroadcast", gpu, n_outputs=n, root=1)
     assert all(torch.equal(g.cpu(), cpu[1]) and g.device == torch.device("cuda", i) for i, g in enumerate(got))
+
+
+def test_nccl_broadcast_enforces_in_place_for_any_device_count():
+    from graphpar.core.ir import OperatorDef
+    from graphpar.ops.registry import check_operator
+
+    names = [f"gpu_{i}/w" for i in range(2000)]
+    check_operator(OperatorDef("NCCLBroadcast", names, list(names)))
+    with pytest.raises(ValueError, match="in place"):
+        check_operator(OperatorDef("NCCLBroadcast", names, [*names[:-1], "other"]))

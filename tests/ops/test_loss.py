@@ -125,6 +125,44 @@ def test_softmax_with_loss_gradient_maker() -> None:
         gradient_ops(op, ["p_grad", "loss_grad"])
 
 
+def test_softmax_with_loss_refuses_an_axis_past_the_last_dim() -> None:
+    """1-D logits at axis 1 would make one-element rows: P all ones and a zero loss, silently."""
+    with pytest.raises(ValueError, match="axis 1 is out of range for a 1-d input"):
+        run_kernel("SoftmaxWithLoss", [_randn(0, 5), torch.tensor([0], dtype=torch.int32)])
+    with pytest.raises(ValueError, match="axis 2 is out of range"):
+        run_kernel("SoftmaxWithLoss", [_randn(0, 4, 3), _labels(0, 4, 3)], axis=2)
+
+
+@pytest.mark.parametrize(
+    "op_type, inputs, match",
+    [
+        ("SoftmaxWithLoss", [_randn(0, 4, 3), _labels(0, 2, 3)], "2 labels .* for 4 rows"),
+        ("SoftmaxWithLoss", [_randn(0, 4, 3), _labels(0, 4, 3), torch.ones(1)], "1 weights .* for 4 rows"),
+        ("SoftmaxWithLossGradient", [_randn(0, 4, 3), _labels(0, 3, 3), _randn(1, 4, 3), torch.ones(())],
+         "3 labels"),
+        ("LabelCrossEntropy", [_randn(0, 4, 3).softmax(1), _labels(0, 2, 3)], "2 labels"),
+        ("LabelCrossEntropyGradient", [_randn(0, 4, 3).softmax(1), _labels(0, 1, 3), _randn(1, 4)], "1 labels"),
+        ("Accuracy", [_randn(0, 4, 3), _labels(0, 1, 3)], "1 labels"),  # one label would broadcast
+        ("Accuracy", [_randn(0, 4), _labels(0, 4, 3)], r"must be \[N, D\]"),
+        ("SquaredL2Distance", [_randn(0, 4, 3), _randn(1, 3)], "B has shape"),  # would broadcast
+        ("CrossEntropy", [_randn(0, 4, 3).softmax(1), _randn(1, 3).softmax(0)], "the target has shape"),
+    ],
+)
+def test_mismatched_counts_and_shapes_raise_instead_of_broadcasting(op_type: str, inputs: list,
+                                                                     match: str) -> None:
+    with pytest.raises(ValueError, match=rf"{op_type}\(.*{match}"):
+        run_kernel(op_type, inputs)
+
+
+def test_softmax_with_loss_label_probabilities_must_match_the_logits() -> None:
+    x, target = _randn(0, 4, 3), _randn(1, 4, 3).softmax(1)
+    for shape in [(3, 4), (12,)]:  # as many elements, but transposed or flat: no silent reshape
+        with pytest.raises(ValueError, match="label probabilities have shape"):
+            run_kernel("SoftmaxWithLoss", [x, target.reshape(shape)], label_prob=True)
+    loss = run_kernel("SoftmaxWithLoss", [x.reshape(4, 3, 1), target], label_prob=True)[1]  # the 2-D view
+    assert loss == run_kernel("SoftmaxWithLoss", [x, target], label_prob=True)[1]
+
+
 def test_softmax_with_loss_refuses_float_labels() -> None:
     with pytest.raises(TypeError, match="labels must be integers"):
         run_kernel("SoftmaxWithLoss", [_randn(0, 2, 3), torch.tensor([0.0, 1.0])])

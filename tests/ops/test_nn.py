@@ -433,6 +433,22 @@ def test_softmax_axis(axis: int) -> None:
     check_gradient("Softmax", [x], ref, axis=axis)
 
 
+@pytest.mark.parametrize(
+    "op_type, inputs, args",
+    [
+        ("Softmax", [_randn(0, 5)], {}),  # a 1-D input would give all ones
+        ("Softmax", [_randn(0, 2, 3)], {"axis": 2}),
+        ("Softmax", [_randn(0, 2, 3)], {"axis": -3}),
+        ("SoftmaxGradient", [_randn(0, 2, 3), _randn(1, 2, 3)], {"axis": 2}),
+        ("FC", [_randn(0, 5), _randn(1, 3, 1), _randn(2, 3)], {}),  # would be read as [5, 1]
+        ("FCGradient", [_randn(0, 5), _randn(1, 3, 1), _randn(2, 5, 3)], {"n_outputs": 3}),
+    ],
+)
+def test_axis_out_of_range_raises_naming_the_op(op_type: str, inputs: list, args: dict) -> None:
+    with pytest.raises(ValueError, match=rf"{op_type}\(.*axis -?\d is out of range"):
+        run_kernel(op_type, inputs, **args)
+
+
 def test_leaky_relu_gradient_refuses_negative_alpha() -> None:
     with pytest.raises(ValueError, match="alpha"):
         run_kernel("LeakyReluGradient", [_randn(0, 3), _randn(1, 3)], alpha=-0.5)

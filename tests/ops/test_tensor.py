@@ -399,6 +399,8 @@ def test_weighted_sum_keeps_dtype_and_checks_pairs() -> None:
     assert run_kernel("WeightedSum", [x, w])[0].dtype == torch.float32
     with pytest.raises(ValueError, match="pairs"):
         run_kernel("WeightedSum", [x, w, x])
+    with pytest.raises(ValueError, match=r"X1 has shape \(3,\), X0 has \(2, 3\)"):  # no silent broadcast
+        run_kernel("WeightedSum", [randn((2, 3)), w, x, w])
 
 
 def test_weighted_sum_grad_on_w_in_place_raises() -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from graphpar import workspace
-from graphpar.core.ir import GradientSlice, NetDef
+from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.passes.allreduce import allreduce_gradients, tree_levels
@@ -85,6 +85,18 @@ def test_nccl_on_cuda_is_one_inplace_allreduce_per_gradient_chained_by_control_i
         ("NCCLAllreduce", ["gpu_2/b", "gpu_3/b"], ["gpu_2/b", "gpu_3/b"], gpu(2), "", ["gpu_2/a"]),
         ("NCCLAllreduce", ["gpu_2/c", "gpu_3/c"], ["gpu_2/c", "gpu_3/c"], gpu(2), "", ["gpu_2/b"]),
     ]
+
+
+def test_nccl_allreduces_are_chained_after_the_nets_earlier_collectives():
+    """One chain per net: the first all-reduce waits for the collective before it (e.g. a computed-param
+    NCCLBroadcast or an inter-device batch-norm all-reduce)."""
+    lay = layout([0, 1], gpu=True)
+    net = grad_net(lay, ["g", "rm"])
+    net.ops.append(OperatorDef("NCCLBroadcast", ["gpu_0/rm", "gpu_1/rm"], ["gpu_0/rm", "gpu_1/rm"], {"root": 0},
+                               gpu(0)))
+    net.ops.append(OperatorDef("Relu", ["gpu_0/g"], ["gpu_0/h"], {}, gpu(0)))
+    (op,) = allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {}, use_nccl=True)
+    assert op.control_inputs == ["gpu_0/rm"]
 
 
 def test_nccl_is_ignored_on_cpu():

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from graphpar.core.ir import NetDef
+from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.passes.broadcast_computed import add_computed_params_broadcast
 from tests.passes.helpers import cpu, gpu, grad_net, layout, summary
 
@@ -19,5 +19,9 @@ def test_nccl_broadcast_on_cuda_and_nothing_for_one_device():
     lay = layout([0, 1], gpu=True)
     ops = add_computed_params_broadcast(NetDef("n"), ["rm"], {"rm": lay.group("rm")}, lay, {}, use_nccl=True)
     assert summary(ops) == [("NCCLBroadcast", ["gpu_0/rm", "gpu_1/rm"], ["gpu_0/rm", "gpu_1/rm"], gpu(0), "", [])]
+    net = NetDef("n", [OperatorDef("NCCLAllreduce", ["gpu_0/s", "gpu_1/s"], ["gpu_0/s", "gpu_1/s"], {}, gpu(0))])
+    ops = add_computed_params_broadcast(net, ["rm", "riv"], {n: lay.group(n) for n in ("rm", "riv")}, lay, {},
+                                        use_nccl=True)
+    assert [op.control_inputs for op in ops] == [["gpu_0/s"], ["gpu_0/rm"]]  # one chain of collectives
     one = layout([2])
     assert add_computed_params_broadcast(NetDef("n"), ["rm"], {"rm": one.group("rm")}, one, {}) == []

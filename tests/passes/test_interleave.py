@@ -5,7 +5,7 @@ import pytest
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.passes.interleave import interleave_ops
-from tests.passes.helpers import cpu, gpu
+from tests.passes.helpers import cpu, gpu, layout
 
 
 def _replica_ops(device, types: list[str], scope: str) -> list[OperatorDef]:
@@ -41,6 +41,17 @@ def test_cuda_devices_and_ops_without_option_take_the_nets_device():
     interleave_ops(net, [1, 3])
     assert [(op.type, net.op_device(op)) for op in net.ops] == [
         ("Tanh", gpu(1)), ("Tanh", gpu(3)), ("Sqr", gpu(1)), ("Sqr", gpu(3))]
+
+
+def test_host_side_ops_of_gpu_replicas_go_by_their_blobs_scope():
+    """A GPU replica's CPU ops run on CPU device 0 whatever the replica: their blobs say which it is."""
+    net = _net([2, 0], ["Relu"], make=gpu)
+    for d in (2, 0):
+        net.ops.insert(net.ops.index(next(op for op in net.ops if op.outputs[0] == f"gpu_{d}/b1")) + 1,
+                       OperatorDef("CopyGPUToCPU", [f"gpu_{d}/b1"], [f"gpu_{d}/host"], device_option=cpu(0)))
+    interleave_ops(net, [2, 0], layout([2, 0], gpu=True).replica_of)
+    assert [(op.type, op.outputs[0]) for op in net.ops] == [
+        ("Relu", "gpu_2/b1"), ("Relu", "gpu_0/b1"), ("CopyGPUToCPU", "gpu_2/host"), ("CopyGPUToCPU", "gpu_0/host")]
 
 
 def test_one_device_keeps_the_order():

@@ -68,7 +68,7 @@ def test_sync_copies_from_the_first_device_onto_each_blob_device():
 
 def test_blob_sync_needs_unprefixed_names():
     lay = layout([0, 1])
-    assert check_unprefixed(["a", "gpu_0/b"], lay) == ["a", "gpu_0/b"]
+    assert check_unprefixed(["a", "gpu_0/b", "cpu_time", "cpu_x/y"], lay) == ["a", "gpu_0/b", "cpu_time", "cpu_x/y"]
     with pytest.raises(ParallelizeError, match=r"unprefixed names, got \['cpu_1/x', 'cpu_7/y'\]; pass \['x', 'y'\]"):
         check_unprefixed(["ok", "cpu_1/x", "cpu_7/y"], lay)
 
@@ -77,6 +77,13 @@ def test_checkpoint_names_accept_scoped_and_unscoped_and_skip_global_blobs():
     lay = layout([0, 1])
     names = checkpoint_sync_names(["cpu_0/w", "w", "rm", "optimizer_iteration", "cpu_1/new"], {"w", "rm"}, lay)
     assert names == ["w", "rm", "new"]
+
+
+@pytest.mark.parametrize("blob", ["cpu_2/w", "gpu_0/w"])
+def test_checkpoint_names_of_other_devices_are_refused(blob):
+    """A checkpoint saved from other devices: its values would silently go unused."""
+    with pytest.raises(ParallelizeError, match=r"not in this model's replica scopes \(cpu_0/, cpu_1/\)"):
+        checkpoint_sync_names(["cpu_0/w", blob], {"w"}, layout([0, 1]))
 
 
 def test_checkpoint_sync_net_broadcasts_loaded_values():

@@ -1,0 +1,85 @@
+"""graphpar.data: splitting a batch over devices, feeding every replica, and minibatch indices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, workspace
+from graphpar.data import feed_batch, minibatches, split_batch
+
+
+def test_split_batch_gives_contiguous_views_in_order() -> None:
+    x = np.arange(12).reshape(6, 2)
+    parts = split_batch(x, 3)
+    assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert all(np.shares_memory(p, x) for p in parts)  # views: FeedBlob makes the copies
+    assert [p.tolist() for p in split_batch(x, 1)] == [x.tolist()]
+    assert [len(p) for p in split_batch(np.zeros((0, 2)), 2)] == [0, 0]
+
+
+@pytest.mark.parametrize("array, parts, message", [
+    (np.zeros(5), 2, "batch of 5 cannot be split evenly over 2 devices"),
+    (np.zeros(4), 0, "parts must be a positive int"),
+    (np.zeros(4), -2, "parts must be a positive int"),
+    (np.zeros(4), 2.0, "parts must be a positive int"),
+    (np.float32(1.0), 1, "cannot split a scalar"),
+])
+def test_split_batch_rejects_what_does_not_split(array, parts, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_batch(array, parts)
+
+
+def _parallelized(devices: list[int]) -> model_helper.ModelHelper:
+    model = model_helper.ModelHelper(name="data_feed", init_params=False)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=lambda m, scale: [m.net.Relu("data", "out")],
+                    devices=devices, cpu_device=True)
+    return model
+
+
+def test_feed_batch_gives_device_i_the_ith_chunk() -> None:
+    model = _parallelized([0, 2, 5])  # positions, not ids, pick the chunk
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    y = np.array([0, 1, 2, 0, 1, 2], dtype=np.int32)
+    feed_batch(model, {"data": x, "label": y})
+    for position, device in enumerate([0, 2, 5]):
+        np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{device}/data"), x[2 * position:2 * position + 2])
+        np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{device}/label"), y[2 * position:2 * position + 2])
+    assert workspace.FetchBlob("cpu_2/label").dtype == np.int32
+    x[0, 0] = 100.0  # the workspace holds copies
+    assert workspace.FetchBlob("cpu_0/data")[0, 0] == 0.0
+
+
+def test_feed_batch_feeds_nothing_when_one_blob_does_not_split() -> None:
+    model = _parallelized([0, 1])
+    with pytest.raises(ValueError, match="batch of 3 cannot be split evenly over 2 devices"):
+        feed_batch(model, {"data": np.ones((4, 2), dtype=np.float32), "label": np.zeros(3, dtype=np.int32)})
+    assert workspace.Blobs() == []
+
+
+def test_feed_batch_needs_a_parallelized_model() -> None:
+    with pytest.raises(RuntimeError, match="Parallelize"):
+        feed_batch(model_helper.ModelHelper(name="plain"), {"data": np.ones((2, 2), dtype=np.float32)})
+    assert workspace.Blobs() == []
+
+
+def test_minibatches_in_order_and_dropping_the_last_partial_batch() -> None:
+    assert [b.tolist() for b in minibatches(7, 3)] == [[0, 1, 2], [3, 4, 5]]
+    assert [b.tolist() for b in minibatches(7, 3, drop_last=False)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [b.tolist() for b in minibatches(6, 3, drop_last=False)] == [[0, 1, 2], [3, 4, 5]]
+    assert list(minibatches(2, 3)) == [] and list(minibatches(0, 3, drop_last=False)) == []
+
+
+def test_minibatches_shuffle_is_a_seeded_permutation() -> None:
+    first = np.concatenate(list(minibatches(10, 5, np.random.default_rng(3))))
+    again = np.concatenate(list(minibatches(10, 5, np.random.default_rng(3))))
+    assert sorted(first.tolist()) == list(range(10)) and first.tolist() != list(range(10))
+    np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("n, batch_size", [(10, 0), (10, -1), (10, 2.5), (-1, 2)])
+def test_minibatches_rejects_bad_sizes_at_the_call(n, batch_size) -> None:
+    with pytest.raises(ValueError, match="batch_size must be a positive int|sample count must be >= 0"):
+        minibatches(n, batch_size)  # no next() needed
