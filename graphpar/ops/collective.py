@@ -19,7 +19,6 @@ from graphpar.devices import device_option_for_blob
 from graphpar.ops.registry import NOT_DIFFERENTIABLE, KernelContext, register_op, same_index
 
 
-
 def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
     """Copy i lives on its replica scope's device, else on device i of the op's type (Caffe2's rule)."""
     where = [device_option_for_blob(b) or DeviceOption(device.device_type, i)
