@@ -15,8 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from graphpar.core.autodiff import backward_pass
-from graphpar.core.ir import BlobReference, GradientSlice, NetDef
+from graphpar.core.ir import BlobReference, GradientSlice
 from graphpar.core.net import Net
 from graphpar.core.scope import CurrentNameScope
 from graphpar.ops.registry import get_schema
@@ -248,30 +247,15 @@ class ModelHelper:
             raise RuntimeError(f"model {self.name!r}: AddGradientOperators was already called; it may run "
                                f"only once per model (pass every loss in one call)")
         self.Validate()
-        if input_gradients:
-            self.grad_map = self.net.AddGradientOperators(ys)
-        else:
-            self.grad_map = self._add_gradients_to_params(ys)
+        params = {str(p) for p in self.GetAllParams("")}
+        fed = [] if input_gradients else [b for b in self.net.Proto().external_inputs if b not in params]
+        self.grad_map = self.net.AddGradientOperators(ys, no_gradient_to=fed)
         self.gradient_ops_added = True
         self.param_to_grad = {p: self.grad_map[p] for p in self.params if p in self.grad_map}
         for param, grad in self.param_to_grad.items():
             info = self._parameters_info.setdefault(str(param), ParameterInfo(str(param), param, None))
             info.grad = grad
         return self.grad_map
-
-    def _add_gradients_to_params(self, ys: list | dict) -> dict[BlobReference, str | GradientSlice]:
-        """`net.AddGradientOperators(ys)` with no gradient to the external inputs that are not params."""
-        proto = self.net.Proto()
-        params = {str(p) for p in self.GetAllParams("")}
-        inputs = [b for b in proto.external_inputs if b not in params]
-        grad_ops, grad_map = backward_pass(list(proto.ops), ys, no_gradient_to=inputs)
-        self.net.AppendNet(NetDef(self.net.Name(), ops=grad_ops))
-
-        def bound(blob: str) -> BlobReference:
-            return BlobReference(blob, self.net)
-
-        return {bound(b): GradientSlice(*map(bound, g)) if isinstance(g, GradientSlice) else bound(g)
-                for b, g in grad_map.items()}
 
     def GetDevices(self) -> list[int]:  # noqa: N802
         """The device ids `data_parallel_model.Parallelize` placed this model on.

@@ -455,15 +455,17 @@ class Net:
             raise TypeError(f"RunAllOnDevice needs a DeviceOption, got {type(device_option).__name__}")
         self._net.device_option = device_option
 
-    def AddGradientOperators(self, ys: Any) -> dict[BlobReference, Any]:  # noqa: N802
+    def AddGradientOperators(self, ys: Any, no_gradient_to: Any = ()) -> dict[BlobReference, Any]:  # noqa: N802
         """Append the gradient ops of all ops recorded so far; return {blob: gradient blob}.
 
-        `ys` is a list of blobs (seeded with ones) or a dict {y: seed gradient blob}. Raises
-        graphpar.errors.GradientError when a correct gradient cannot be built.
+        `ys` is a list of blobs (seeded with ones) or a dict {y: seed gradient blob}. Blobs in
+        `no_gradient_to` get no gradient, nor does any computation that serves only them (see
+        `autodiff.backward_pass`). Raises graphpar.errors.GradientError when a correct gradient
+        cannot be built.
         """
         from graphpar.core.autodiff import backward_pass
 
-        grad_ops, grad_map = backward_pass(list(self._net.ops), ys)
+        grad_ops, grad_map = backward_pass(list(self._net.ops), ys, no_gradient_to=no_gradient_to)
         self._ensure_fresh()
         for op in grad_ops:
             self._append_fresh(op)

@@ -464,16 +464,16 @@ def test_add_gradient_operators_appends_and_binds(monkeypatch: pytest.MonkeyPatc
     """The plumbing, against a stand-in backward_pass (autodiff itself is tested in test_autodiff)."""
     calls = []
 
-    def backward_pass(forward_ops, ys):
-        calls.append(([op.type for op in forward_ops], ys))
+    def backward_pass(forward_ops, ys, no_gradient_to=()):
+        calls.append(([op.type for op in forward_ops], ys, list(no_gradient_to)))
         grad_ops = [OperatorDef("ReluGradient", ["y", "seed"], ["x_grad"], is_gradient_op=True)]
         return grad_ops, {"y": "seed", "x": "x_grad", "emb": GradientSlice("idx", "vals")}
 
     monkeypatch.setitem(sys.modules, "graphpar.core.autodiff", types.SimpleNamespace(backward_pass=backward_pass))
     net = Net("test_net_grad_plumbing")
     y = net.Relu("x", "y")
-    grads = net.AddGradientOperators({y: "seed"})
-    assert calls == [(["Relu"], {"y": "seed"})]
+    grads = net.AddGradientOperators({y: "seed"}, no_gradient_to=["x"])
+    assert calls == [(["Relu"], {"y": "seed"}, ["x"])]
     assert _summary(net)[-1] == ("ReluGradient", ["y", "seed"], ["x_grad"])
     assert net.Proto().external_inputs == ["x", "seed"]  # the fed seed is an input of the net
     assert grads == {"y": "seed", "x": "x_grad", "emb": ("idx", "vals")}
