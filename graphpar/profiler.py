@@ -23,8 +23,8 @@ import torch
 
 from graphpar.core.graph import blob_devices
 from graphpar.devices import torch_device
-from graphpar.executor.plan import BINARY, NARY, UNARY, Plan, Step, compile_net
-from graphpar.executor.simple import _op_failure, _store_all  # the executor's own store and error rules
+from graphpar.executor.plan import Plan, compile_net
+from graphpar.executor.simple import _op_failure, run_step  # the executor's own call, store and error rules
 from graphpar.visualize import device_label
 from graphpar.workspace import Workspace, _as_netdef, get_workspace
 
@@ -142,7 +142,7 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
         for step in plan.steps:
             began = clock()
             try:
-                _run_step(blobs, step)
+                run_step(blobs, step)
             except Exception as exc:
                 raise _op_failure(plan, step, exc) from exc
             sync()
@@ -165,19 +165,6 @@ def _plan_of(net_or_name: Any, ws: Workspace) -> Plan:
                                f"(known nets: {sorted(ws.nets)})")
         return plan
     return compile_net(_as_netdef(net_or_name), ws)
-
-
-def _run_step(blobs: dict[str, torch.Tensor], step: Step) -> None:
-    """One step, called exactly as `executor.simple.run` calls it."""
-    fn, kind, ins, out, _ = step
-    if kind == UNARY:
-        blobs[out] = fn(blobs[ins])
-    elif kind == BINARY:
-        blobs[out] = fn(blobs[ins[0]], blobs[ins[1]])
-    elif kind == NARY:
-        blobs[out] = fn(*[blobs[name] for name in ins])
-    else:
-        _store_all(blobs, out, fn(*[blobs[name] for name in ins]))
 
 
 def _synchronizer(plan: Plan) -> Callable[[], None]:

@@ -40,6 +40,19 @@ def run(plan: Plan) -> None:
         raise _op_failure(plan, plan.steps[index], exc) from exc
 
 
+def run_step(blobs: dict[str, torch.Tensor], step: Step) -> None:
+    """Run one step exactly as `run` does (`run` inlines this body: a call per op would cost time)."""
+    fn, kind, ins, out, _ = step
+    if kind == UNARY:
+        blobs[out] = fn(blobs[ins])
+    elif kind == BINARY:
+        blobs[out] = fn(blobs[ins[0]], blobs[ins[1]])
+    elif kind == NARY:
+        blobs[out] = fn(*[blobs[name] for name in ins])
+    else:
+        _store_all(blobs, out, fn(*[blobs[name] for name in ins]))
+
+
 def _store_all(blobs: dict[str, torch.Tensor], outs: tuple[str, ...], results: Any) -> None:
     if not outs:
         return
