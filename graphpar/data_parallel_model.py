@@ -18,6 +18,10 @@ one chain of control inputs; the cross-replica check covers CPU replicas too; `c
 works with any device ids and with host-side ops in GPU replicas; `ExtractPredictorNet` takes only the
 first replica's ops (interleaved replicas are not swept in); the initial sync runs in a fixed (not
 hash) order.
+
+Beyond Caffe2, two opt-in options: `gradient_bucket_bytes` all-reduces gradients in DDP-style buckets
+(`passes.bucketing`), and `average_computed_params` averages batch-norm running statistics over the
+replicas instead of copying the first device's.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
 from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
 from graphpar.passes.analyze import analyze_operators
-from graphpar.passes.broadcast_computed import add_computed_params_broadcast
+from graphpar.passes.broadcast_computed import add_computed_params_average, add_computed_params_broadcast
+from graphpar.passes.bucketing import allreduce_gradient_buckets
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.group_by_device import group_by_device
 from graphpar.passes.infer_devices import infer_blob_devices
@@ -96,6 +101,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     shared_model: bool = False,
     combine_spatial_bn: bool = False,
     barrier_net_timeout_sec: int = 300,
+    gradient_bucket_bytes: int | None = None,
+    first_bucket_bytes: int = 1024 * 1024,
+    average_computed_params: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -117,6 +125,20 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             `num_workers = len(devices) * num_threads_per_device`.
         broadcast_computed_params: copy computed params (BN running stats) from the first device to
             the others every iteration.
+        average_computed_params: instead (whatever broadcast_computed_params says), replace every
+            replica's computed params by their mean over the replicas every iteration (all-reduce, then
+            Scale by 1/N), at the same place in the net. Off by default, as in Caffe2.
+        gradient_bucket_bytes: None (default) all-reduces each gradient on its own. An int >= 1
+            all-reduces them in buckets, as PyTorch DDP does: in the same reverse creation order, the
+            gradients are packed into buckets of at most this many bytes (the first bucket of at most
+            `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
+            dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat),
+            the buffers are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and
+            reshaped back into the gradient blobs. Sizes come from the `shape` and dtype of the fill op
+            that creates each param in param_init_net; a param created otherwise raises
+            ParallelizeError naming it. See `graphpar.passes.bucketing`.
+        first_bucket_bytes: the first bucket's limit (default 1 MiB, DDP's), an int >= 1, so the
+            first collective can start early; used only with gradient_bucket_bytes.
         use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
         cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
@@ -134,9 +156,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             nonexistent CUDA device ids, a bad net_type or num_threads_per_device, both update
             builders, shared_model on CUDA, a builder returning something other than a list of loss
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
-            in param_init_net, an op reading another replica's blob, a model parallelized twice.
+            in param_init_net, an op reading another replica's blob, a model parallelized twice,
+            gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell.
             The model is left as it was.
-        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable.
+        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable,
+            non-int gradient_bucket_bytes or first_bucket_bytes.
         NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
@@ -145,6 +169,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
+    _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     training = param_update_builder_fun is not None or optimizer_builder_fun is not None
     with _gc_paused(), _unchanged_on_error(model):
@@ -168,10 +193,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         validate_params(model.params)
         _group_gradients(model, layout, non_datapar)
         _infer_devices(model)
-        if broadcast_computed_params:
-            add_computed_params_broadcast(model.net.Proto(), model._computed_param_names,
-                                          model._device_grouped_blobs, layout, model._blob_to_device, use_nccl)
-        _allreduce(model, layout, use_nccl)
+        _sync_computed_params(model, layout, broadcast_computed_params, average_computed_params, use_nccl)
+        _allreduce(model, layout, use_nccl, gradient_bucket_bytes, first_bucket_bytes)
         all_params = [str(p) for p in model.GetParams("")]
         if shared_model:
             prune_parameters_for_sharing(model, layout)
@@ -481,17 +504,24 @@ def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_bu
                                f"got {num_threads_per_device!r}")
 
 
+def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -> None:
+    options = {"first_bucket_bytes": first_bucket_bytes}
+    if gradient_bucket_bytes is not None:
+        options["gradient_bucket_bytes"] = gradient_bucket_bytes
+    for name, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"Parallelize: {name} must be an int number of bytes, got {value!r}")
+        if value < 1:
+            raise ParallelizeError(f"Parallelize: {name} must be >= 1 byte, got {value}")
+
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while building.
+    """Pause Python's cyclic garbage collector while building (the caller's setting is restored).
 
     Parallelize creates ~1e5 long-lived objects (ops, names) for a large model; each full collection
     rescans all of them, which made the build time grow quadratically with the device count (ResNet-50:
     2.8x from 8 to 16 devices, 2.1x with the collector paused). No cycles need collecting meanwhile.
-
-    On the way out the objects go straight to the oldest generation (`gc.freeze()` then `unfreeze()`),
-    where surviving objects end up anyway: otherwise the first young collection after the build scans
-    them all (60 ms for ResNet-50 on 16 devices). Skipped if the caller has frozen objects of its own.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -499,9 +529,6 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
             gc.enable()
 
 
@@ -599,13 +626,31 @@ def _infer_devices(model: ModelHelper) -> None:
     model._blob_to_device = infer_blob_devices([model.param_init_net.Proto(), model.net.Proto()])
 
 
-def _allreduce(model: ModelHelper, layout: DeviceLayout, use_nccl: bool) -> None:
+def _sync_computed_params(model: ModelHelper, layout: DeviceLayout, broadcast: bool, average: bool,
+                          use_nccl: bool) -> None:
+    args = (model.net.Proto(), model._computed_param_names, model._device_grouped_blobs, layout,
+            model._blob_to_device, use_nccl)
+    if average:
+        add_computed_params_average(*args, _peer_access(layout))
+    elif broadcast:
+        add_computed_params_broadcast(*args)
+
+
+def _allreduce(model: ModelHelper, layout: DeviceLayout, use_nccl: bool, bucket_bytes: int | None,
+               first_bucket_bytes: int) -> None:
     if not model._grad_names:
         log.warning("Parallelize: model %r has no parameter gradients to all-reduce", model.name)
         return
-    allreduce_gradients(model.net.Proto(), reversed(model._grad_names), model._device_grouped_blobs, layout,
-                        model._blob_to_device, use_nccl, _peer_access(layout),
-                        broadcast=not model._shared_model)
+    args = (model._device_grouped_blobs, layout, model._blob_to_device)
+    options = dict(use_nccl=use_nccl, peer_access=_peer_access(layout), broadcast=not model._shared_model)
+    order = list(reversed(model._grad_names))
+    if bucket_bytes is None:
+        allreduce_gradients(model.net.Proto(), order, *args, **options)
+        return
+    params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
+              if layout.replica_of(str(p)) == layout.master}
+    allreduce_gradient_buckets(model.net.Proto(), model.param_init_net.Proto(), order, params, *args,
+                               bucket_bytes, first_bucket_bytes, **options)
 
 
 def _peer_access(layout: DeviceLayout) -> PeerAccess | None:

@@ -17,6 +17,27 @@ def autosplit_grad_name(grad: str, k: int) -> str:
     return f"_{grad}_autosplit_{k}"
 
 
+def bucket_name(first_grad: str, k: int) -> str:
+    """The flat buffer of gradient bucket k, in the name scope of its first gradient:
+    ('gpu_0/fc_w_grad', 1) -> 'gpu_0/_bucket_1'."""
+    return f"{name_scope_of(first_grad)}_bucket_{k}"
+
+
+def flat_name(blob: str) -> str:
+    """`blob` flattened to 1-D (a bucket's piece): 'gpu_0/fc_w_grad' -> 'gpu_0/fc_w_grad_flat'."""
+    return f"{blob}_flat"
+
+
+def split_info_name(blob: str) -> str:
+    """The sizes a `Concat` into `blob` records (its second output): 'gpu_0/_bucket_1_split_info'."""
+    return f"{blob}_split_info"
+
+
+def old_shape_name(blob: str) -> str:
+    """The former shape a `Reshape` of `blob` records (its second output): 'gpu_0/fc_w_grad_old_shape'."""
+    return f"{blob}_old_shape"
+
+
 def name_scope_of(blob: str) -> str:
     """Everything up to and including the last '/', e.g. 'gpu_1/' for 'gpu_1/fc_w'."""
     cut = blob.rfind(SCOPE_SEPARATOR)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import re
 from unittest import mock
 
 import numpy as np
@@ -224,17 +225,18 @@ def test_train_net_settings_and_initial_sync():
     model.param_init_net.Proto().validate()
 
 
-def test_batch_norm_running_stats_are_copied_from_the_first_device():
-    def forward(model, loss_scale):
-        bn = brew.spatial_bn(model, "data", "bn", dim_in=2, epsilon=1e-5, momentum=0.5)
-        pred = brew.fc(model, bn, "pred", dim_in=2 * 3 * 3, dim_out=3)
-        _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
-        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+def _bn_forward(model, loss_scale):
+    bn = brew.spatial_bn(model, "data", "bn", dim_in=2, epsilon=1e-5, momentum=0.5)
+    pred = brew.fc(model, bn, "pred", dim_in=2 * 3 * 3, dim_out=3)
+    _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
+
+def test_batch_norm_running_stats_are_copied_from_the_first_device():
     (x, y), = batches(1, 4, (2, 3, 3))
     for broadcast in (True, False):
         workspace.ResetWorkspace()
-        model, _, _ = train(forward, ["bn_s"], [0, 1], [(x, y)], broadcast_computed_params=broadcast)
+        model, _, _ = train(_bn_forward, ["bn_s"], [0, 1], [(x, y)], broadcast_computed_params=broadcast)
         first_half = torch.tensor(x[:2])
         expected = 0.5 * first_half.mean(dim=(0, 2, 3))
         np.testing.assert_allclose(workspace.FetchBlob("cpu_0/bn_rm"), expected.numpy(), rtol=1e-5, atol=1e-6)
@@ -243,6 +245,104 @@ def test_batch_norm_running_stats_are_copied_from_the_first_device():
             np.testing.assert_array_equal(second, workspace.FetchBlob("cpu_0/bn_rm"))
         else:
             np.testing.assert_allclose(second, 0.5 * x[2:].mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_batch_norm_running_stats_can_be_averaged_over_the_devices(gpu):
+    """average_computed_params: after a step every replica holds the mean of what each replica computed
+    on its own share of the batch (measured with broadcast_computed_params=False), whatever
+    broadcast_computed_params says; the ops sit where the broadcast would, before the gradients'."""
+    devices, stats = [1, 2, 3], ["bn_rm", "bn_riv"]
+    data = batches(1, 6, (2, 3, 3))
+    with cuda_on_cpu():
+        model, _, _ = train(_bn_forward, stats, devices, data, cpu_device=not gpu, broadcast_computed_params=False)
+        own = [fetch_params(model, stats, d) for d in devices]
+        workspace.ResetWorkspace()
+        model, _, _ = train(_bn_forward, stats, devices, data, cpu_device=not gpu, average_computed_params=True)
+        for d in devices:
+            for name, value in fetch_params(model, stats, d).items():
+                expected = np.mean([o[name] for o in own], axis=0)
+                np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7, err_msg=f"{name} on {d}")
+    ops = model.net.Proto().ops
+    prefix = model._device_prefix
+    scales = [i for i, op in enumerate(ops) if op.type == "Scale" and op.outputs[0].endswith(("/bn_rm", "/bn_riv"))]
+    assert [ops[i].outputs[0] for i in scales] == [f"{prefix}_{d}/{n}" for n in stats for d in devices]
+    first_grad_sum = next(i for i, op in enumerate(ops) if op.name == "dpm" and op.outputs[0].endswith("_grad"))
+    assert max(scales) < first_grad_sum
+
+
+# ---- gradient bucketing -------------------------------------------------------------------------------
+
+# The MLP's gradients in reverse creation order: pred_b 12 bytes, pred_w 60, fc1_b 20, fc1_w 120; these
+# limits make three buckets: [pred_b] (the small first one), [pred_w, fc1_b], [fc1_w].
+BUCKETS = dict(gradient_bucket_bytes=100, first_bucket_bytes=16)
+
+
+@pytest.mark.parametrize("devices", [[0, 1], [2, 3, 4], [1, 2, 3, 4], list(range(8))])
+def test_bucketed_all_reduce_trains_exactly_like_the_per_gradient_one_and_eager_pytorch(devices):
+    data = batches(2, 2 * len(devices), (6,))
+    _, initial, bucketed = train(MLP, MLP_PARAMS, devices, data, check_replicas=True, **BUCKETS)
+    workspace.ResetWorkspace()
+    _, _, plain = train(MLP, MLP_PARAMS, devices, data)
+    for name in MLP_PARAMS:  # the same additions in the same order
+        np.testing.assert_array_equal(bucketed[name], plain[name], err_msg=name)
+    assert_params_close(bucketed, torch_train(mlp_logits, initial, data))
+
+
+@pytest.mark.parametrize("use_nccl", [False, True])
+def test_bucketed_simulated_cuda_replicas_train_like_eager_pytorch(use_nccl):
+    devices = [1, 2, 3, 4]
+    data = batches(2, 8, (6,))
+    with cuda_on_cpu():
+        model, initial, final = train(MLP, MLP_PARAMS, devices, data, cpu_device=False, use_nccl=use_nccl,
+                                      check_replicas=True, **BUCKETS)
+    ops = model.net.Proto().ops
+    reduced = [op.inputs[0] for op in ops if op.type == "NCCLAllreduce" or op.name == "dpm"]
+    roots = [1] if use_nccl else [1, 3, 1]  # one NCCLAllreduce, or the Sum tree over 4 devices
+    assert reduced == [f"gpu_{d}/{g}" for g in ("pred_b_grad", "_bucket_1", "fc1_w_grad") for d in roots]
+    assert_params_close(final, torch_train(mlp_logits, initial, data))
+
+
+def test_bucketing_replaces_only_the_all_reduce_and_leaves_the_updates_alone():
+    def ops_of(model):  # the optimizers' instance numbers differ
+        rename = functools.partial(re.sub, r"SgdOptimizer_\d+", "SgdOptimizer")
+        return [(op.type, [rename(b) for b in op.inputs], [rename(b) for b in op.outputs])
+                for op in model.net.Proto().ops]
+
+    plain = ops_of(_parallelized([3, 5]))
+    model = _parallelized([3, 5], **BUCKETS)
+    bucketed = ops_of(model)
+    start = next(i for i, op in enumerate(plain) if op[0] == "Sum" and op[2] == ["cpu_3/pred_b_grad"])
+    end = start + 8  # Sum + Copy per gradient
+    assert bucketed[:start] == plain[:start] and bucketed[-(len(plain) - end):] == plain[end:]
+
+    def flatten(d):
+        return [("FlattenToVec", [f"cpu_{d}/pred_w_grad"], [f"cpu_{d}/pred_w_grad_flat"]),
+                ("FlattenToVec", [f"cpu_{d}/fc1_b_grad"], [f"cpu_{d}/fc1_b_grad_flat"]),
+                ("Concat", [f"cpu_{d}/pred_w_grad_flat", f"cpu_{d}/fc1_b_grad_flat"],
+                 [f"cpu_{d}/_bucket_1", f"cpu_{d}/_bucket_1_split_info"])]
+
+    def unflatten(d):
+        return [("Split", [f"cpu_{d}/_bucket_1"], [f"cpu_{d}/pred_w_grad_flat", f"cpu_{d}/fc1_b_grad_flat"]),
+                ("Reshape", [f"cpu_{d}/pred_w_grad_flat"], [f"cpu_{d}/pred_w_grad", f"cpu_{d}/pred_w_grad_old_shape"]),
+                ("Reshape", [f"cpu_{d}/fc1_b_grad_flat"], [f"cpu_{d}/fc1_b_grad", f"cpu_{d}/fc1_b_grad_old_shape"])]
+
+    def reduce(blob):
+        return [("Sum", [f"cpu_3/{blob}", f"cpu_5/{blob}"], [f"cpu_3/{blob}"]),
+                ("Copy", [f"cpu_3/{blob}"], [f"cpu_5/{blob}"])]
+
+    assert bucketed[start:len(bucketed) - (len(plain) - end)] == [
+        *reduce("pred_b_grad"), *flatten(3), *flatten(5), *reduce("_bucket_1"), *unflatten(3), *unflatten(5),
+        *reduce("fc1_w_grad")]
+    split = next(op for op in model.net.Proto().ops if op.type == "Split")
+    assert split.args == {"axis": 0, "split": [15, 5]}
+
+
+def test_bucketing_with_a_shared_model_trains_like_eager_pytorch():
+    data = batches(2, 6, (6,))
+    model, initial, final = train(MLP, MLP_PARAMS, [0, 1, 2], data, shared_model=True, **BUCKETS)
+    assert sum(op.type == "Split" for op in model.net.Proto().ops) == 1
+    assert_params_close(final, torch_train(mlp_logits, initial, data))
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
@@ -469,6 +569,15 @@ def _duplicate(model, loss_scale):
     return losses
 
 
+def _param_copied_in_init(model, loss_scale):
+    """fc1_w is created by a Copy in param_init_net: its size is not in any op's arguments."""
+    losses = MLP(model, loss_scale)
+    fill = next(op for op in model.param_init_net.Proto().ops if op.outputs == [f"{CurrentNameScope()}fc1_w"])
+    fill.outputs = [f"{CurrentNameScope()}fc1_w_init"]
+    model.param_init_net.Copy("fc1_w_init", "fc1_w")
+    return losses
+
+
 def _external_params(model, loss_scale):
     model.init_params = False  # params get no init op: they cannot be synced or trained
     return MLP(model, loss_scale)
@@ -495,6 +604,15 @@ MISUSES = {
     "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
     "memonger": (dict(optimize_gradient_memory=True), NotImplementedError, "optimize_gradient_memory"),
     "dynamic memory": (dict(dynamic_memory_management=True), NotImplementedError, "dynamic_memory"),
+    "zero bucket bytes": (dict(gradient_bucket_bytes=0), ParallelizeError, "gradient_bucket_bytes must be >= 1"),
+    "negative first bucket": (dict(gradient_bucket_bytes=64, first_bucket_bytes=-1), ParallelizeError,
+                              "first_bucket_bytes must be >= 1"),
+    "float bucket bytes": (dict(gradient_bucket_bytes=1.5), TypeError, "gradient_bucket_bytes must be an int"),
+    "bool bucket bytes": (dict(gradient_bucket_bytes=True), TypeError, "gradient_bucket_bytes must be an int"),
+    "str first bucket": (dict(first_bucket_bytes="1MB"), TypeError, "first_bucket_bytes must be an int"),
+    "bucketing a param of unknown size": (
+        dict(forward_pass_builder_fun=_param_copied_in_init, gradient_bucket_bytes=64), ParallelizeError,
+        "size of param 'cpu_0/fc1_w', but its Copy op"),
     "builder not callable": (dict(input_builder_fun=None), TypeError, "input_builder_fun must be a function"),
 }
 
@@ -529,23 +647,19 @@ def test_cuda_devices_default_to_none_without_a_gpu():
 
 
 def test_the_garbage_collector_is_left_as_it_was():
-    """Parallelize pauses the collector and promotes what it built, but keeps the caller's settings."""
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    """Parallelize pauses the collector while building, but keeps the caller's setting."""
+    assert gc.isenabled()
     _parallelized([0, 1])
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled()
     gc.disable()
     try:
         _parallelized([0, 1])
         assert not gc.isenabled()
     finally:
         gc.enable()
-    gc.freeze()  # the caller's own frozen objects stay frozen
-    try:
-        frozen = gc.get_freeze_count()
-        _parallelized([0, 1])
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()
+    with pytest.raises(ParallelizeError):
+        _parallelized([0, 1], forward=lambda m, scale: "not a list")  # a failed build restores it too
+    assert gc.isenabled()
 
 
 def test_parallelizing_twice_and_non_models_are_refused():

@@ -63,21 +63,37 @@ def allreduce_gradients(net: NetDef, names: Iterable[str], grouped: Mapping[str,
         return []
     ops: list[OperatorDef] = []
     for name in names:
-        group = _checked_group(name, grouped[name], layout)
-        if group is None:
-            continue
-        if use_nccl and layout.device_type == CUDA:
-            ops.append(make_op("NCCLAllreduce", group, group, layout.option(layout.master)))
-            continue
-        ops.extend(_sum_tree(name, group, layout, peer_access))
-        if broadcast:
-            ops.extend(broadcast_ops(layout, dict(zip(layout.devices, group)), blob_devices))
+        group = checked_group(name, grouped[name], layout)
+        if group is not None:
+            ops.extend(allreduce_copies(name, group, layout, blob_devices, use_nccl, peer_access, broadcast))
     chain_collectives(net.ops, ops)
     return append_ops(net, ops)
 
 
-def _checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) -> list[str] | None:
-    """The copies in device order, or None for a single copy."""
+def allreduce_copies(name: str, group: list[str], layout: DeviceLayout, blob_devices: BlobDevices,
+                     use_nccl: bool = False, peer_access: PeerAccess | None = None,
+                     broadcast: bool = True) -> list[OperatorDef]:
+    """The ops that sum `group` (one copy of unscoped `name` per device, in device order) into every copy.
+
+    With `use_nccl` on CUDA one in-place `NCCLAllreduce` (not yet chained: the caller chains the
+    collectives it appends); otherwise the Sum tree onto the first device, then (`broadcast`) a Copy
+    back to every other device. Used for gradients, gradient buckets and averaged computed params.
+    """
+    if use_nccl and layout.device_type == CUDA:
+        return [make_op("NCCLAllreduce", group, group, layout.option(layout.master))]
+    ops = _sum_tree(name, group, layout, peer_access)
+    if broadcast:
+        ops.extend(broadcast_ops(layout, dict(zip(layout.devices, group)), blob_devices))
+    return ops
+
+
+def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) -> list[str] | None:
+    """The copies of gradient `name` in device order, or None for a single copy (nothing to reduce).
+
+    Raises:
+        ParallelizeError: a copy is missing on some device.
+        NotImplementedError: a sparse (GradientSlice) gradient.
+    """
     if len(copies) == 1:
         return None
     missing = [d for d in layout.devices if d not in copies]
