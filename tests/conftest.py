@@ -34,3 +34,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def placed(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Record every DeviceOption the executor and FeedBlob resolve (logical CUDA runs on the CPU)."""
+    import torch
+
+    import graphpar.executor.plan as plan
+    from graphpar import devices
+
+    seen: list = []
+
+    def record(option):  # noqa: ANN001, ANN202
+        seen.append(option)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(plan, "torch_device", record)
+    with devices.cuda_on_cpu():
+        yield seen

@@ -141,22 +141,6 @@ def test_blobs_view_fetches_feeds_and_deletes() -> None:
 
 # ---- device placement -------------------------------------------------------------------------
 
-@pytest.fixture
-def placed(monkeypatch: pytest.MonkeyPatch) -> list[DeviceOption]:
-    """Record the DeviceOption each FeedBlob resolves (CUDA runs on the CPU)."""
-    import graphpar.executor.plan as plan
-
-    seen: list[DeviceOption] = []
-
-    def record(option: DeviceOption) -> torch.device:
-        seen.append(option)
-        return torch.device("cpu")
-
-    monkeypatch.setattr(plan, "torch_device", record)
-    with devices.cuda_on_cpu():
-        yield seen
-
-
 def test_feed_device_precedence(placed: list[DeviceOption]) -> None:
     workspace.FeedBlob("plain", 1.0)
     workspace.FeedBlob("gpu_3/x", 1.0)

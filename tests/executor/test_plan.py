@@ -132,19 +132,6 @@ def test_plan_is_a_snapshot_of_the_netdef() -> None:
     assert len(plan.steps) == 1 and plan.netdef.ops[0].outputs == ["y"]
 
 
-@pytest.fixture
-def placed(monkeypatch: pytest.MonkeyPatch) -> list[DeviceOption]:
-    seen: list[DeviceOption] = []
-
-    def record(option: DeviceOption) -> torch.device:
-        seen.append(option)
-        return torch.device("cpu")
-
-    monkeypatch.setattr(plan_module, "torch_device", record)
-    with devices.cuda_on_cpu():
-        yield seen
-
-
 def test_op_device_is_op_option_else_net_option_else_cpu(placed: list[DeviceOption]) -> None:
     _feed("x")
     placed.clear()
