@@ -17,8 +17,8 @@ from typing import Any
 
 from graphpar.core.ir import BlobReference, GradientSlice
 from graphpar.core.net import Net
+from graphpar.core.schema import get_schema
 from graphpar.core.scope import CurrentNameScope
-from graphpar.ops.registry import get_schema
 
 
 class ParameterTags:

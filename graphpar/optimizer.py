@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
+from graphpar.core.schema import get_schema, parse_args
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
 from graphpar.ops.optim import learning_rate_schedule
-from graphpar.ops.registry import get_schema, parse_args
 
 if TYPE_CHECKING:
     from graphpar.core.net import Net

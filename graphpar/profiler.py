@@ -1,8 +1,8 @@
 """Per-op profiles of a net: which ops take the time of a run.
 
-`profile_net(net)` runs a compiled plan's steps one by one, timing each, in a loop of its own so the
-RunNet hot path (`graphpar/executor/simple.py`) carries no timing code. The kernels, their order and
-their blob bindings are those of a normal run, so the workspace ends up exactly as after `RunNet`.
+`profile_net(net)` wraps each step of a compiled plan with a timer and runs the wrapped plan on the
+net's own executor, so the RunNet hot path carries no timing code and the kernels, their order and
+their blob bindings are those of a normal run: the workspace ends up exactly as after `RunNet`.
 CUDA kernels launch asynchronously: on plans that touch CUDA devices every device is synchronised
 before the first op and after each op, so an op's time is its real execution time (and the run is
 slower than an unprofiled one). The first iteration includes one-off costs (allocator warm-up, CUDA
@@ -23,8 +23,7 @@ import torch
 
 from graphpar.core.graph import blob_devices
 from graphpar.devices import torch_device
-from graphpar.executor.plan import Plan, compile_net
-from graphpar.executor.simple import _op_failure, run_step  # the executor's own call, store and error rules
+from graphpar.executor import Plan, Step, compile_net, get_executor
 from graphpar.visualize import device_label
 from graphpar.workspace import Workspace, _as_netdef, get_workspace
 
@@ -133,20 +132,26 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
         raise ValueError(f"profile_net: num_iter must be a positive int, got {num_iter!r}")
     ws = workspace if isinstance(workspace, Workspace) else get_workspace(workspace)
     plan = _plan_of(net_or_name, ws)
-    sync = _synchronizer(plan)
-    blobs, elapsed_ns = plan.blobs, [0] * len(plan.steps)
-    clock = _clock
+    sync, clock = _synchronizer(plan), _clock
+    elapsed_ns = [0] * len(plan.steps)
+
+    def timed(step: Step) -> Step:
+        run, index = step.run, step.index
+
+        def run_timed(frame: list) -> None:
+            began = clock()
+            run(frame)
+            sync()
+            elapsed_ns[index] += clock() - began
+
+        return step._replace(run=run_timed)
+
+    timed_plan = plan.with_steps(tuple(map(timed, plan.steps)))
+    executor = get_executor(plan.type)
     sync()
     start = clock()
     for _ in range(num_iter):
-        for step in plan.steps:
-            began = clock()
-            try:
-                run_step(blobs, step)
-            except Exception as exc:
-                raise _op_failure(plan, step, exc) from exc
-            sync()
-            elapsed_ns[step.index] += clock() - began
+        executor.run(timed_plan, ws.blobs)
     wall_ms = (clock() - start) / 1e6
     total_ns = sum(elapsed_ns)
     netdef = plan.netdef

@@ -1,4 +1,4 @@
-"""Workspaces: named blobs (always torch.Tensors), created nets and seeded random generators.
+"""Workspaces: named blobs (always torch.Tensors), created nets and seeded random streams.
 
 The CamelCase module functions act on the current workspace (initially "default"), as in Caffe2;
 `Workspace` offers the same operations as PEP 8 methods. Every `net` argument accepts a `Net`
@@ -9,10 +9,13 @@ want float32 pass float32. Python floats and lists of floats become torch's defa
 ints int64, bools bool. A fed value is always copied, and a value that cannot be fed leaves the
 workspace unchanged.
 
-Nets of type "dag" run their ops in program order, like "simple" ones, so results are identical
-and reproducible; `graphpar.executor.plan.Plan` says why ops are not dispatched concurrently.
+A net's type names the executor that runs it (`graphpar.executor.registry`); a run changes the
+workspace only if every op succeeds (`graphpar.executor.frame`).
 
-Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's generators; `Workspaces()`
+Random ops draw from streams keyed by the workspace seed, the compile (its ordinal in the workspace),
+the op's index and the run, so draws never depend on the order ops execute in.
+
+Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's random streams; `Workspaces()`
 lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
 dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v` feeds,
 `del blobs[name]` removes).
@@ -21,7 +24,7 @@ dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -31,50 +34,71 @@ from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
-from graphpar.executor import Plan, compile_net, run
+from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
 
 class Workspace:
-    """Named blobs, the nets created from NetDefs, and per-device random generators.
-
-    Generators are created on first use, one per torch device, each seeded from the workspace seed
-    and the device, so a run is reproducible per seed (logical CUDA devices simulated on the CPU
-    share the CPU generator).
-    """
+    """Named blobs, the nets created from NetDefs, and the random streams of their random ops."""
 
     def __init__(self, name: str, seed: int = 0) -> None:
         self.name = name
         self.blobs: dict[str, torch.Tensor] = {}
         self.nets: dict[str, Plan] = {}
         self.seed = _check_seed(seed)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._compiles = 0  # plans compiled since the streams were last restarted
+        self._epoch = 0  # bumped when the streams restart (SetSeed, reset)
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The generator of `device`, created and seeded on first use."""
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(_device_seed(self.seed, device))
-            self._generators[device] = gen
-        return gen
+    def random_streams(self, net_name: str) -> Callable[[int], Callable[[torch.device], torch.Generator]]:
+        """The random streams of one compiled net (`net_name` is for messages only).
+
+        `streams(op_index)(device)` returns a generator on `device`, seeded anew on each call (once
+        per run of the op) from the workspace seed, this compile's ordinal in the workspace, the op
+        index and the call count: draws depend on neither execution order nor device placement.
+        Names are not part of the key (Net names are made unique per process), so rebuilding a
+        model in a fresh workspace draws the same values.
+        """
+        compile_key = self._compiles
+        self._compiles += 1
+
+        def streams(op_index: int) -> Callable[[torch.device], torch.Generator]:
+            epoch, runs = self._epoch, 0
+            generators: dict[torch.device, torch.Generator] = {}
+
+            def next_generator(device: torch.device) -> torch.Generator:
+                nonlocal epoch, runs
+                if epoch != self._epoch:  # SetSeed restarted every stream
+                    epoch, runs = self._epoch, 0
+                gen = generators.get(device)
+                if gen is None:
+                    gen = generators[device] = torch.Generator(device=device)
+                gen.manual_seed(_mix(self.seed, compile_key, op_index, runs))
+                runs += 1
+                return gen
+
+            return next_generator
+
+        return streams
 
     def set_seed(self, seed: int) -> None:
-        """Re-seed every generator (existing ones in place, so created nets see the new seed)."""
+        """Restart the random streams from `seed` (created nets too, from their next run)."""
         self.seed = _check_seed(seed)
-        for device, gen in self._generators.items():
-            gen.manual_seed(_device_seed(self.seed, device))
+        self._restart_streams()
 
     def reset(self) -> None:
-        """Remove every blob and net and restart the generators from the seed."""
+        """Remove every blob and net and restart the random streams from the seed."""
         self.blobs.clear()
         self.nets.clear()
-        self.set_seed(self.seed)
+        self._restart_streams()
+
+    def _restart_streams(self) -> None:
+        self._compiles = 0
+        self._epoch += 1
 
     def feed_blob(self, name: str, value: Any, device_option: DeviceOption | None = None) -> None:
         """Store a copy of `value` as blob `name` (see the module docstring for dtypes and devices).
@@ -157,13 +181,15 @@ class Workspace:
                            f"CreateNet first (known nets: {sorted(self.nets)})")
         if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 0:
             raise ValueError(f"RunNet({name!r}): num_iter must be a non-negative int, got {num_iter!r}")
+        executor = get_executor(plan.type)
         for _ in range(num_iter):
-            run(plan)
+            executor.run(plan, self.blobs)
 
     def run_net_once(self, net: Any) -> None:
         """Compile and run `net` once without keeping it (typical for init nets); raises as
         create_net and run_net."""
-        run(compile_net(_as_netdef(net), self))
+        plan = compile_net(_as_netdef(net), self)
+        get_executor(plan.type).run(plan, self.blobs)
 
     def run_operator_once(self, op: OperatorDef) -> None:
         """Compile and run a single operator once; TypeError if `op` is not an OperatorDef."""
@@ -178,12 +204,18 @@ def _check_seed(seed: int) -> int:
     return int(seed)
 
 
-def _device_seed(seed: int, device: torch.device) -> int:
-    """Independent streams per device: mix the seed with the device type and index."""
-    kind = 0 if device.type == "cpu" else 1
-    index = -1 if device.index is None else device.index
-    state = np.random.SeedSequence([seed, kind, index + 1]).generate_state(1, np.uint64)[0]
-    return int(state) & (2**63 - 1)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """A well-spread non-negative 63-bit seed from small integers (splitmix64 over each in turn)."""
+    state = 0
+    for value in values:
+        state = (state ^ (value & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
+        state ^= state >> 31
+    return state >> 1
 
 
 def _blob_key(name: Any) -> str:
@@ -312,7 +344,7 @@ def RunOperatorOnce(op: OperatorDef) -> bool:  # noqa: N802
 
 
 def ResetWorkspace() -> bool:  # noqa: N802
-    """Remove every blob and net of the current workspace and restart its generators; returns True."""
+    """Remove every blob and net of the current workspace and restart its random streams; returns True."""
     get_workspace().reset()
     return True
 
@@ -349,7 +381,7 @@ def NumCudaDevices() -> int:  # noqa: N802
 
 
 def SetSeed(seed: int) -> None:  # noqa: N802
-    """Re-seed the current workspace's random generators (fills, dropout) with `seed`."""
+    """Re-seed the current workspace's random streams (fills, dropout) with `seed`."""
     get_workspace().set_seed(seed)
 
 

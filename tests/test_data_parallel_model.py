@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from graphpar import brew, checkpoint, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, CUDA, BlobReference, CurrentNameScope, DeviceOption, DeviceScope, Net
+from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu, num_cuda_devices
 from graphpar.errors import ParallelizeError
 from graphpar.models import lenet, mlp
@@ -221,8 +222,8 @@ def test_train_net_settings_and_initial_sync():
     assert synced == [(f"cpu_0/{n}", f"cpu_1/{n}") for n in
                       MLP_PARAMS + [f"{p}_momentum" for p in MLP_PARAMS]]
     assert init_ops[-len(synced):] == [op for op in init_ops if op.type == "Copy"]
-    proto.validate()
-    model.param_init_net.Proto().validate()
+    validate_net(proto)
+    validate_net(model.param_init_net.Proto())
 
 
 def _bn_forward(model, loss_scale):

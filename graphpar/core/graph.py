@@ -11,19 +11,13 @@ from collections.abc import Callable, Iterable, Sequence
 import networkx as nx
 
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import get_schema
 
 EDGE_KINDS = ("raw", "waw", "war")
 
 
-def dependency_graph(netdef: NetDef) -> nx.DiGraph:
-    """The DAG over op indices: edge i -> j means op j must run after op i.
-
-    Edges: read-after-write (j reads, as input or control input, what i last wrote), write-after-write
-    (j overwrites what i wrote) and write-after-read (j overwrites what i read since the last write).
-    Each edge has `kind` in EDGE_KINDS and `blob`; when one pair has several reasons, the first found
-    is kept (op j's reads before its writes, blobs in order). No self-edges: an in-place op reads its
-    input before writing it. Every op is a node, even without edges.
-    """
+def dependency_edges(netdef: NetDef) -> dict[tuple[int, int], tuple[str, str]]:
+    """{(i, j): (kind, blob)}: op j must run after op i, for the first reason found (see dependency_graph)."""
     edges: dict[tuple[int, int], tuple[str, str]] = {}  # first reason per pair, in insertion order
     last_writer: dict[str, int] = {}
     readers: dict[str, list[int]] = {}
@@ -38,11 +32,31 @@ def dependency_graph(netdef: NetDef) -> nx.DiGraph:
             for i in readers.pop(blob, ()):
                 edges.setdefault((i, j), ("war", blob))
             last_writer[blob] = j
+    return {pair: reason for pair, reason in edges.items() if pair[0] != pair[1]}
+
+
+def dependency_graph(netdef: NetDef) -> nx.DiGraph:
+    """The DAG over op indices: edge i -> j means op j must run after op i.
+
+    Edges: read-after-write (j reads, as input or control input, what i last wrote), write-after-write
+    (j overwrites what i wrote) and write-after-read (j overwrites what i read since the last write).
+    Each edge has `kind` in EDGE_KINDS and `blob`; when one pair has several reasons, the first found
+    is kept (op j's reads before its writes, blobs in order). No self-edges: an in-place op reads its
+    input before writing it. Every op is a node, even without edges.
+    """
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(netdef.ops)))
     graph.add_edges_from((i, j, {"kind": kind, "blob": blob})
-                         for (i, j), (kind, blob) in edges.items() if i != j)
+                         for (i, j), (kind, blob) in dependency_edges(netdef).items())
     return graph
+
+
+def predecessors(netdef: NetDef) -> tuple[tuple[int, ...], ...]:
+    """For each op, in program order, the sorted indices of the ops it must run after (the DAG's edges)."""
+    found: list[list[int]] = [[] for _ in netdef.ops]
+    for i, j in dependency_edges(netdef):
+        found[j].append(i)
+    return tuple(tuple(sorted(p)) for p in found)
 
 
 def blob_lifetimes(netdef: NetDef) -> dict[str, tuple[int, int]]:
@@ -57,24 +71,6 @@ def blob_lifetimes(netdef: NetDef) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def producers(netdef: NetDef) -> dict[str, list[int]]:
-    """{blob: indices of the ops that write it, in program order}."""
-    found: dict[str, list[int]] = {}
-    for index, op in enumerate(netdef.ops):
-        for blob in dict.fromkeys(op.outputs):
-            found.setdefault(blob, []).append(index)
-    return found
-
-
-def consumers(netdef: NetDef) -> dict[str, list[int]]:
-    """{blob: indices of the ops that read it as a data input (not a control input), in program order}."""
-    found: dict[str, list[int]] = {}
-    for index, op in enumerate(netdef.ops):
-        for blob in dict.fromkeys(op.inputs):
-            found.setdefault(blob, []).append(index)
-    return found
-
-
 def blob_devices(netdefs: NetDef | Iterable[NetDef],
                  default: DeviceOption | None = None) -> dict[str, DeviceOption]:
     """{blob: the device it lives on}: that of the first op, across `netdefs` in order, that reads or
@@ -85,8 +81,6 @@ def blob_devices(netdefs: NetDef | Iterable[NetDef],
     counters and copies live on the CPU); a None or missing entry means the op's device. Control
     inputs place nothing.
     """
-    from graphpar.ops.registry import get_schema
-
     if isinstance(netdefs, NetDef):
         netdefs = [netdefs]
     placed: dict[str, DeviceOption] = {}

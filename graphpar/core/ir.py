@@ -1,7 +1,8 @@
 """The IR: devices, blob references, operators and nets as plain, mutable data.
 
-Passes edit `OperatorDef`s and `NetDef`s in place; nothing here knows kernels or workspaces.
-`NetDef.validate()` checks the invariants every pass must keep (the analogue of torch.fx's `lint`).
+Passes edit `OperatorDef`s and `NetDef`s in place; nothing here knows schemas, kernels or workspaces.
+`NetDef.validate()` checks the structure every pass must keep (the analogue of torch.fx's `lint`);
+`core.schema.validate_net` adds the schema checks.
 """
 
 from __future__ import annotations
@@ -102,14 +103,11 @@ class BlobReference(str):
         if op_type.startswith("_") or self._net is None:
             raise AttributeError(f"{type(self).__name__} {str(self)!r} has no attribute {op_type!r}"
                                  + ("" if op_type.startswith("_") else " (it is bound to no Net)"))
-        from graphpar.ops.registry import get_schema  # core -> schemas only, never kernels
-
-        get_schema(op_type)
-        net = self._net
+        record = self._net._op_method(op_type)  # the Net checks the op type
 
         def make(inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
             inputs = [] if inputs is None else ([inputs] if isinstance(inputs, str) else list(inputs))
-            return getattr(net, op_type)([self, *inputs], *args, **kwargs)
+            return record([self, *inputs], *args, **kwargs)
 
         return make
 
@@ -177,17 +175,16 @@ class NetDef:
         return op.device_option or self.device_option or DeviceOption()
 
     def validate(self) -> NetDef:
-        """Check the invariants passes must keep; raise ValueError/TypeError naming the first violation.
+        """Check the structure passes must keep; raise ValueError/TypeError naming the first violation.
 
-        The type is "simple" or "dag" and `num_workers` >= 1; device options are DeviceOptions;
-        every op type is registered, input/output counts and arguments fit its schema, in-place
-        pairs are allowed (and enforced ones respected), names are non-empty strings, and every
-        declared external output is produced or is an external input. Returns self.
+        The type and every blob name are non-empty strings, `num_workers` >= 1, device options are
+        DeviceOptions, and every declared external output is produced or is an external input.
+        Schemas (counts, arguments, in-place pairs) are checked by `core.schema.validate_net`, which
+        CreateNet runs. Returns self.
         """
-        from graphpar.ops.registry import check_operator  # core -> schemas only, never kernels
-
-        if self.type not in ("simple", "dag"):
-            raise ValueError(f"net {self.name!r}: type must be 'simple' or 'dag', got {self.type!r}")
+        if not isinstance(self.type, str) or not self.type:
+            raise ValueError(f"net {self.name!r}: type must be a non-empty str (an executor such as "
+                             f"'simple' or 'dag'), got {self.type!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"net {self.name!r}: num_workers must be an int >= 1, got {self.num_workers!r}")
         if self.device_option is not None and not isinstance(self.device_option, DeviceOption):
@@ -195,12 +192,13 @@ class NetDef:
         defined = set(self.external_inputs)
         for index, op in enumerate(self.ops):
             where = f"net {self.name!r} op #{index} ({op.type})"
+            if not isinstance(op.type, str) or not op.type:
+                raise TypeError(f"{where}: the op type must be a non-empty str, got {op.type!r}")
             for blob in (*op.inputs, *op.outputs, *op.control_inputs):
                 if not isinstance(blob, str) or not blob:
                     raise TypeError(f"{where}: blob names must be non-empty strings, got {blob!r}")
             if op.device_option is not None and not isinstance(op.device_option, DeviceOption):
                 raise TypeError(f"{where}: device_option must be a DeviceOption, got {op.device_option!r}")
-            check_operator(op, where)
             defined.update(op.outputs)
         missing = [b for b in self.external_outputs if b not in defined]
         if missing:

@@ -5,14 +5,12 @@
 as external inputs, stamps the current `DeviceScope` and the user's call site, and appends the op.
 
 Look-up tables (blobs produced, external inputs) keep op creation O(1) on nets of 100k ops, and the
-registry's check of an op is skipped when an op of the same signature (type, input/output counts,
-aliasing, argument names, types and values) passed it before: models record many ops alike. `Proto()`
+schema check of an op is skipped when an op of the same signature passed it before
+(`core.schema.check_operator`): models record many ops alike. `Proto()`
 hands out the live `NetDef`; because its caller may edit it, the tables are rebuilt (O(ops)) before
 the next op is recorded, as in Caffe2. Code that alternates `Proto()` and op creation on a huge net
 should fetch the proto once.
 
-The registry is imported inside functions: `graphpar.ops` imports `graphpar.core.ir`, so a module-level
-import here would make `import graphpar.core` and `import graphpar.ops` depend on each other's order.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from graphpar.core.ir import CUDA, BlobReference, DeviceOption, GradientSlice, NetDef, OperatorDef
+from graphpar.core.schema import check_operator, get_schema
 from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
 from graphpar.errors import UnknownOperatorError
 
@@ -123,43 +122,8 @@ def _where(op_type: str, net_name: str | None) -> str:
     return f"operator {op_type}" if net_name is None else f"{op_type} in net {net_name!r}"
 
 
-# What check_operator's verdict depends on, for ops that passed it: (type, input and output counts,
-# the (input, output) index pairs that name the same blob, each arg's name, type and value). Ops are
-# recorded in large numbers with few distinct signatures, so most are checked by one set look-up.
-_passed: set[tuple] = set()
-_MAX_PASSED = 1 << 14  # signatures remembered (later ones are checked every time)
-_MAX_LIST = 16  # longer list args (e.g. GivenTensorFill values) are checked every time
-
-
 def _check(op: OperatorDef, net_name: str | None) -> None:
-    """`registry.check_operator(op)`, skipped when an op of the same signature passed it."""
-    from graphpar.ops.registry import check_operator
-
-    signature = _signature(op)
-    if signature is not None and signature in _passed:
-        return
     check_operator(op, _where(op.type, net_name))
-    if signature is not None and len(_passed) < _MAX_PASSED:
-        _passed.add(signature)
-
-
-def _signature(op: OperatorDef) -> tuple | None:
-    """The op's signature for `_check`, or None when an arg is not a scalar or a short list of them."""
-    args = []
-    for name, value in op.args.items():
-        kind = type(value)
-        if kind is list:
-            types = tuple(map(type, value))
-            if len(value) > _MAX_LIST or not _SCALARS.issuperset(types):
-                return None
-            value = (tuple(value), types)
-        elif kind not in _SCALARS:
-            return None
-        args.append((name, kind, value))
-    inputs, outputs = op.inputs, op.outputs
-    aliases = () if set(inputs).isdisjoint(outputs) else tuple(
-        (i, o) for i, blob in enumerate(inputs) for o, out in enumerate(outputs) if blob == out)
-    return op.type, len(inputs), len(outputs), aliases, tuple(args)
 
 
 def CreateOperator(  # noqa: N802 - Caffe2 name
@@ -186,8 +150,6 @@ def CreateOperator(  # noqa: N802 - Caffe2 name
 
 
 def _schema(op_type: str) -> Any:
-    from graphpar.ops.registry import get_schema
-
     if not isinstance(op_type, str):
         raise TypeError(f"an operator type must be a str, got {type(op_type).__name__} {op_type!r}")
     return get_schema(op_type)
@@ -290,6 +252,10 @@ class Net:
         """`net.SomeOp` for a registered SomeOp; an unknown type raises UnknownOperatorError."""
         if op_type.startswith("__"):
             raise AttributeError(op_type)
+        return self._op_method(op_type)
+
+    def _op_method(self, op_type: str) -> Callable[..., Any]:
+        """The bound method recording a registered `op_type` (UnknownOperatorError otherwise)."""
         try:
             return types.MethodType(_recorder(op_type), self)
         except UnknownOperatorError:

@@ -1,6 +1,7 @@
-"""The executor: `compile_net` builds a Plan once at CreateNet; `run` executes it on every RunNet."""
+"""The engine: `compile_net` builds an immutable Plan once at CreateNet; an executor, chosen by the
+net's type (`registry`), runs it on every RunNet against a per-run frame (`frame`)."""
 
 from graphpar.executor.plan import Plan, Step, compile_net
-from graphpar.executor.simple import run
+from graphpar.executor.registry import Executor, get_executor, net_types, register_executor
 
-__all__ = ["Plan", "Step", "compile_net", "run"]
+__all__ = ["Executor", "Plan", "Step", "compile_net", "get_executor", "net_types", "register_executor"]

@@ -1,38 +1,44 @@
-"""Compile a NetDef once, at CreateNet, into a Plan: a flat tuple of prebuilt steps for `run`.
+"""Compile a NetDef once, at CreateNet, into an immutable Plan that executors run on every RunNet.
 
-Everything that needs a look-up or a decision happens here, once: the net is validated, each op's
-schema is resolved, its arguments parsed, its device placed, its kernel built, and its blob names
-frozen into tuples. Every input must exist by then (in the workspace, or as an earlier op's output).
-The executor never looks at an op's type: all it needs comes from the schema.
+Everything that needs a look-up or a decision happens here, once: the net is validated against the
+schemas, each op's arguments are parsed, its device placed, its kernel built, and its blob names
+turned into slots of a per-run frame (`executor.frame`). Every input must exist by then (in the
+workspace, or as an earlier op's output). The executor never looks at an op's type: all it needs
+comes from the schema and the plan.
+
+A step's `run(frame)` is the one place that calls a kernel: it reads the input slots, calls the
+kernel and writes the output slots. Every executor (and the profiler, which wraps steps) calls it;
+outputs are written only after the kernel returns, so a failed op writes nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from graphpar.core.graph import blob_lifetimes, predecessors
 from graphpar.core.ir import CUDA, DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
-from graphpar.ops.registry import KernelContext, get_schema, parse_args
+from graphpar.executor.failure import op_location, recorded_at
+from graphpar.executor.frame import FrameLayout, layout_frame
+from graphpar.executor.registry import get_executor
 
-# How a step calls its kernel and stores the result (see `simple.run`).
-UNARY = 1  # one input, one output: `ins` and `out` are names
-BINARY = 2  # two inputs, one output: `ins` is a pair of names
-NARY = 3  # any other input count, one output
-MULTI = 4  # zero or several outputs: `out` is a tuple of names; the kernel returns a tuple
+RandomStream = Callable[[torch.device], torch.Generator]
 
 
 class Step(NamedTuple):
-    """One op, ready to run: its kernel, call kind, input name(s), output name(s) and op index."""
+    """One op, ready to run: `run(frame)` executes it; the rest describes it for executors."""
 
-    fn: Any
-    kind: int
-    ins: Any
-    out: Any
+    run: Callable[[list], None]
     index: int
+    inputs: tuple[int, ...]  # frame slots read (data inputs)
+    outputs: tuple[int, ...]  # frame slots written
+    device: torch.device
 
 
 class BlobStore(Protocol):
@@ -41,60 +47,72 @@ class BlobStore(Protocol):
     name: str
     blobs: dict[str, torch.Tensor]
 
-    def generator(self, device: torch.device) -> torch.Generator: ...
+    def random_streams(self, net_name: str) -> Callable[[int], RandomStream]: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A compiled net: a snapshot of its NetDef, its steps, and the blob dict they read and write.
+    """A compiled net: its steps, their dependencies, and how blobs map to frame slots.
 
-    `program` holds the same steps as plain tuples, which CPython unpacks faster than NamedTuples.
-
-    Both "simple" and "dag" nets run their steps in program order. This deliberately differs from
-    SPEC §5 and Caffe2's DAGNet, which run independent ops concurrently on `num_workers` threads
-    (one CUDA stream each). Program order is a topological order of `core.graph.dependency_graph`,
-    so a "dag" net's results equal a "simple" net's exactly; concurrent dispatch would not keep
-    that promise cheaply here: random ops (fills, Dropout) share the workspace's per-device
-    generators, so their draws would depend on the schedule, and tensors crossing CUDA streams need
-    events plus `record_stream` to be freed safely. It would also gain little: ops are dispatched
-    from Python under the GIL, CPU kernels already use intra-op threads, and CUDA kernels launch
-    asynchronously, so ops on different GPUs already overlap. `NetDef.num_workers` is validated
-    and kept (Parallelize sets it as Caffe2 does) for a concurrent executor.
+    `dependencies[j]` are the indices of the steps step j must run after (`core.graph.predecessors`);
+    `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
+    are persistent (they outlive a run) and which slots an executor may free after each step.
     """
 
     netdef: NetDef
     steps: tuple[Step, ...]
-    blobs: dict[str, torch.Tensor]
+    dependencies: tuple[tuple[int, ...], ...]
+    last_use: Mapping[str, int]
+    frame: FrameLayout
     workspace_name: str
-    program: tuple[tuple[Any, ...], ...] = field(init=False, repr=False)
+    runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
-        self.program = tuple(tuple(step) for step in self.steps)
+        object.__setattr__(self, "runs", tuple(step.run for step in self.steps))
 
     @property
     def name(self) -> str:
         return self.netdef.name
 
+    @property
+    def type(self) -> str:
+        """The executor this plan runs on (the net's type)."""
+        return self.netdef.type
 
-def compile_net(netdef: NetDef, workspace: BlobStore) -> Plan:
+    @property
+    def persistent(self) -> frozenset[str]:
+        """The blobs that must outlive a run (see `executor.frame`)."""
+        return self.frame.persistent
+
+    def with_steps(self, steps: tuple[Step, ...]) -> Plan:
+        """The same plan with other steps (e.g. wrapped by the profiler); one per original step."""
+        if len(steps) != len(self.steps):
+            raise ValueError(f"with_steps needs {len(self.steps)} steps, got {len(steps)}")
+        return replace(self, steps=steps)
+
+
+def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) -> Plan:
     """Validate `netdef` and build its plan against `workspace` (the net is copied: later edits do not count).
 
+    `keep_all` keeps every blob after a run whatever the net's memory options say (for introspection).
+
     Raises:
-        ValueError / TypeError: the net breaks a schema (NetDef.validate()).
+        ValueError / TypeError: the net breaks its structure or a schema (`core.schema.validate_net`),
+            or its type names no registered executor.
         MissingBlobError: an input or control input is neither in the workspace nor produced earlier.
         RuntimeError: an op is placed on a CUDA device that does not exist.
         OperatorError: a kernel factory rejected its op.
     """
     netdef = netdef.copy()
-    netdef.validate()
+    validate_net(netdef)
+    get_executor(netdef.type, f"net {netdef.name!r}")
     _check_inputs_exist(netdef, workspace)
-    steps = tuple(_compile_op(netdef, index, op, workspace) for index, op in enumerate(netdef.ops))
-    return Plan(netdef, steps, workspace.blobs, workspace.name)
-
-
-def op_location(netdef: NetDef, index: int) -> str:
-    """`net 'name' op #index (Type)`, the prefix of every executor message about an op."""
-    return f"net {netdef.name!r} op #{index} ({netdef.ops[index].type})"
+    frame = layout_frame(netdef, keep_all)
+    streams = workspace.random_streams(netdef.name)
+    steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
+    lifetimes = blob_lifetimes(netdef)
+    return Plan(netdef, steps, predecessors(netdef), {blob: span[1] for blob, span in lifetimes.items()},
+                frame, workspace.name)
 
 
 def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:
@@ -121,32 +139,68 @@ def checked_torch_device(option: DeviceOption, where: str) -> torch.device:
     return torch_device(option)
 
 
-def _compile_op(netdef: NetDef, index: int, op: OperatorDef, workspace: BlobStore) -> Step:
+def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, int],
+                streams: Callable[[int], RandomStream]) -> Step:
     where = op_location(netdef, index)
     schema = get_schema(op.type)
     args = parse_args(schema, op.args, where)
     device = checked_torch_device(netdef.op_device(op), where)
-    ctx = KernelContext(op=op, device=device, device_of=torch_device, generator=workspace.generator)
+
+    def random_stream() -> RandomStream:
+        if not schema.has(Trait.RANDOM):
+            raise TypeError(f"{op.type} draws random numbers but its registration does not declare "
+                            f"Trait.RANDOM")
+        return streams(index)
+
+    ctx = KernelContext(op=op, device=device, device_of=torch_device, random_stream=random_stream)
     try:
         fn = schema.kernel(args, ctx)
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc
-    return _make_step(fn, index, op.inputs, op.outputs)
+    inputs = tuple(slot[b] for b in op.inputs)
+    outputs = tuple(slot[b] for b in op.outputs)
+    return Step(make_run(fn, inputs, outputs), index, inputs, outputs, device)
 
 
-def recorded_at(op: OperatorDef) -> str:
-    """A message suffix saying where the op was recorded (empty if unknown)."""
-    return f" (recorded at {op.source})" if op.source else ""
+def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable[[list], None]:
+    """The step function: read `ins` from the frame, call `fn`, write its result(s) to `outs`.
+
+    Specialised by arity so that the common one- and two-input ops build no argument lists.
+    """
+    if len(outs) == 1:
+        (o,) = outs
+        if len(ins) == 1:
+            (i,) = ins
+
+            def unary(frame: list) -> None:
+                frame[o] = fn(frame[i])
+
+            return unary
+        if len(ins) == 2:
+            i, j = ins
+
+            def binary(frame: list) -> None:
+                frame[o] = fn(frame[i], frame[j])
+
+            return binary
+
+        def nary(frame: list) -> None:
+            frame[o] = fn(*[frame[i] for i in ins])
+
+        return nary
+
+    def multi(frame: list) -> None:
+        _store_all(frame, outs, fn(*[frame[i] for i in ins]))
+
+    return multi
 
 
-def _make_step(fn: Any, index: int, inputs: list[str], outputs: list[str]) -> Step:
-    ins = tuple(str(b) for b in inputs)
-    outs = tuple(str(b) for b in outputs)
-    if len(outs) != 1:
-        return Step(fn, MULTI, ins, outs, index)
-    if len(ins) == 1:
-        return Step(fn, UNARY, ins[0], outs[0], index)
-    if len(ins) == 2:
-        return Step(fn, BINARY, ins, outs[0], index)
-    return Step(fn, NARY, ins, outs[0], index)
+def _store_all(frame: list, outs: tuple[int, ...], results: Any) -> None:
+    if not outs:
+        return
+    if not isinstance(results, (tuple, list)) or len(results) != len(outs):
+        got = f"{len(results)} outputs" if isinstance(results, (tuple, list)) else type(results).__name__
+        raise ValueError(f"the kernel returned {got}, expected a tuple of {len(outs)} tensors")
+    for slot, value in zip(outs, results):
+        frame[slot] = value

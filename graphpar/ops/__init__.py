@@ -1,3 +1,13 @@
-"""The operator library: importing it registers every operator (see `registry`)."""
+"""The operator library: importing it registers every operator into `graphpar.core.schema`.
 
-from graphpar.ops import collective, fill, loss, nn, norm, optim, registry, tensor  # noqa: F401
+Every module of this package is an op module and is imported here (discovered, not listed), so a new
+op module is picked up by adding the file.
+"""
+
+import importlib
+import pkgutil
+
+OP_MODULES = tuple(sorted(info.name for info in pkgutil.iter_modules(__path__)))
+
+for _name in OP_MODULES:
+    importlib.import_module(f"{__name__}.{_name}")

@@ -15,14 +15,15 @@ from types import SimpleNamespace
 import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
-from graphpar.devices import device_option_for_blob
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, KernelContext, register_op, same_index
+from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, Trait, register_op, same_index
+
+_COLLECTIVE = (Trait.COLLECTIVE, Trait.CROSS_DEVICE)
 
 
 def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
-    """Copy i lives on its replica scope's device, else on device i of the op's type (Caffe2's rule)."""
-    where = [device_option_for_blob(b) or DeviceOption(device.device_type, i)
-             for i, b in enumerate(op.inputs)]
+    """Copy i lives on device `input_device_ids[i]` of the op's type, else on device i (Caffe2's rule)."""
+    ids = op.args.get("input_device_ids") or ()
+    where = [DeviceOption(device.device_type, ids[i] if i < len(ids) else i) for i in range(len(op.inputs))]
     return where, list(where)
 
 
@@ -61,8 +62,10 @@ def _allreduce(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]
 
 register_op(
     "NCCLAllreduce", inputs=(1, None), outputs=(1, None), inplace=same_index, kernel=_allreduce,
-    gradient=NOT_DIFFERENTIABLE, device_inference=_devices,
-    doc="Outputs i = X0 + X1 + ... on input i's device (one output per input, in place allowed). "
+    args={"input_device_ids": Arg("ints", ())},
+    gradient=NOT_DIFFERENTIABLE, device_inference=_devices, traits=_COLLECTIVE,
+    doc="Outputs i = X0 + X1 + ... on input i's device (one output per input, in place allowed; input i "
+        "on device `input_device_ids[i]`, default i, as Caffe2). "
         "torch.cuda.nccl when every copy is on its own GPU, else a reference sum in input order.")
 
 
@@ -85,8 +88,8 @@ def _broadcast(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
 
 
 register_op(
-    "NCCLBroadcast", inputs=(1, None), outputs=(1, None), args={"root": 0},
+    "NCCLBroadcast", inputs=(1, None), outputs=(1, None), args={"root": 0, "input_device_ids": Arg("ints", ())},
     enforce_inplace=same_index, kernel=_broadcast, gradient=NOT_DIFFERENTIABLE,
-    device_inference=_devices,
+    device_inference=_devices, traits=_COLLECTIVE,
     doc="Output i = X[root] on input i's device (in place enforced; `root` is a position in the input "
         "list, not a GPU id). torch.cuda.nccl when every copy is on its own GPU, else plain copies.")

@@ -2,8 +2,9 @@
 
 Shapes come from the `shape` argument, or from an optional input: its shape, or with
 `input_as_shape=True` its values (a 1-D integer tensor); `extra_shape` is appended in both cases.
-Random fills draw from the workspace's CPU generator (`ctx.generator(cpu)`) and then move the
-result to the op's device, so CPU and CUDA runs give identical values for one workspace seed.
+Random fills draw from the op's own random stream on the CPU (`ctx.random_stream()`, keyed by the
+workspace seed, the net, the op's index and the run) and then move the result to the op's device, so
+CPU and CUDA runs give identical values for one workspace seed, whatever order ops run in.
 
 `dtype` arguments accept Caffe2's TensorProto codes (`DataType.FLOAT` = 1, `INT32` = 2, `BOOL` = 5,
 `INT64` = 10, `FLOAT16` = 12, `DOUBLE` = 13, ...), their names in any case ("float", "float32",
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from graphpar.ops.registry import NO_GRADIENT, Arg, KernelContext, register_op
+from graphpar.core.schema import NO_GRADIENT, Arg, KernelContext, Trait, register_op
 
 
 class DataType(IntEnum):
@@ -95,9 +96,10 @@ def _float_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype:
     return dtype
 
 
-def _register_fill(type_: str, doc: str, kernel: Callable[..., Any], **args: Any) -> None:
+def _register_fill(type_: str, doc: str, kernel: Callable[..., Any], random: bool = True, **args: Any) -> None:
+    traits = (Trait.FILL, Trait.RANDOM) if random else (Trait.FILL,)
     register_op(type_, inputs=(0, 1), outputs=1, args={**_SHAPE_ARGS, **args}, kernel=kernel,
-                gradient=NO_GRADIENT, doc=doc)
+                gradient=NO_GRADIENT, doc=doc, traits=traits)
 
 
 def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | None:
@@ -124,7 +126,7 @@ def _constant_fill(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torc
 
 
 _register_fill(
-    "ConstantFill", kernel=_constant_fill, value=Arg("any", 0.0),
+    "ConstantFill", kernel=_constant_fill, random=False, value=Arg("any", 0.0),
     doc="Y filled with `value`. Shape from `shape`, or from the optional input (its shape, or its values "
         "with input_as_shape), plus `extra_shape`. Without `dtype`, an int `value` gives int64 and a bool "
         "`value` bool (Caffe2's rule); a float `value` gives the input's dtype when the input is "
@@ -136,10 +138,11 @@ def _random_fill(draw: Callable[..., Any]) -> Callable:
 
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
         shape_of, dtype, device = _shape_fn(a, ctx), _float_dtype(a, ctx), ctx.device
-        gen, where = ctx.generator(torch.device("cpu")), _where(ctx)
+        next_generator, where, host = ctx.random_stream(), _where(ctx), torch.device("cpu")
 
         def fill(*x: torch.Tensor) -> torch.Tensor:
             out = torch.empty(shape_of(*x), dtype=dtype)
+            gen = next_generator(host)  # one draw of the stream per run, even for an empty tensor
             if out.numel():
                 draw(out, a, gen, where)
             return out.to(device)
@@ -198,5 +201,5 @@ for _type, _dtype, _kind in (("GivenTensorFill", torch.float32, "floats"),
                              ("GivenTensorInt64Fill", torch.int64, "ints"),
                              ("GivenTensorBoolFill", torch.bool, "ints")):
     register_op(_type, inputs=0, outputs=1, args={"values": Arg(_kind), "shape": Arg("ints")},
-                kernel=_given_fill(_dtype), gradient=NO_GRADIENT,
+                kernel=_given_fill(_dtype), gradient=NO_GRADIENT, traits=(Trait.FILL,),
                 doc=f"Y of `shape` ({_dtype}) holding `values` in row-major order; a fresh copy per run.")

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.nn import flatten_2d, op_label
-from graphpar.ops.registry import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 
 _PROB_FLOOR = 1e-20  # Caffe2's floor under probabilities before taking their log
 

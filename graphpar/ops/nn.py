@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
-from graphpar.ops.registry import GI, KernelContext, gradient_op, register_op
+from graphpar.core.schema import GI, KernelContext, Trait, gradient_op, register_op
 
 aten = torch.ops.aten
 
@@ -632,8 +632,10 @@ def _dropout(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor],
     if len(ctx.op.outputs) != 2:
         raise ValueError(f"{op_label(ctx.op)}: training mode (is_test=0) needs two outputs, Y and mask")
 
+    next_generator = ctx.random_stream()
+
     def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = torch.rand(x.shape, generator=ctx.generator(ctx.device), device=x.device) >= a.ratio
+        mask = torch.rand(x.shape, generator=next_generator(x.device), device=x.device) >= a.ratio
         return (x * mask).mul_(scale), mask
 
     return dropout
@@ -660,9 +662,10 @@ register_op(
     args={"ratio": 0.5, "is_test": False},
     kernel=_dropout,
     gradient=_dropout_gradient,
-    doc="Training: mask ~ Bernoulli(1 - ratio) (bool, from the workspace's generator for the op's "
-    "device), Y = X·mask / (1 - ratio); outputs Y and mask. is_test=1: Y = X (a mask output, if "
-    "any, is all true). May run in place.",
+    traits=(Trait.RANDOM,),
+    doc="Training: mask ~ Bernoulli(1 - ratio) (bool, drawn on X's device from the op's random "
+    "stream), Y = X·mask / (1 - ratio); outputs Y and mask. is_test=1: Y = X (a mask output, if any, "
+    "is all true). May run in place.",
 )
 
 register_op(

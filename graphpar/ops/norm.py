@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.nn import op_label, require_nchw
-from graphpar.ops.registry import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, Arg, KernelContext, register_op
+from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, Trait, register_op
 
 _HOST = DeviceOption()
 
@@ -24,12 +24,14 @@ def _where(ctx: KernelContext) -> str:
     return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
 
 
+_COUNTER = (Trait.COUNTER, Trait.INPLACE_UPDATE)
+
 register_op("Iter", enforce_inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda it: it + 1,
-            gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [_HOST]),
+            gradient=NOT_DIFFERENTIABLE, traits=_COUNTER, device_inference=lambda op, d: ([_HOST], [_HOST]),
             doc="it += 1 on an int64 CPU counter of shape [1] (in place enforced).")
 register_op("AtomicIter", inputs=2, enforce_inplace={(1, 0)},
             kernel=lambda _a, _ctx: lambda _mutex, it: it + 1,
-            gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST, _HOST], [_HOST]),
+            gradient=NOT_DIFFERENTIABLE, traits=_COUNTER, device_inference=lambda op, d: ([_HOST, _HOST], [_HOST]),
             doc="[mutex, it] -> it, it += 1. The mutex is a dependency token: executors order every "
                 "write of one blob, so the increment is atomic without a lock.")
 register_op("CreateMutex", inputs=0, kernel=lambda _a, _ctx: lambda: torch.zeros((), dtype=torch.uint8),
@@ -183,6 +185,7 @@ register_op(
     "LearningRate", args={"base_lr": Arg("float"), "policy": "fixed", **_POLICY_ARGS,
                           "sub_policy_num_iters": Arg("ints", ()), **_SUB_POLICY_ARGS},
     kernel=_learning_rate, gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [d]),
+    traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC),
     doc="lr = base_lr * factor(iter), from the CPU int64 counter, computed in float64 on the host and "
         "written as a float32 [1] tensor on the op's device. Policies (Caffe2's args): fixed 1; step "
         "gamma^(iter // stepsize); multistep gamma^(#stepsizes <= iter); exp gamma^iter; inv "
@@ -216,6 +219,7 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tupl
 register_op(
     "MomentumSGDUpdate", inputs=4, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
+    traits=(Trait.INPLACE_UPDATE,),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place; lr is positive (the op subtracts). "
         "Plain: a = lr g + momentum m; mom = a; param -= a; grad = a. Nesterov: m' = momentum m + lr g; "
         "a = (1 + momentum) m' - momentum m; param -= a; grad = a. Equals torch.optim.SGD "
@@ -243,6 +247,7 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 register_op(
     "Adam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
+    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
         "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter. "

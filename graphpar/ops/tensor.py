@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
-from graphpar.devices import device_option_for_blob
+from graphpar.core.schema import GI, NO_GRADIENT, Arg, KernelContext, Trait, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.fill import to_torch_dtype
-from graphpar.ops.registry import GI, NO_GRADIENT, Arg, KernelContext, gradient_op, register_op
 
 _HOST = DeviceOption()
 
@@ -33,11 +32,6 @@ def _pack(outs: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ..
 
 def _where(ctx: KernelContext) -> str:
     return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
-
-
-def _blob_device(blob: str, default: DeviceOption) -> DeviceOption:
-    """Where a blob lives: its replica scope's device ('gpu_1/x' -> CUDA 1), else `default`."""
-    return device_option_for_blob(blob) or default
 
 
 def _one_grad(grad_type: str, reads: str = "") -> Maker:
@@ -61,27 +55,46 @@ def _pass_through(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 def _copy_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
     device = ctx.device
-    return lambda x: x.to(device)
+    return lambda x: x.to(device, copy=True)
+
+
+def _input_devices(op: OperatorDef, device: DeviceOption) -> list[DeviceOption]:
+    """Input i lives on device `input_device_ids[i]` of the op's type (-1 or none given: the op's)."""
+    ids = op.args.get("input_device_ids") or ()
+    return [DeviceOption(device.device_type, ids[i]) if i < len(ids) and ids[i] >= 0 else device
+            for i in range(len(op.inputs))]
+
+
+_INPUT_DEVICES = {"input_device_ids": Arg("ints", ())}
+_COPY = (Trait.CROSS_DEVICE,)
+
+
+def _copy_gradient(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    """dX = CopyOnDeviceLike(dY, X): back onto X's device, which the forward op's args name."""
+    ids = op.args.get("input_device_ids") or ()
+    args = {"input_device_ids": [-1, ids[0]]} if ids else {}
+    return [gradient_op("CopyOnDeviceLike", [g[0], op.inputs[0]], [GI(op, 0)], **args)], [GI(op, 0)]
 
 
 register_op(
-    "Copy", kernel=_copy_kernel, gradient=_one_grad("CopyOnDeviceLike", "X"),
-    device_inference=lambda op, d: ([_blob_device(op.inputs[0], d)], [d]),
-    doc="Y = X on the op's device; X may live on another device (its replica scope tells which). "
-        "Returns X itself when it is already there (kernels never write their inputs).")
+    "Copy", args=_INPUT_DEVICES, kernel=_copy_kernel, gradient=_copy_gradient, copy_args_to_gradient=False,
+    device_inference=lambda op, d: (_input_devices(op, d), [d]), traits=_COPY,
+    doc="Y = a copy of X on the op's device (a new tensor, also when X is already there). X may live "
+        "on another device of the op's type: `input_device_ids=[id]` says which (default: the op's).")
 register_op(
-    "CopyOnDeviceLike", inputs=2, kernel=lambda _a, _ctx: lambda x, like: x.to(like.device),
-    gradient=NO_GRADIENT,
-    device_inference=lambda op, d: ([d, _blob_device(op.inputs[1], d)], [_blob_device(op.inputs[1], d)]),
-    doc="Y = X copied onto the device of the second input (the gradient of Copy).")
+    "CopyOnDeviceLike", inputs=2, args=_INPUT_DEVICES,
+    kernel=lambda _a, _ctx: lambda x, like: x.to(like.device, copy=True), gradient=NO_GRADIENT,
+    device_inference=lambda op, d: (_input_devices(op, d), _input_devices(op, d)[1:]), traits=_COPY,
+    doc="Y = a copy of X on the device of the second input (the gradient of Copy); `input_device_ids` "
+        "as for Copy.")
 register_op(
     "CopyCPUToGPU", kernel=_copy_kernel, gradient=_one_grad("CopyGPUToCPU"),
-    device_inference=lambda op, d: ([_HOST], [d]),
-    doc="Y = X (a CPU blob) copied onto the op's (CUDA) device.")
+    device_inference=lambda op, d: ([_HOST], [d]), traits=_COPY,
+    doc="Y = a copy of X (a CPU blob) on the op's (CUDA) device.")
 register_op(
-    "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host))(ctx.device_of(_HOST)),
-    gradient=_one_grad("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]),
-    doc="Y = X (on the op's CUDA device) copied to the CPU.")
+    "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host, copy=True))(ctx.device_of(_HOST)),
+    gradient=_one_grad("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
+    doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
 register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through,
             doc="Y is X (the same tensor); the gradient passes straight through.")
 register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: x, gradient=NO_GRADIENT,
@@ -107,10 +120,11 @@ def _sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.
 
 
 register_op(
-    "Sum", inputs=(1, None), inplace={(0, 0)}, kernel=_sum_kernel, gradient=_pass_through,
-    device_inference=lambda op, d: ([_blob_device(b, d) for b in op.inputs], [d]),
+    "Sum", inputs=(1, None), inplace={(0, 0)}, args=_INPUT_DEVICES, kernel=_sum_kernel, gradient=_pass_through,
+    device_inference=lambda op, d: (_input_devices(op, d), [d]),
     doc="Y = X0 + X1 + ... (equal shapes), added in input order on the op's device; inputs may live on "
-        "other devices. In place into X0 allowed. Gradient: each input gets dY, with no op.")
+        "other devices of its type (`input_device_ids`, as for Copy). In place into X0 allowed. Gradient: "
+        "each input gets dY, with no op.")
 
 _BROADCAST_ARGS = {"broadcast": False, "axis": -1}
 

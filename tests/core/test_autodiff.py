@@ -7,6 +7,8 @@ the workspace and compare every gradient with torch.autograd.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,15 @@ import torch
 from graphpar import workspace
 from graphpar.core import CPU, CUDA, BlobReference, DeviceOption, GradientSlice, Net, NetDef, OperatorDef
 from graphpar.core.autodiff import backward_pass
+from graphpar.core.schema import (
+    GI,
+    NO_GRADIENT,
+    NOT_DIFFERENTIABLE,
+    gradient_op,
+    register_op,
+    scoped_registry,
+)
 from graphpar.errors import GradientError
-from graphpar.ops.registry import GI, NO_GRADIENT, NOT_DIFFERENTIABLE, gradient_op, register_op
 
 
 def _clone_kernel(args, ctx):
@@ -70,28 +79,34 @@ def _branchy_gradient(op, g):
     return [gradient_op("_TestUseInputGradient", [*x, g[0]], [GI(op, 0)])], [GI(op, 0)]
 
 
-_register("_TestDirect", _direct_gradient)
-_register("_TestDirectGradient", NOT_DIFFERENTIABLE)
-_register("_TestUseInput", _use_input_gradient)
-_register("_TestUseInputGradient", NOT_DIFFERENTIABLE, inputs=(2, 3))
-_register("_TestUseOutput", _use_output_gradient)
-_register("_TestUseOutputGradient", NOT_DIFFERENTIABLE, inputs=2)
-_register("_TestPair", _pair_gradient, inputs=2)
-_register("_TestPairGradient", NOT_DIFFERENTIABLE, outputs=2)
-_register("_TestAdd", _add_gradient, inputs=2)
-_register("_TestAlias", lambda o, g: ([], [g[0]]))
-_register("_TestGather", _gather_gradient, inputs=2, inplace=())
-_register("_TestSparse", _sparse_gradient, inputs=2, inplace=())
-_register("_TestSparseGradient", NOT_DIFFERENTIABLE, inputs=2, outputs=2, inplace=())
-_register("_TestTwoStep", _two_step_gradient)
-_register("_TestNoGrad", NO_GRADIENT)
-_register("_TestNotDiff", NOT_DIFFERENTIABLE)
-_register("_TestNoMaker", None)
-_register("_TestBranchy", _branchy_gradient)
-_register("_TestScaled", _scaled_gradient, args={"scale": 1.0, "mode": "a"})
-_register("_TestScaledGradient", NOT_DIFFERENTIABLE, args={"scale": 1.0}, gradient_of="_TestScaled")
-_register("_TestScaledNoCopy", _scaled_gradient, args={"mode": "a"}, copy_args_to_gradient=False)
-_register("_TestBadMaker", lambda o, g: ([], [g[0], g[0]]))  # two input gradients for one input
+@pytest.fixture(autouse=True, scope="module")
+def _test_ops() -> Iterator[None]:
+    """This module's test-only operators, registered for its tests only."""
+    with scoped_registry():
+        _register("_TestDirect", _direct_gradient)
+        _register("_TestDirectGradient", NOT_DIFFERENTIABLE)
+        _register("_TestUseInput", _use_input_gradient)
+        _register("_TestUseInputGradient", NOT_DIFFERENTIABLE, inputs=(2, 3))
+        _register("_TestUseOutput", _use_output_gradient)
+        _register("_TestUseOutputGradient", NOT_DIFFERENTIABLE, inputs=2)
+        _register("_TestPair", _pair_gradient, inputs=2)
+        _register("_TestPairGradient", NOT_DIFFERENTIABLE, outputs=2)
+        _register("_TestAdd", _add_gradient, inputs=2)
+        _register("_TestAlias", lambda o, g: ([], [g[0]]))
+        _register("_TestGather", _gather_gradient, inputs=2, inplace=())
+        _register("_TestSparse", _sparse_gradient, inputs=2, inplace=())
+        _register("_TestSparseGradient", NOT_DIFFERENTIABLE, inputs=2, outputs=2, inplace=())
+        _register("_TestTwoStep", _two_step_gradient)
+        _register("_TestNoGrad", NO_GRADIENT)
+        _register("_TestNotDiff", NOT_DIFFERENTIABLE)
+        _register("_TestNoMaker", None)
+        _register("_TestBranchy", _branchy_gradient)
+        _register("_TestScaled", _scaled_gradient, args={"scale": 1.0, "mode": "a"})
+        _register("_TestScaledGradient", NOT_DIFFERENTIABLE, args={"scale": 1.0}, gradient_of="_TestScaled")
+        _register("_TestScaledNoCopy", _scaled_gradient, args={"mode": "a"}, copy_args_to_gradient=False)
+        _register("_TestBadMaker", lambda o, g: ([], [g[0], g[0]]))  # two input gradients for one input
+        yield
+
 
 
 def op(type_, inputs, outputs, **args):

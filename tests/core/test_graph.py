@@ -1,8 +1,11 @@
-"""Graph views: exact dependency edges (in-place ops, control inputs), lifetimes, producers, devices."""
+"""Graph views: exact dependency edges (in-place ops, control inputs), lifetimes, predecessors, devices."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import networkx as nx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,19 +14,24 @@ from graphpar.core.graph import (
     EDGE_KINDS,
     blob_devices,
     blob_lifetimes,
-    consumers,
     dependency_graph,
-    producers,
+    predecessors,
 )
-from graphpar.ops.registry import get_schema, register_op
+from graphpar.core.schema import get_schema, register_op, scoped_registry
 
 CPU0, GPU0, GPU1 = DeviceOption(CPU, 0), DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
 
-register_op("_TestGraphIter", inputs=1, outputs=1, enforce_inplace={(0, 0)},
-            device_inference=lambda op, dev: ([CPU0], [CPU0]),
-            kernel=lambda a, ctx: lambda it: it + 1, doc="Test op: a counter that lives on the CPU.")
-register_op("_TestGraphToCPU", inputs=1, outputs=1, device_inference=lambda op, dev: ([None], [CPU0]),
-            kernel=lambda a, ctx: lambda x: x.cpu(), doc="Test op: copies its input to the CPU.")
+@pytest.fixture(autouse=True, scope="module")
+def _test_ops() -> Iterator[None]:
+    """This module's test-only operators, registered for its tests only."""
+    with scoped_registry():
+        register_op("_TestGraphIter", inputs=1, outputs=1, enforce_inplace={(0, 0)},
+                    device_inference=lambda op, dev: ([CPU0], [CPU0]),
+                    kernel=lambda a, ctx: lambda it: it + 1, doc="Test op: a counter that lives on the CPU.")
+        register_op("_TestGraphToCPU", inputs=1, outputs=1, device_inference=lambda op, dev: ([None], [CPU0]),
+                    kernel=lambda a, ctx: lambda x: x.cpu(), doc="Test op: copies its input to the CPU.")
+        yield
+
 
 
 def _program() -> NetDef:
@@ -100,12 +108,17 @@ def test_dependency_graph_of_independent_ops_has_no_edges() -> None:
     assert dependency_graph(NetDef("empty")).number_of_nodes() == 0
 
 
-def test_blob_lifetimes_producers_and_consumers() -> None:
+def test_blob_lifetimes() -> None:
     netdef = _program()
     assert blob_lifetimes(netdef) == {"w": (0, 7), "x": (1, 6), "h": (1, 4), "y": (2, 5), "b": (2, 2),
                                       "z": (5, 7)}
-    assert producers(netdef) == {"w": [0, 7], "h": [1, 3], "y": [2, 4], "z": [5], "x": [6]}
-    assert consumers(netdef) == {"x": [1, 5], "h": [2, 3, 4], "w": [2], "b": [2], "y": [4], "z": [7]}
+
+
+def test_predecessors_are_the_dependency_graphs_edges() -> None:
+    netdef = _program()
+    graph = dependency_graph(netdef)
+    assert predecessors(netdef) == tuple(tuple(sorted(graph.predecessors(j))) for j in range(len(netdef.ops)))
+    assert predecessors(NetDef("empty")) == ()
 
 
 def test_blob_devices_first_use_wins_across_nets() -> None:

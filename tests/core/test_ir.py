@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from graphpar.core import (
@@ -16,16 +18,22 @@ from graphpar.core import (
     OperatorDef,
     device_option_equal,
 )
+from graphpar.core.schema import register_op, scoped_registry, validate_net
 from graphpar.errors import UnknownOperatorError
-from graphpar.ops.registry import register_op
 
-# Test-only operators with known schemas (registered once, when this module is imported).
-register_op("_TestIrUnary", inputs=1, outputs=1, inplace={(0, 0)}, args={"alpha": 1.0},
-            kernel=lambda a, ctx: lambda x: x, doc="Test op: in-place allowed.")
-register_op("_TestIrCopy", inputs=1, outputs=1, kernel=lambda a, ctx: lambda x: x,
-            doc="Test op: never in place.")
-register_op("_TestIrStats", inputs=2, outputs=2, enforce_inplace={(1, 1)}, args={"momentum": 0.9},
-            kernel=lambda a, ctx: lambda x, s: (x, s), doc="Test op: output 1 must be input 1.")
+
+@pytest.fixture(autouse=True, scope="module")
+def _test_ops() -> Iterator[None]:
+    """This module's test-only operators, registered for its tests only."""
+    with scoped_registry():
+        register_op("_TestIrUnary", inputs=1, outputs=1, inplace={(0, 0)}, args={"alpha": 1.0},
+                    kernel=lambda a, ctx: lambda x: x, doc="Test op: in-place allowed.")
+        register_op("_TestIrCopy", inputs=1, outputs=1, kernel=lambda a, ctx: lambda x: x,
+                    doc="Test op: never in place.")
+        register_op("_TestIrStats", inputs=2, outputs=2, enforce_inplace={(1, 1)}, args={"momentum": 0.9},
+                    kernel=lambda a, ctx: lambda x, s: (x, s), doc="Test op: output 1 must be input 1.")
+        yield
+
 
 
 def test_device_option_defaults_equality_and_hashing() -> None:
@@ -152,7 +160,7 @@ def test_validate_accepts_a_good_net() -> None:
 
 
 @pytest.mark.parametrize("edit, error, message", [
-    (lambda n: setattr(n, "type", "parallel"), ValueError, "'simple' or 'dag'"),
+    (lambda n: setattr(n, "type", ""), ValueError, "type must be a non-empty str"),
     (lambda n: setattr(n, "num_workers", 0), ValueError, "num_workers must be an int >= 1"),
     (lambda n: setattr(n, "num_workers", 2.0), ValueError, "num_workers must be an int >= 1"),
     (lambda n: setattr(n, "device_option", "cuda:0"), TypeError, "net 'v': device_option must be"),
@@ -160,7 +168,8 @@ def test_validate_accepts_a_good_net() -> None:
     (lambda n: n.ops[2].control_inputs.append(3), TypeError, "non-empty strings"),
     (lambda n: setattr(n.ops[0], "device_option", "cuda:0"), TypeError, "DeviceOption"),
     (lambda n: n.ops[2].inputs.append("x"), ValueError, r"op #2 \(_TestIrCopy\): takes 1 inputs"),
-    (lambda n: setattr(n.ops[2], "outputs", ["y"]), ValueError, "may not run in place"),
+    (lambda n: (setattr(n.ops[2], "outputs", ["y"]), n.external_outputs.remove("z")), ValueError,
+     "may not run in place"),
     (lambda n: n.ops[1].outputs.__setitem__(1, "s2"), ValueError, "must be input 1"),
     (lambda n: n.ops[0].args.update(alpha="big"), TypeError, "argument 'alpha' must be float"),
     (lambda n: n.ops[0].args.update(alpah=1.0), TypeError, "unknown argument 'alpah'.*Did you mean alpha"),
@@ -170,4 +179,4 @@ def test_validate_names_the_first_violation(edit, error, message) -> None:
     netdef = _valid_net()
     edit(netdef)
     with pytest.raises(error, match=message):
-        netdef.validate()
+        validate_net(netdef)

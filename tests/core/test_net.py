@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 import types
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,15 +25,21 @@ from graphpar.core import (
     NetDef,
     OperatorDef,
 )
-from graphpar.core import net as net_module
+from graphpar.core import schema as registry
+from graphpar.core.schema import Arg, register_op, scoped_registry, validate_net
 from graphpar.errors import UnknownOperatorError
-from graphpar.ops import registry
-from graphpar.ops.registry import Arg, register_op
 
-register_op("_TestNetPair", inputs=1, outputs=2, kernel=lambda a, ctx: lambda x: (x, x),
-            doc="Test op: one input, two outputs.")
-register_op("_TestNetBody", inputs=0, outputs=1, args={"body": Arg("net", None), "values": Arg("floats", ())},
-            kernel=lambda a, ctx: lambda: None, doc="Test op: takes a net and a list argument.")
+
+@pytest.fixture(autouse=True, scope="module")
+def _test_ops() -> Iterator[None]:
+    """This module's test-only operators, registered for its tests only."""
+    with scoped_registry():
+        register_op("_TestNetPair", inputs=1, outputs=2, kernel=lambda a, ctx: lambda x: (x, x),
+                    doc="Test op: one input, two outputs.")
+        register_op("_TestNetBody", inputs=0, outputs=1, args={"body": Arg("net", None), "values": Arg("floats", ())},
+                    kernel=lambda a, ctx: lambda: None, doc="Test op: takes a net and a list argument.")
+        yield
+
 
 GPU1 = DeviceOption(CUDA, 1)
 
@@ -116,11 +123,11 @@ def test_create_operator_rejects_bad_ops(call, error, message) -> None:
 
 def test_each_op_signature_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """check_operator runs again for any difference in type, counts, aliasing or arg names/types/values."""
-    monkeypatch.setattr(net_module, "_passed", set())
+    monkeypatch.setattr(registry, "_passed", set())
     checked = []
-    real = registry.check_operator
-    monkeypatch.setattr(registry, "check_operator",
-                        lambda op, where="": (checked.append(op.outputs[0]), real(op, where))[1])
+    real = registry._check_against
+    monkeypatch.setattr(registry, "_check_against",
+                        lambda schema, op, where: (checked.append(op.outputs[0]), real(schema, op, where))[1])
     net = Net("test_net_check_once")
     net.Conv(["x", "w"], "y1", kernels=[3, 3], stride=1)
     net.Conv(["x2", "w2"], "y2", kernels=[3, 3], stride=1)  # same signature, other blobs: not re-checked
@@ -144,7 +151,7 @@ def test_each_op_signature_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> N
     ("x", {"kernels": [3, 3], "stride": 1}, ValueError, "may not run in place"),
 ])
 def test_a_passed_signature_hides_no_error(monkeypatch: pytest.MonkeyPatch, outputs, args, error, message) -> None:
-    monkeypatch.setattr(net_module, "_passed", set())
+    monkeypatch.setattr(registry, "_passed", set())
     net = Net("test_net_check_cached")
     net.Conv(["x", "w"], "y", kernels=[3, 3], stride=1)  # passes: its signature is remembered
     with pytest.raises(error, match=message):
@@ -303,7 +310,7 @@ def test_add_external_input_and_output() -> None:
     net.AddExternalOutput(y, x)
     net.AddExternalOutput(y)
     assert net.Proto().external_outputs == ["y", "x"]
-    net.Proto().validate()
+    validate_net(net.Proto())
 
 
 def test_next_blob_never_repeats() -> None:
@@ -493,7 +500,7 @@ def test_add_gradient_operators_with_autodiff() -> None:
     assert types_[:2] == ["FC", "Relu"] and "ReluGradient" in types_ and "FCGradient" in types_
     assert all(op.is_gradient_op for op in net.Proto().ops[3:])
     assert net.Proto().external_inputs == ["x", "w", "b"]
-    net.Proto().validate()
+    validate_net(net.Proto())
 
 
 def test_array_arguments_are_flattened_as_caffe2_did():

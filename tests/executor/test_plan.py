@@ -9,10 +9,9 @@ import torch
 import graphpar.executor.plan as plan_module
 from graphpar import core, devices, workspace
 from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
+from graphpar.core import schema as registry
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor import compile_net
-from graphpar.executor.plan import BINARY, MULTI, NARY, UNARY
-from graphpar.ops import registry
 from tests.executor import toy_ops
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
@@ -56,7 +55,7 @@ def test_run_net_does_no_validation_registry_look_ups_or_argument_parsing(monkey
     np.testing.assert_array_equal(workspace.FetchBlob("z"), [2.0] * 3)
 
 
-def test_steps_are_specialised_by_call_kind_with_plain_string_names() -> None:
+def test_steps_read_and_write_frame_slots() -> None:
     _feed("a", "b", "c")
     net = core.Net("kinds")
     net.Relu("a", "r")
@@ -65,11 +64,14 @@ def test_steps_are_specialised_by_call_kind_with_plain_string_names() -> None:
     net._TestTwoOut("a", ["u", "v"])
     net._TestSink("a", [])
     plan = compile_net(net.Proto(), workspace.get_workspace())
-    assert [s.kind for s in plan.steps] == [UNARY, BINARY, NARY, MULTI, MULTI]
+    names = plan.frame.names
     assert [s.index for s in plan.steps] == [0, 1, 2, 3, 4]
-    assert plan.steps[0].ins == "a" and plan.steps[1].ins == ("a", "b") and plan.steps[3].out == ("u", "v")
-    assert all(type(n) is str for s in plan.steps for n in (s.ins if s.kind != UNARY else (s.ins,)))
-    assert plan.name == net.Name() and plan.blobs is workspace.get_workspace().blobs
+    assert [[names[i] for i in s.inputs] for s in plan.steps] == [["a"], ["a", "b"], ["a", "b", "c"], ["a"], ["a"]]
+    assert [[names[o] for o in s.outputs] for s in plan.steps] == [["r"], ["s"], ["t"], ["u", "v"], []]
+    assert [(load.name, load.reader) for load in plan.frame.loads] == [("a", 0), ("b", 1), ("c", 2)]
+    assert [name for _, name in plan.frame.stores] == ["r", "s", "t", "u", "v"]
+    assert plan.dependencies == ((), (), (), (), ())
+    assert plan.name == net.Name() and plan.workspace_name == "default"
 
 
 def test_missing_input_at_create_net_names_blob_op_and_net() -> None:
@@ -110,7 +112,7 @@ def test_invalid_net_is_rejected_before_anything_runs() -> None:
                                                                             args={"scael": 2.0})])
     with pytest.raises(TypeError, match="scael"):
         workspace.CreateNet(bad_arg)
-    with pytest.raises(ValueError, match="type must be"):
+    with pytest.raises(ValueError, match="net type must be one of 'dag', 'simple', got 'async'"):
         workspace.CreateNet(NetDef("bad_type", [], type="async"))
     assert workspace.Blobs() == ["x"]
 
@@ -172,11 +174,11 @@ def test_cuda_net_computes_on_the_gpu() -> None:
     np.testing.assert_array_equal(workspace.FetchBlob("gpu_0/y"), [0.0, 2.0])
 
 
-def test_compile_against_a_standalone_workspace_uses_its_blobs_and_generators() -> None:
+def test_compile_against_a_standalone_workspace_uses_its_blobs() -> None:
     ws = workspace.Workspace("standalone", seed=5)
     ws.feed_blob("x", np.array([1.0, -1.0], dtype=np.float32))
     plan = ws.create_net(NetDef("p", [OperatorDef("Relu", ["x"], ["y"])]))
-    assert plan.blobs is ws.blobs and plan.workspace_name == "standalone"
+    assert plan.workspace_name == "standalone"
     ws.run_net("p")
     np.testing.assert_array_equal(ws.fetch_blob("y"), [1.0, 0.0])
     assert not workspace.HasBlob("y")

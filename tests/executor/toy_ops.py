@@ -1,13 +1,18 @@
-"""Test-only operators (prefixed `_Test`) that exercise executor paths real ops rarely take."""
+"""Test-only operators (prefixed `_Test`) that exercise executor paths real ops rarely take.
+
+`registered()` registers them for the duration of a block (tests use it through a fixture).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from graphpar.ops.registry import KernelContext, is_registered, register_op
+from graphpar.core.schema import KernelContext, register_op, scoped_registry
 
 FACTORY_CALLS: Counter[str] = Counter()  # op name -> kernel factories built
 DEVICES: list[torch.device] = []  # ctx.device of each _TestDevice built
@@ -52,6 +57,11 @@ _OPS: dict[str, dict[str, Any]] = {
     "_TestBadFactory": dict(kernel=_bad_factory),
 }
 
-for _name, _spec in _OPS.items():
-    if not is_registered(_name):
-        register_op(_name, doc=f"test-only operator {_name}", **_spec)
+
+@contextmanager
+def registered() -> Iterator[None]:
+    """The toy operators, registered inside the block only."""
+    with scoped_registry():
+        for name, spec in _OPS.items():
+            register_op(name, doc=f"test-only operator {name}", **spec)
+        yield

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
-from graphpar.naming import grad_name
-from graphpar.ops.registry import (
+from graphpar.core.schema import (
     NO_GRADIENT,
     NOT_DIFFERENTIABLE,
     KernelContext,
@@ -22,6 +21,7 @@ from graphpar.ops.registry import (
     get_schema,
     parse_args,
 )
+from graphpar.naming import grad_name
 
 
 def make_op(op_type: str, n_inputs: int, n_outputs: int | None = None, **args: Any) -> OperatorDef:
@@ -42,7 +42,7 @@ def _context(op: OperatorDef, device: str, generator: torch.Generator | None) ->
     def device_of(option: DeviceOption | None) -> torch.device:
         return dev if option is not None and option.device_type == CUDA else torch.device("cpu")
 
-    return KernelContext(op, dev, device_of, lambda _d: gen)
+    return KernelContext(op, dev, device_of, lambda: lambda _d: gen)
 
 
 def run_op(op: OperatorDef, inputs: Sequence[torch.Tensor], generator: torch.Generator | None = None,

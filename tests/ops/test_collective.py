@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, OperatorDef
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, check_operator, get_schema
+from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
 from tests.ops.helpers import make_op, randn, run_kernel, run_op
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])
@@ -72,11 +72,13 @@ def test_outputs_follow_the_input_devices() -> None:
 def test_device_inference() -> None:
     infer = get_schema("NCCLAllreduce").device_inference
     gpu0 = DeviceOption(CUDA, 0)
-    scoped = OperatorDef("NCCLAllreduce", ["gpu_2/g", "gpu_5/g"], ["gpu_2/g", "gpu_5/g"])
-    assert infer(scoped, gpu0) == ([DeviceOption(CUDA, 2), DeviceOption(CUDA, 5)],) * 2
-    plain = make_op("NCCLBroadcast", 3)
+    placed = OperatorDef("NCCLAllreduce", ["a/g", "b/g"], ["a/g", "b/g"], {"input_device_ids": [2, 5]})
+    assert infer(placed, gpu0) == ([DeviceOption(CUDA, 2), DeviceOption(CUDA, 5)],) * 2
+    plain = make_op("NCCLBroadcast", 3)  # no ids: Caffe2's rule, input i on device i
     assert get_schema("NCCLBroadcast").device_inference(plain, gpu0)[0] == [DeviceOption(CUDA, i) for i in range(3)]
-    cpu = infer(OperatorDef("NCCLAllreduce", ["cpu_0/g", "cpu_1/g"], ["cpu_0/g", "cpu_1/g"]), DeviceOption())
+    names = OperatorDef("NCCLAllreduce", ["gpu_2/g", "gpu_5/g"], ["gpu_2/g", "gpu_5/g"])  # names place nothing
+    assert infer(names, gpu0)[0] == [DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)]
+    cpu = infer(OperatorDef("NCCLAllreduce", ["x", "y"], ["x", "y"], {"input_device_ids": [0, 1]}), DeviceOption())
     assert cpu[0] == [DeviceOption(CPU, 0), DeviceOption(CPU, 1)]
 
 
@@ -98,7 +100,7 @@ def test_real_nccl_matches_the_reference() -> None:
 
 def test_nccl_broadcast_enforces_in_place_for_any_device_count():
     from graphpar.core.ir import OperatorDef
-    from graphpar.ops.registry import check_operator
+    from graphpar.core.schema import check_operator
 
     names = [f"gpu_{i}/w" for i in range(2000)]
     check_operator(OperatorDef("NCCLBroadcast", names, list(names)))

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from graphpar.core.schema import NO_GRADIENT, get_schema
 from graphpar.ops.fill import DataType, to_torch_dtype
-from graphpar.ops.registry import NO_GRADIENT, get_schema
 from tests.ops.helpers import randn, run_kernel
 
 SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=4).map(tuple)
@@ -171,7 +171,7 @@ def test_given_tensor_fills(op_type: str, dtype: torch.dtype, values: list) -> N
 
 
 def test_given_tensor_fill_returns_a_fresh_tensor_per_run() -> None:
-    from graphpar.ops.registry import KernelContext, parse_args
+    from graphpar.core.schema import KernelContext, parse_args
     from tests.ops.helpers import make_op
 
     op = make_op("GivenTensorFill", 0, values=[1.0, 2.0], shape=[2])

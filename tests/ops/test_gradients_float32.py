@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphpar.ops.registry import NO_GRADIENT, NOT_DIFFERENTIABLE, get_schema, registered_types
+from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, get_schema, registered_types
 from tests.ops.helpers import check_gradient, randn, run_kernel
 
 F32 = torch.float32

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import NOT_DIFFERENTIABLE, get_schema
 from graphpar.errors import GradientError
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, get_schema
 from tests.ops.helpers import check_gradient, gradient_ops, rel_err, run_kernel
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphpar.core.ir import OperatorDef
-from graphpar.ops.registry import check_operator
+from graphpar.core.schema import check_operator
 from tests.ops.helpers import (
     check_gradient,
     gradient_ops,

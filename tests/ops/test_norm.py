@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
 from graphpar.errors import GradientError
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, check_operator, get_schema
 from tests.ops.helpers import check_gradient, gradient_ops, make_op, rel_err, run_kernel, run_op
 
 EPS, MOMENTUM = 1e-5, 0.9

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, OperatorDef
-from graphpar.ops.registry import NOT_DIFFERENTIABLE, check_operator, get_schema
+from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
 from tests.ops.helpers import randn, rel_err, run_kernel
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])

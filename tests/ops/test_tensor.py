@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, OperatorDef
+from graphpar.core.schema import NO_GRADIENT, check_operator, get_schema
 from graphpar.errors import GradientError
-from graphpar.ops.registry import NO_GRADIENT, check_operator, get_schema
 from tests.ops.helpers import check_gradient, gradient_ops, make_op, randn, rel_err, run_gradient, run_kernel
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])
@@ -189,11 +189,13 @@ def test_device_inference() -> None:
     host = DeviceOption(CPU, 0)
     infer = {t: get_schema(t).device_inference for t in ("Copy", "CopyCPUToGPU", "CopyGPUToCPU", "Sum",
                                                         "Reshape", "Concat")}
-    assert infer["Copy"](OperatorDef("Copy", ["gpu_0/x"], ["gpu_1/x"]), gpu1) == ([gpu0], [gpu1])
-    assert infer["Copy"](OperatorDef("Copy", ["x"], ["y"]), gpu1) == ([gpu1], [gpu1])
+    assert infer["Copy"](OperatorDef("Copy", ["gpu_0/x"], ["gpu_1/x"], {"input_device_ids": [0]}), gpu1) == \
+        ([gpu0], [gpu1])
+    assert infer["Copy"](OperatorDef("Copy", ["gpu_0/x"], ["gpu_1/x"]), gpu1) == ([gpu1], [gpu1])  # not by name
     assert infer["CopyCPUToGPU"](OperatorDef("CopyCPUToGPU", ["x"], ["y"]), gpu1) == ([host], [gpu1])
     assert infer["CopyGPUToCPU"](OperatorDef("CopyGPUToCPU", ["x"], ["y"]), gpu1) == ([gpu1], [host])
-    assert infer["Sum"](OperatorDef("Sum", ["gpu_0/g", "gpu_1/g"], ["gpu_0/g"]), gpu0) == ([gpu0, gpu1], [gpu0])
+    assert infer["Sum"](OperatorDef("Sum", ["a", "b"], ["a"], {"input_device_ids": [-1, 1]}), gpu0) == \
+        ([gpu0, gpu1], [gpu0])
     assert infer["Reshape"](OperatorDef("Reshape", ["x"], ["y", "s"]), gpu1) == ([gpu1], [gpu1, host])
     assert infer["Concat"](OperatorDef("Concat", ["a", "b"], ["y", "s"]), gpu1) == ([gpu1, gpu1], [gpu1, host])
 

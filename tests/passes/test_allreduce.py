@@ -5,6 +5,7 @@ import pytest
 
 from graphpar import workspace
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.passes.allreduce import allreduce_gradients, tree_levels
@@ -37,7 +38,7 @@ def test_three_devices_flat_sum_then_copies_back():
         ("Copy", ["cpu_0/w_grad"], ["cpu_2/w_grad"], cpu(2), "", []),
     ]
     assert net.ops[-3:] == ops
-    net.validate()
+    validate_net(net)
 
 
 def test_four_devices_use_positions_not_ids():

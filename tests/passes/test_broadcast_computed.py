@@ -5,6 +5,7 @@ import pytest
 
 from graphpar import workspace
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.passes.broadcast_computed import add_computed_params_average, add_computed_params_broadcast
 from tests.passes.helpers import cpu, gpu, grad_net, layout, summary
@@ -46,7 +47,7 @@ def test_averaging_all_reduces_then_scales_every_copy_in_order():
     assert summary(ops) == expected
     assert {op.args["scale"] for op in ops if op.type == "Scale"} == {1.0 / 3}
     assert net.ops[-len(ops):] == ops
-    net.validate()
+    validate_net(net)
     one = layout([2])
     assert add_computed_params_average(NetDef("n"), ["rm"], {"rm": one.group("rm")}, one, {}) == []
 

@@ -6,6 +6,7 @@ import torch
 
 from graphpar import workspace
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.passes.bucketing import TensorSpec, allreduce_gradient_buckets, param_specs, plan_buckets
@@ -76,7 +77,7 @@ def test_two_devices_a_small_first_bucket_then_one_flat_buffer_per_device():
         *_unflatten("cpu_1", cpu(1)),
     ]
     assert net.ops[-len(ops):] == ops
-    net.validate()
+    validate_net(net)
 
 
 def test_four_devices_reduce_each_bucket_with_the_tree_over_positions():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from graphpar.core.ir import CPU, CUDA, NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.passes.common import append_ops, broadcast_ops, make_op
 from tests.passes.helpers import cpu, gpu, layout, summary
 
@@ -22,7 +23,7 @@ def test_append_ops_declares_unproduced_inputs_as_external():
     append_ops(net, [make_op("Sum", ["a", "x", "y"], ["z"], None), make_op("Copy", ["z"], ["w"], None)])
     assert net.external_inputs == ["x", "y"]
     assert [op.type for op in net.ops] == ["ConstantFill", "Sum", "Copy"]
-    net.validate()
+    validate_net(net)
 
 
 def test_broadcast_copies_from_the_first_device_onto_each_destination_device():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from graphpar import workspace
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.passes.analyze import analyze_operators
@@ -79,7 +80,7 @@ def test_exact_ops_on_two_cpu_devices():
     assert grad0.outputs == ["cpu_0/x_grad", "cpu_0/y_s_grad", "cpu_0/y_b_grad"]  # in place over inputs 5, 6
     assert grad1.inputs[5:] == ["cpu_1/y_s_grad", "cpu_1/y_b_grad"] and grad1.args["num_batches"] == 2
     assert len(net.ops) == 16
-    net.validate()
+    validate_net(net)
     analyze_operators([net], lay)  # every non-collective op stays in its replica
 
 
@@ -103,7 +104,7 @@ def test_exact_ops_on_logical_cuda_devices_with_nccl_chained_in_program_order():
     assert [(op.type, op.device_option) for op in net.ops[4:6] + net.ops[10:]] == [
         ("SpatialBN", gpu(3)), ("SpatialBN", gpu(1)),
         ("SpatialBNGradient", gpu(3)), ("SpatialBNGradient", gpu(1))]
-    net.validate()
+    validate_net(net)
     analyze_operators([net], lay)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from graphpar.core.ir import NetDef
+from graphpar.core.schema import validate_net
 from graphpar.passes.loss_gradients import add_loss_gradient_seeds
 from tests.passes.helpers import fill, gpu, layout, summary
 
@@ -17,4 +18,4 @@ def test_one_fill_of_ones_per_loss_on_its_device():
         ("ConstantFill", ["gpu_5/l2"], ["gpu_5/l2_grad"], gpu(5), "", []),
     ]
     assert all(op.args == {"value": 1.0} for op in added)
-    net.validate()
+    validate_net(net)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.schema import validate_net
 from graphpar.passes.predictor import extract_predictor_net
 from tests.passes.helpers import cpu, gpu
 
@@ -29,7 +30,7 @@ def test_extracts_the_forward_ops_between_inputs_and_outputs():
     assert all(op.device_option == gpu(1) for op in net.ops)
     assert net.external_inputs == ["data", "w", "b", "w2", "b2"] and net.external_outputs == ["prob"]
     assert params == ["w", "b", "w2", "b2"]
-    net.validate()
+    validate_net(net)
 
 
 def test_unknown_blobs_and_training_ops_are_refused():

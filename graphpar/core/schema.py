@@ -1,6 +1,8 @@
-"""The operator registry: one registration per op type holds its schema, kernel, gradient maker and doc.
+"""The operator registry: one registration per op type holds its schema, traits, kernel, gradient and doc.
 
-A registration reads top to bottom in one screen (see `graphpar/ops/tensor.py`):
+This module is torch-free: `core` knows schemas, never kernels. The op library (`graphpar/ops/`)
+registers into it on first use (its modules are discovered, see `graphpar.ops`). A registration reads
+top to bottom in one screen (see `graphpar/ops/tensor.py`):
 
     register_op(
         "Scale", inputs=1, outputs=1, inplace={(0, 0)}, args={"scale": 1.0},
@@ -11,21 +13,29 @@ A registration reads top to bottom in one screen (see `graphpar/ops/tensor.py`):
 Kernels are *factories*: `kernel(args, ctx)` runs once, at CreateNet, with the op's parsed arguments
 (a namespace with defaults filled in) and a `KernelContext`; it returns the function that runs on every
 RunNet, `fn(*input_tensors) -> Tensor` for one output or a tuple of tensors for several. Kernels are
-device-agnostic PyTorch, keep the input dtype, and never modify their inputs in place: the workspace
-rebinds output names, so blobs may share tensors safely.
+device-agnostic PyTorch, keep the input dtype, and never modify their inputs in place: the executor
+rebinds output names, so blobs may share tensors safely. An output may share storage with an input
+only where the schema says so (`aliases`): in-place updates rely on that contract.
 
 Gradient makers follow Caffe2: `maker(op, grad_outputs) -> (grad_ops, grad_inputs)`, where
 `grad_outputs[i]` is the gradient blob of `op.outputs[i]` (or None) and `grad_inputs[i]` is the
 gradient blob of `op.inputs[i]` (a name, a `GradientSlice`, or None). Autodiff stamps each gradient op
 with the forward op's device option and engine and, unless `copy_args_to_gradient=False`, its args.
+
+Traits (`Trait`) say what passes and executors need to know about an op type without naming it:
+whether it is a collective (kept in one fixed order), moves data between devices, counts iterations,
+fills, draws random numbers, updates state in place, and so on.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterable
+import numbers
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +66,19 @@ IGNORED_ARGS = frozenset({"order", "use_cudnn", "cudnn_exhaustive_search", "exha
 ARG_KINDS = ("int", "float", "bool", "str", "ints", "floats", "strs", "net", "any")
 
 
+class Trait(str, Enum):
+    """What an op type is, for the passes and executors that must treat it specially."""
+
+    COLLECTIVE = "collective"  # one op over every device's copy; all of a net's collectives keep one order
+    CROSS_DEVICE = "cross_device"  # reads or writes blobs of several devices (copies, collectives)
+    COUNTER = "counter"  # advances an iteration counter (checkpointed, never replicated)
+    FILL = "fill"  # creates a tensor from its arguments (and at most an input's shape)
+    RANDOM = "random"  # draws random numbers (from `KernelContext.random_stream`)
+    INPLACE_UPDATE = "inplace_update"  # updates state blobs that are both inputs and outputs
+    LEARNING_RATE = "learning_rate"  # computes a learning rate from the iteration counter
+    HOST_SYNC = "host_sync"  # reads tensor values on the host (`.item()`, shapes from values)
+
+
 @dataclass(frozen=True)
 class Arg:
     """An argument's kind (one of ARG_KINDS) and default (REQUIRED if it has none)."""
@@ -84,12 +107,17 @@ def _arg_from_default(default: Any) -> Arg:
 
 @dataclass
 class KernelContext:
-    """What a kernel factory may know at CreateNet: the op, its device, and the workspace's RNGs."""
+    """What a kernel factory may know at CreateNet: the op, its device, and its random stream.
+
+    `random_stream()` returns the op's own generator source (for ops with the RANDOM trait): call it
+    once per run for a generator seeded from the workspace seed, the net, the op's index and the run,
+    so draws never depend on the order in which ops execute.
+    """
 
     op: OperatorDef
     device: torch.device
     device_of: Callable[[DeviceOption], torch.device]
-    generator: Callable[[torch.device], torch.Generator]
+    random_stream: Callable[[], Callable[[torch.device], torch.Generator]]
 
 
 @dataclass
@@ -108,6 +136,7 @@ class OpSchema:
     gradient_of: str | None = None
     copy_args_to_gradient: bool = True
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None
+    traits: frozenset[Trait] = frozenset()
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -118,6 +147,10 @@ class OpSchema:
         if self.gradient_of is None:
             return self.args
         return {**get_schema(self.gradient_of).args, **self.args}
+
+    def has(self, trait: Trait) -> bool:
+        """Whether this op type has `trait`."""
+        return trait in self.traits
 
 
 _REGISTRY: dict[str, OpSchema] = {}
@@ -156,6 +189,7 @@ def register_op(
     gradient_of: str | None = None,
     copy_args_to_gradient: bool = True,
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None,
+    traits: Iterable[Trait] = (),
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -164,9 +198,14 @@ def register_op(
     `gradient_of` names the forward op whose arguments this gradient op accepts.
     `device_inference(op, device) -> (input_devices, output_devices)` overrides "everything on the
     op's device" for ops that read or write CPU blobs from a CUDA op (Iter, LearningRate, copies).
+    `traits` declares what the op is (see `Trait`).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
+    traits = frozenset(traits)
+    unknown = [t for t in traits if not isinstance(t, Trait)]
+    if unknown:
+        raise TypeError(f"operator {type_!r}: traits must be graphpar.core.schema.Trait members, got {unknown}")
     enforce = _inplace_rule(enforce_inplace)
     allowed = _inplace_rule(inplace)
     schema = OpSchema(
@@ -174,9 +213,22 @@ def register_op(
         args={name: _arg_from_default(d) for name, d in (args or {}).items()}, kernel=kernel,
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
-        device_inference=device_inference)
+        device_inference=device_inference, traits=traits)
     _REGISTRY[type_] = schema
     return schema
+
+
+@contextmanager
+def scoped_registry() -> Iterator[None]:
+    """Registrations made inside the block are forgotten on exit (for tests and experiments)."""
+    _ensure_loaded()
+    before = dict(_REGISTRY)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(before)
+        _passed.clear()
 
 
 def _ensure_loaded() -> None:
@@ -184,11 +236,13 @@ def _ensure_loaded() -> None:
 
 
 def is_registered(type_: str) -> bool:
+    """Whether an operator type is registered."""
     _ensure_loaded()
     return type_ in _REGISTRY
 
 
 def registered_types() -> list[str]:
+    """Every registered operator type, sorted."""
     _ensure_loaded()
     return sorted(_REGISTRY)
 
@@ -206,9 +260,13 @@ def get_schema(type_: str) -> OpSchema:
     return schema
 
 
+def has_trait(op: OperatorDef, trait: Trait) -> bool:
+    """Whether `op`'s type has `trait`. Raises UnknownOperatorError for an unregistered type."""
+    return trait in get_schema(op.type).traits
+
+
 def _coerce(kind: str, value: Any) -> Any:
     """Convert `value` to `kind` or raise TypeError (numpy scalars are accepted)."""
-    import numbers
 
     def number(v: Any, integral: bool) -> Any:
         if integral and isinstance(v, numbers.Integral):
@@ -274,10 +332,36 @@ def parse_args(schema: OpSchema, raw: dict[str, Any], where: str = "") -> Simple
     return SimpleNamespace(**parsed)
 
 
+# What check_operator's verdict depends on, for ops that passed it: (type, input and output counts,
+# the (input, output) index pairs that name the same blob, each arg's name, type and value). Ops are
+# recorded in large numbers with few distinct signatures, so most are checked by one set look-up.
+_passed: set[tuple] = set()
+_MAX_PASSED = 1 << 14  # signatures remembered (later ones are checked every time)
+_MAX_LIST = 16  # longer list args (e.g. GivenTensorFill values) are checked every time
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
 def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
-    """Check an op against its schema (type, counts, in-place pairs, args); return the schema."""
+    """Check an op against its schema (type, counts, in-place pairs, args); return the schema.
+
+    An op whose signature (type, counts, in-place pairs, scalar args) passed before is not checked again.
+
+    Raises:
+        UnknownOperatorError: an unregistered type (naming close matches).
+        ValueError: wrong input/output counts, a forbidden or missing in-place pair.
+        TypeError: an unknown, missing or mistyped argument.
+    """
     schema = get_schema(op.type)
-    where = where or f"operator {op.type}"
+    signature = _signature(op)
+    if signature is not None and signature in _passed:
+        return schema
+    _check_against(schema, op, where or f"operator {op.type}")
+    if signature is not None and len(_passed) < _MAX_PASSED:
+        _passed.add(signature)
+    return schema
+
+
+def _check_against(schema: OpSchema, op: OperatorDef, where: str) -> None:
     for what, count, (low, high) in (("inputs", len(op.inputs), schema.num_inputs),
                                      ("outputs", len(op.outputs), schema.num_outputs)):
         if not low <= count <= high:
@@ -293,7 +377,36 @@ def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
             raise ValueError(f"{where}: output {o} must be input {i} ({op.inputs[i]!r}) in place, "
                              f"got {op.outputs[o]!r}")
     parse_args(schema, op.args, where)
-    return schema
+
+
+def _signature(op: OperatorDef) -> tuple | None:
+    """The op's signature for `check_operator`, or None when an arg is not a scalar or a short list."""
+    args = []
+    for name, value in op.args.items():
+        kind = type(value)
+        if kind is list:
+            types = tuple(map(type, value))
+            if len(value) > _MAX_LIST or not _SCALARS.issuperset(types):
+                return None
+            value = (tuple(value), types)
+        elif kind not in _SCALARS:
+            return None
+        args.append((name, kind, value))
+    inputs, outputs = op.inputs, op.outputs
+    aliases = () if set(inputs).isdisjoint(outputs) else tuple(
+        (i, o) for i, blob in enumerate(inputs) for o, out in enumerate(outputs) if blob == out)
+    return op.type, len(inputs), len(outputs), aliases, tuple(args)
+
+
+def validate_net(netdef: NetDef) -> NetDef:
+    """`netdef.validate()` (structure) plus every op checked against its schema; returns `netdef`.
+
+    Raises ValueError/TypeError (or UnknownOperatorError) naming the first op that breaks a rule.
+    """
+    netdef.validate()
+    for index, op in enumerate(netdef.ops):
+        check_operator(op, f"net {netdef.name!r} op #{index} ({op.type})")
+    return netdef
 
 
 def gradient_op(type_: str, inputs: list[str], outputs: list[str], **args: Any) -> OperatorDef:

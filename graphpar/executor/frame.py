@@ -1,0 +1,109 @@
+"""The memory model: which blobs a run keeps, and the per-run frame that holds the rest.
+
+A run reads its inputs from the workspace into a frame (a list indexed by slot), executes its steps
+on the frame, and writes its outputs back to the workspace only when every step has succeeded, so a
+failed run leaves the workspace as it was.
+
+*Persistent* blobs outlive a run: those the net reads before writing them (params, optimizer state,
+fed inputs, counters), its external outputs, and the names in the net's `blobs_to_keep` argument.
+The others are *transient* intermediates. By default every blob is written back (Caffe2's behaviour:
+any blob can be fetched after a run). With the net argument `dynamic_memory_management` set, an
+executor frees each transient slot right after its last use and the run keeps only persistent blobs
+(transients left over in the workspace from earlier runs are removed, never left stale); `keep_all`
+(a compile option for introspection) turns that off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphpar.core.graph import blob_lifetimes
+from graphpar.core.ir import NetDef
+from graphpar.executor.failure import missing_at_run
+
+if TYPE_CHECKING:
+    from graphpar.executor.plan import Plan
+
+DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free transients at their last use
+KEEP_ARG = "blobs_to_keep"  # net argument: names that are persistent whatever else holds
+
+
+@dataclass(frozen=True)
+class Load:
+    """A blob read from the workspace when a run starts: its slot, name, and the first op reading it."""
+
+    slot: int
+    name: str
+    reader: int
+    position: int  # the reader's input index
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    """How a net's blobs map to frame slots and what a run loads, frees, stores and drops."""
+
+    names: tuple[str, ...]  # the blob of each slot
+    slot: Mapping[str, int]
+    loads: tuple[Load, ...]
+    stores: tuple[tuple[int, str], ...]  # (slot, name) written back when the run succeeds
+    drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
+    frees: tuple[tuple[int, ...], ...]  # per step: transient slots to free after it (all empty by default)
+    persistent: frozenset[str]
+
+    @property
+    def frees_memory(self) -> bool:
+        """Whether an executor should free slots during the run."""
+        return any(self.frees)
+
+
+def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
+    """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies)."""
+    slot: dict[str, int] = {}
+    loads: list[Load] = []
+    written: dict[str, None] = {}
+    for index, op in enumerate(netdef.ops):
+        for k, blob in enumerate(op.inputs):
+            if blob not in slot:
+                slot[blob] = len(slot)
+                loads.append(Load(slot[blob], blob, index, k))
+        for blob in op.outputs:
+            slot.setdefault(blob, len(slot))
+            written[blob] = None
+    keep = netdef.args.get(KEEP_ARG) or ()
+    persistent = frozenset(load.name for load in loads) | set(netdef.external_outputs) | set(keep)
+    freeing = bool(netdef.args.get(DYNAMIC_MEMORY_ARG)) and not keep_all
+    frees: list[list[int]] = [[] for _ in netdef.ops]
+    if freeing:
+        for blob, (_, last) in blob_lifetimes(netdef).items():
+            if blob in slot and blob not in persistent:
+                frees[last].append(slot[blob])
+    stored = [b for b in written if not freeing or b in persistent]
+    drops = tuple(b for b in written if freeing and b not in persistent)
+    return FrameLayout(tuple(slot), slot, tuple(loads), tuple((slot[b], b) for b in stored), drops,
+                       tuple(tuple(f) for f in frees), persistent)
+
+
+def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
+    """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace.
+
+    Raises MissingBlobError (naming the op that needs it) for a blob removed since CreateNet.
+    """
+    frame: list = [None] * len(plan.frame.names)
+    try:
+        for load in plan.frame.loads:
+            frame[load.slot] = blobs[load.name]
+    except KeyError as exc:
+        raise missing_at_run(plan, exc.args[0]) from None
+    return frame
+
+
+def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:
+    """Write a successful run's results back to the workspace (and drop freed transients)."""
+    for slot, name in plan.frame.stores:
+        blobs[name] = frame[slot]
+    for name in plan.frame.drops:
+        blobs.pop(name, None)

@@ -1,0 +1,56 @@
+"""Executors, keyed by net type: `NetDef.type` names the executor that runs a net's plan.
+
+An executor runs a compiled `Plan` once against a workspace's blobs: it opens a frame
+(`frame.open_frame`), calls each step's `run(frame)` in an order that respects `plan.dependencies`,
+frees the slots `plan.frame.frees` lists when the plan frees memory, turns a step's exception into
+`failure.op_failure(...)`, and commits the frame (`frame.commit`) only after every step succeeded.
+Adding one is a new module plus one `register_executor` line here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from graphpar.executor.simple import SimpleExecutor
+
+if TYPE_CHECKING:
+    from graphpar.executor.plan import Plan
+
+
+class Executor(Protocol):
+    """Runs a compiled plan once against a workspace's blobs."""
+
+    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None: ...
+
+
+_EXECUTORS: dict[str, Executor] = {}
+
+
+def register_executor(net_type: str, executor: Executor) -> None:
+    """Make nets of type `net_type` run on `executor`; re-registering a type is an error."""
+    if net_type in _EXECUTORS:
+        raise ValueError(f"an executor for net type {net_type!r} is already registered")
+    _EXECUTORS[net_type] = executor
+
+
+def get_executor(net_type: str, where: str = "") -> Executor:
+    """The executor of `net_type`; ValueError (prefixed by `where`) naming the known types otherwise."""
+    executor = _EXECUTORS.get(net_type)
+    if executor is None:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}net type must be one of {', '.join(map(repr, net_types()))}, "
+                         f"got {net_type!r}")
+    return executor
+
+
+def net_types() -> tuple[str, ...]:
+    """The registered net types, sorted."""
+    return tuple(sorted(_EXECUTORS))
+
+
+register_executor("simple", SimpleExecutor())
+# Until a concurrent executor lands, "dag" nets run in program order, a topological order of the
+# dependency graph, so their results are those of "simple" nets exactly.
+register_executor("dag", SimpleExecutor())
