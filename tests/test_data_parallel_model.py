@@ -21,6 +21,8 @@ from graphpar.devices import cuda_on_cpu, num_cuda_devices
 from graphpar.errors import ParallelizeError
 from graphpar.models import lenet, mlp
 from graphpar.models.common import softmax_loss
+from graphpar.ops.collective import nccl_backend
+from tests.fake_nccl import FakeNccl
 
 MLP = functools.partial(mlp, dim_in=6, hidden=(5,), num_classes=3)
 MLP_PARAMS = ["fc1_w", "fc1_b", "pred_w", "pred_b"]
@@ -127,13 +129,16 @@ def test_small_cnn_on_n_devices_equals_eager_pytorch(devices):
     assert_params_close(final, torch_train(cnn_logits, initial, data))
 
 
-@pytest.mark.parametrize("use_nccl", [False, True])
+@pytest.mark.parametrize("use_nccl", [False, True, "fake NCCL"])
 def test_simulated_cuda_replicas_train_like_eager_pytorch(use_nccl):
+    """"fake NCCL" runs the collectives' NCCL branch through a CPU stand-in for torch.cuda.nccl."""
     devices = [1, 2, 3, 4]
     data = batches(2, 8, (6,))
-    with cuda_on_cpu():
-        model, initial, final = train(MLP, MLP_PARAMS, devices, data, cpu_device=False, use_nccl=use_nccl,
-                                      check_replicas=True)
+    fake = FakeNccl()
+    with cuda_on_cpu(), nccl_backend(fake if use_nccl == "fake NCCL" else None):
+        model, initial, final = train(MLP, MLP_PARAMS, devices, data, cpu_device=False,
+                                      use_nccl=bool(use_nccl), check_replicas=True)
+    assert fake.calls["all_reduce"] == (4 * len(data) if use_nccl == "fake NCCL" else 0)
     assert model._device_prefix == "gpu"
     ops = model.net.Proto().ops
     assert {op.device_option for op in ops if op.inputs and op.inputs[0].startswith("gpu_3/")} >= {

@@ -1,16 +1,20 @@
 """Single-process collectives over the per-device copies of a blob (NOT_DIFFERENTIABLE).
 
-With every input a CUDA tensor on its own device and NCCL available, the kernels call
-`torch.cuda.nccl` on clones of the inputs (kernels never write their inputs). Otherwise a reference
-implementation runs: the all-reduce adds the inputs in list order on the first input's device and
-copies the sum to every input's device; the broadcast copies the root input to every device. Results
-equal NCCL's up to the order of the floating-point additions, so every graph also runs on CPU.
+When the NCCL backend accepts the inputs (`torch.cuda.nccl`: every input a CUDA tensor on its own
+device), the kernels call it on clones of the inputs (kernels never write their inputs). Otherwise a
+reference implementation runs: the all-reduce adds the inputs in list order on the first input's
+device and copies the sum to every input's device; the broadcast copies the root input to every
+device. Results equal NCCL's up to the order of the floating-point additions, so every graph also
+runs on CPU. The backend is injectable (`nccl_backend`), so the NCCL branch is tested on machines
+without GPUs with a fake that implements `is_available`, `all_reduce` and `broadcast`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -35,21 +39,52 @@ def _check(ctx: KernelContext) -> str:
     return where
 
 
-def _use_nccl(xs: Sequence[torch.Tensor]) -> bool:
-    return len(xs) > 1 and xs[0].is_cuda and torch.cuda.nccl.is_available(xs)
+class _TorchNccl:
+    """`torch.cuda.nccl`, asked only about CUDA tensors (it warns on CPU-only builds otherwise)."""
+
+    @staticmethod
+    def is_available(xs: Sequence[torch.Tensor]) -> bool:
+        return xs[0].is_cuda and torch.cuda.nccl.is_available(xs)
+
+    all_reduce = staticmethod(lambda xs: torch.cuda.nccl.all_reduce(xs))
+    broadcast = staticmethod(lambda xs, root=0: torch.cuda.nccl.broadcast(xs, root=root))
+
+
+TORCH_NCCL = _TorchNccl()
+_backend: Any = None  # None: TORCH_NCCL
+
+
+def current_nccl() -> Any:
+    """The NCCL backend kernels built now will call (torch.cuda.nccl unless `nccl_backend` says otherwise)."""
+    return TORCH_NCCL if _backend is None else _backend
+
+
+@contextmanager
+def nccl_backend(module: Any) -> Iterator[None]:
+    """Kernels built inside the block call `module` (is_available, all_reduce, broadcast) for NCCL."""
+    global _backend
+    old, _backend = _backend, module
+    try:
+        yield
+    finally:
+        _backend = old
+
+
+def _use_nccl(nccl: Any, xs: Sequence[torch.Tensor]) -> bool:
+    return len(xs) > 1 and nccl.is_available(xs)
 
 
 def _allreduce(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
-    where = _check(ctx)
+    where, nccl = _check(ctx), current_nccl()
 
     def run(*xs: torch.Tensor) -> object:
         for i, x in enumerate(xs[1:], 1):
             if x.shape != xs[0].shape or x.dtype != xs[0].dtype:
                 raise ValueError(f"{where}: copy {i} is {x.dtype} {tuple(x.shape)}, copy 0 is "
                                  f"{xs[0].dtype} {tuple(xs[0].shape)}; all copies must match")
-        if _use_nccl(xs):
+        if _use_nccl(nccl, xs):
             outs = [x.clone() for x in xs]
-            torch.cuda.nccl.all_reduce(outs)
+            nccl.all_reduce(outs)
         else:
             total = xs[0]
             for x in xs[1:]:
@@ -66,20 +101,20 @@ register_op(
     gradient=NOT_DIFFERENTIABLE, device_inference=_devices, traits=_COLLECTIVE,
     doc="Outputs i = X0 + X1 + ... on input i's device (one output per input, in place allowed; input i "
         "on device `input_device_ids[i]`, default i, as Caffe2). "
-        "torch.cuda.nccl when every copy is on its own GPU, else a reference sum in input order.")
+        "NCCL when every copy is on its own GPU, else a reference sum in input order.")
 
 
 def _broadcast(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
-    where, root = _check(ctx), a.root
+    where, root, nccl = _check(ctx), a.root, current_nccl()
     if not 0 <= root < len(ctx.op.inputs):
         raise ValueError(f"{where}: root {root} is not an input index (0..{len(ctx.op.inputs) - 1})")
 
     def run(*xs: torch.Tensor) -> object:
         src = xs[root]
-        if _use_nccl(xs):
+        if _use_nccl(nccl, xs):
             outs = [src.clone() if i == root else torch.empty_like(src, device=x.device)
                     for i, x in enumerate(xs)]
-            torch.cuda.nccl.broadcast(outs, root=root)
+            nccl.broadcast(outs, root=root)
         else:
             outs = [src if i == root else src.to(x.device, copy=True) for i, x in enumerate(xs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -92,4 +127,4 @@ register_op(
     enforce_inplace=same_index, kernel=_broadcast, gradient=NOT_DIFFERENTIABLE,
     device_inference=_devices, traits=_COLLECTIVE,
     doc="Output i = X[root] on input i's device (in place enforced; `root` is a position in the input "
-        "list, not a GPU id). torch.cuda.nccl when every copy is on its own GPU, else plain copies.")
+        "list, not a GPU id). NCCL when every copy is on its own GPU, else plain copies.")

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
+from graphpar.ops.collective import TORCH_NCCL, current_nccl, nccl_backend
+from tests.fake_nccl import FakeNccl
 from tests.ops.helpers import make_op, randn, run_kernel, run_op
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])
@@ -106,3 +108,21 @@ def test_nccl_broadcast_enforces_in_place_for_any_device_count():
     check_operator(OperatorDef("NCCLBroadcast", names, list(names)))
     with pytest.raises(ValueError, match="in place"):
         check_operator(OperatorDef("NCCLBroadcast", names, [*names[:-1], "other"]))
+
+
+def test_the_nccl_branch_runs_through_the_injected_backend() -> None:
+    """With a backend that accepts the inputs, the kernels call it (on clones) instead of the reference."""
+    xs = [randn((4, 3), torch.float64, i) for i in range(3)]
+    originals = [x.clone() for x in xs]
+    fake = FakeNccl()
+    with nccl_backend(fake):
+        assert current_nccl() is fake
+        summed = run_kernel("NCCLAllreduce", xs, n_outputs=3)
+        broadcast = run_kernel("NCCLBroadcast", xs, n_outputs=3, root=2)
+    assert current_nccl() is TORCH_NCCL
+    assert fake.calls == {"all_reduce": 1, "broadcast": 1}
+    want = xs[0] + xs[1] + xs[2]
+    for out, b in zip(summed, broadcast):
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        assert torch.equal(b, xs[2])
+    assert all(torch.equal(x, o) for x, o in zip(xs, originals))  # inputs untouched: NCCL ran on clones
