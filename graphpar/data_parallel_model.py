@@ -37,34 +37,28 @@ from functools import cache
 from typing import Any, NoReturn
 
 from graphpar import workspace
-from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, DeviceType, NetDef
+from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
-from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
+from graphpar.core.schema import Trait, has_trait
+from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import cuda_is_simulated, num_cuda_devices
 from graphpar.errors import ParallelizeError
+from graphpar.executor import net_types
 from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
-from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
-from graphpar.passes.analyze import analyze_operators
-from graphpar.passes.broadcast_computed import add_computed_params_average, add_computed_params_broadcast
-from graphpar.passes.bucketing import allreduce_gradient_buckets
-from graphpar.passes.common import DeviceLayout
-from graphpar.passes.group_by_device import group_by_device
-from graphpar.passes.infer_devices import infer_blob_devices
-from graphpar.passes.inter_device_bn import inter_device_batch_norm
-from graphpar.passes.interleave import interleave_ops
-from graphpar.passes.loss_gradients import add_loss_gradient_seeds
+from graphpar.passes.common import DeviceLayout, declare_external_inputs
+from graphpar.passes.finish import chain_collectives
+from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
-from graphpar.passes.shared_model import prune_parameters_for_sharing, remap_shared_parameters
+from graphpar.passes.reducers import PeerAccess, make_reducer
+from graphpar.passes.state import ParallelizeOptions, ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
     checkpoint_sync_names,
     checkpoint_sync_net,
-    compute_blobs_to_sync,
     replica_init_outputs,
     sync_blobs,
 )
-from graphpar.passes.validate_params import validate_params
 
 __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
@@ -171,40 +165,21 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
-    training = param_update_builder_fun is not None or optimizer_builder_fun is not None
+    options = ParallelizeOptions(
+        input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
+        post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
+        num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
+        combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes)
+    if not options.training and model.init_params:
+        log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
+                    "model that shares a training model's params should use ModelHelper(init_params=False), "
+                    "or running its init net will overwrite the trained params", model.name)
     with _gc_paused(), _unchanged_on_error(model):
-        _start(model, layout, shared_model, net_type, num_threads_per_device, training)
-        non_datapar = {str(p) for p in model.GetAllParams("")}  # created before Parallelize: not replicated
-        losses = _build_replicas(model, layout, input_builder_fun, forward_pass_builder_fun, training)
-        validate_params(model.params)
-        _group_params(model, layout, non_datapar)
-        if pre_grad_net_transformer_fun is not None:
-            pre_grad_net_transformer_fun(model)
-        if training:
-            model.AddGradientOperators(add_loss_gradient_seeds(model.net.Proto(), losses, layout))
-        if net_transformer_fun is not None:
-            net_transformer_fun(model, len(layout.devices), layout.prefix, layout.device_type)
-        if not training:
-            _finish_forward_only(model, layout)
-            return
-        if combine_spatial_bn:
-            interleave_ops(model.net.Proto(), layout.devices, layout.replica_of)
-            inter_device_batch_norm(model.net.Proto(), layout, use_nccl, _peer_access(layout))
-        validate_params(model.params)
-        _group_gradients(model, layout, non_datapar)
-        _infer_devices(model)
-        _sync_computed_params(model, layout, broadcast_computed_params, average_computed_params, use_nccl)
-        _allreduce(model, layout, use_nccl, gradient_bucket_bytes, first_bucket_bytes)
-        all_params = [str(p) for p in model.GetParams("")]
-        if shared_model:
-            prune_parameters_for_sharing(model, layout)
-        _build_updates(model, layout, param_update_builder_fun, optimizer_builder_fun)
-        _sync_after_init(model, layout)
-        if post_sync_builder_fun is not None:
-            _per_device(model, layout, post_sync_builder_fun)
-        _set_net_lists(model)
-        if shared_model:
-            remap_shared_parameters([model.param_init_net.Proto(), model.net.Proto()], all_params, layout)
+        blob_to_device: dict[str, DeviceOption] = {}
+        model._parallel = ParallelState(
+            model, options, layout, make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout)),
+            blob_to_device, non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        run_pipeline(model._parallel)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -256,7 +231,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob).
     """
-    for net in _net_list(model, "_data_parallel_model_init_nets"):
+    for net in _state_of(model).init_nets:
         workspace.RunNetOnce(net)
     CreateNet(model)
 
@@ -268,7 +243,7 @@ def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N80
         ParallelizeError: the model was not parallelized. Workspace errors propagate (a net that exists
             without `overwrite`, a missing input blob).
     """
-    for entry in _net_list(model, "_data_parallel_model_nets"):
+    for entry in _state_of(model).nets:
         workspace.CreateNet(entry[0] if isinstance(entry, tuple) else entry, overwrite)
 
 
@@ -278,7 +253,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized. Workspace errors propagate.
     """
-    for entry in _net_list(model, "_data_parallel_model_nets"):
+    for entry in _state_of(model).nets:
         net, count = entry if isinstance(entry, tuple) else (entry, num_iterations)
         workspace.RunNet(net, count)
 
@@ -290,17 +265,17 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     """The blobs a checkpoint needs: the first device's replica state and the unscoped iteration counters.
 
     Replica state is every blob `param_init_net` creates in the first device's scope (params,
-    computed params, optimizer state such as `_momentum`); counters are the outputs of `Iter` /
-    `AtomicIter` ops outside every replica scope (e.g. `optimizer_iteration`).
+    computed params, optimizer state such as `_momentum`); counters are the outputs of counter ops
+    (`Iter`, `AtomicIter`: Trait.COUNTER) outside every replica scope (e.g. `optimizer_iteration`).
 
     Raises:
         ParallelizeError: the model was not parallelized.
     """
-    layout = _layout_of(model)
+    layout = _state_of(model).layout
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     counters = {op.outputs[0] for op in model.net.Proto().ops
-                if op.type in ("Iter", "AtomicIter") and layout.replica_of(op.outputs[0]) is None}
+                if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None}
     return first | counters
 
 
@@ -320,15 +295,14 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
             not a replica (a checkpoint saved with other devices); nothing is built then.
         MissingBlobError: a first-device blob is missing.
     """
-    layout = _layout_of(model)
-    net = getattr(model, "_checkpoint_net", None)
+    state = _state_of(model)
+    net, layout = state.checkpoint_net, state.layout
     if net is None:
-        names = model._sync_names if blobs is None else checkpoint_sync_names(
-            blobs, model._device_grouped_blobs, layout)
+        names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, state.grouped, layout)
         for name in names:
-            model._device_grouped_blobs.setdefault(name, layout.group(name))
-        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, layout, model._blob_to_device))
-        model._checkpoint_net = net
+            state.grouped.setdefault(name, layout.group(name))
+        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer))
+        state.checkpoint_net = net
     workspace.CreateNet(net, overwrite=True)  # also right after a workspace switch or reset
     workspace.RunNet(net)
 
@@ -349,12 +323,15 @@ def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | No
     blobs = list(blobs)
     if not blobs:
         return
-    layout = _layout_of(model)
-    names = check_unprefixed(blobs, layout)
+    state = _state_of(model)
+    names = check_unprefixed(blobs, state.layout)
     for name in names:
-        model._device_grouped_blobs[name] = layout.group(name)
+        state.grouped[name] = state.layout.group(name)
     target = net if net is not None else model.net
-    sync_blobs(target.Proto() if isinstance(target, Net) else target, names, layout, model._blob_to_device)
+    netdef = target.Proto() if isinstance(target, Net) else target
+    sync_blobs(netdef, names, state.reducer)
+    chain_collectives(netdef.ops)
+    declare_external_inputs(netdef)
 
 
 # ---- nets for other uses -----------------------------------------------------------------------
@@ -403,7 +380,7 @@ def ExtractPredictorNet(model: ModelHelper, inputs: Sequence[str], outputs: Sequ
     Raises:
         ParallelizeError: the model was not parallelized. ValueError: see `passes.predictor`.
     """
-    layout = _layout_of(model)
+    layout = _state_of(model).layout
     scope = layout.scoped(layout.master, "")
     proto = model.net.Proto()
     # Only the first replica's ops: other replicas' ops read external inputs too and, interleaved
@@ -418,14 +395,16 @@ def ExtractPredictorNet(model: ModelHelper, inputs: Sequence[str], outputs: Sequ
 
 
 def GetLearningRateBlobNames(model: ModelHelper) -> list[str]:  # noqa: N802
-    """The learning-rate blobs of `model.net`: the outputs of its `LearningRate` ops, in net order.
+    """The learning-rate blobs of `model.net`: the outputs of its learning-rate ops (`LearningRate`:
+    Trait.LEARNING_RATE), in net order.
 
     One per device (`<Optimizer>_<n>_lr_gpu<id>`, or a per-device builder's own names) or one blob
     shared by CPU replicas (`<Optimizer>_<n>_lr_cpu`), as Caffe2 returned for its optimizers; the
     blob before any `allow_lr_injection` multiplier. Works whichever update builder was used (Caffe2
     raised for `param_update_builder_fun`). Raises nothing: a model without one gives [].
     """
-    return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops if op.type == "LearningRate"))
+    return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops
+                              if has_trait(op, Trait.LEARNING_RATE)))
 
 
 def GetDevices(model: ModelHelper) -> list[int]:  # noqa: N802
@@ -434,7 +413,7 @@ def GetDevices(model: ModelHelper) -> list[int]:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized (use data_parallel_model.Parallelize).
     """
-    return list(_layout_of(model).devices)
+    return list(_state_of(model).layout.devices)
 
 
 # ---- Parallelize's steps ------------------------------------------------------------------------
@@ -457,7 +436,7 @@ def _refuse_unsupported(**options: bool) -> None:
 def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: Any) -> ModelHelper:
     if not isinstance(model, ModelHelper):
         raise TypeError(f"Parallelize needs a graphpar.model_helper.ModelHelper, got {type(model).__name__}")
-    if getattr(model, "_device_prefix", None) is not None:
+    if getattr(model, "_parallel", None) is not None:
         raise ParallelizeError(f"model {model.name!r} was already parallelized; build a new ModelHelper")
     for name, fun in (("input_builder_fun", input_builder_fun),
                       ("forward_pass_builder_fun", forward_pass_builder_fun)):
@@ -496,8 +475,9 @@ def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_bu
                                "optimizer_builder_fun (once, for all devices)")
     if shared_model and not cpu_device:
         raise ParallelizeError("Parallelize: shared_model is only supported on CPU devices (cpu_device=True)")
-    if net_type not in ("simple", "dag"):
-        raise ParallelizeError(f"Parallelize: net_type must be 'simple' or 'dag', got {net_type!r}")
+    if net_type not in net_types():
+        raise ParallelizeError(f"Parallelize: net_type must be one of {', '.join(map(repr, net_types()))}, "
+                               f"got {net_type!r}")
     if isinstance(num_threads_per_device, bool) or not isinstance(num_threads_per_device, int) \
             or num_threads_per_device < 1:
         raise ParallelizeError(f"Parallelize: num_threads_per_device must be an int >= 1, "
@@ -550,168 +530,24 @@ def _unchanged_on_error(model: ModelHelper) -> Iterator[None]:
         raise
 
 
-def _start(model: ModelHelper, layout: DeviceLayout, shared_model: bool, net_type: str,
-           num_threads_per_device: int, training: bool) -> None:
-    """Record the layout on the model (Caffe2's attribute names) and configure the train net."""
-    model._devices = list(layout.devices)
-    model._device_prefix = layout.prefix
-    model._device_type = layout.device_type
-    model._shared_model = shared_model
-    model._rendezvous = None
-    model._grad_names = []
-    model._device_grouped_blobs = {}
-    proto = model.net.Proto()
-    proto.type = net_type
-    proto.num_workers = len(layout.devices) * num_threads_per_device
-    if not training and model.init_params:
-        log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
-                    "model that shares a training model's params should use ModelHelper(init_params=False), "
-                    "or running its init net will overwrite the trained params", model.name)
-
-
-@contextmanager
-def _replica_scope(layout: DeviceLayout, device_id: int) -> Iterator[None]:
-    with DeviceScope(layout.option(device_id)), NameScope(layout.scope(device_id), reset=True):
-        yield
-
-
-def _per_device(model: ModelHelper, layout: DeviceLayout, builder: Builder) -> None:
-    for device_id in layout.devices:
-        with _replica_scope(layout, device_id):
-            builder(model)
-
-
-def _build_replicas(model: ModelHelper, layout: DeviceLayout, input_builder_fun: Builder,
-                    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
-                    training: bool) -> dict[int, list[str]]:
-    """Run the input and forward builders per device; return each replica's losses."""
-    loss_scale = 1.0 / len(layout.devices)
-    losses: dict[int, list[str]] = {}
-    for device_id in layout.devices:
-        with _replica_scope(layout, device_id):
-            input_builder_fun(model)
-            result = forward_pass_builder_fun(model, loss_scale)
-        if training:
-            _check_losses(result, layout.scope(device_id))
-        losses[device_id] = list(result) if isinstance(result, list) else []
-    model._losses_by_gpu = losses
-    return losses
-
-
-def _check_losses(losses: Any, scope: str) -> None:
-    if not isinstance(losses, list) or not losses or not all(isinstance(b, BlobReference) for b in losses):
-        raise ParallelizeError(f"forward_pass_builder_fun must return a non-empty list of loss blobs "
-                               f"(BlobReferences, already multiplied by loss_scale); for {scope} it returned "
-                               f"{losses!r}")
-
-
-def _group_params(model: ModelHelper, layout: DeviceLayout, non_datapar: set[str]) -> None:
-    params = group_by_device([p for p in model.params if str(p) not in non_datapar], layout)
-    computed = group_by_device([p for p in model.GetComputedParams("") if str(p) not in non_datapar], layout)
-    model._device_grouped_blobs.update(params)
-    model._device_grouped_blobs.update(computed)
-    model._param_names = list(params) + list(computed)
-    model._computed_param_names = list(computed)
-
-
-def _group_gradients(model: ModelHelper, layout: DeviceLayout, non_datapar: set[str]) -> None:
-    grads = [model.param_to_grad[p] for p in model.params
-             if p in model.param_to_grad and str(p) not in non_datapar]
-    grouped = group_by_device(grads, layout)
-    model._device_grouped_blobs.update(grouped)
-    model._grad_names = list(grouped)
-
-
-def _infer_devices(model: ModelHelper) -> None:
-    model._blob_to_device = infer_blob_devices([model.param_init_net.Proto(), model.net.Proto()])
-
-
-def _sync_computed_params(model: ModelHelper, layout: DeviceLayout, broadcast: bool, average: bool,
-                          use_nccl: bool) -> None:
-    args = (model.net.Proto(), model._computed_param_names, model._device_grouped_blobs, layout,
-            model._blob_to_device, use_nccl)
-    if average:
-        add_computed_params_average(*args, _peer_access(layout))
-    elif broadcast:
-        add_computed_params_broadcast(*args)
-
-
-def _allreduce(model: ModelHelper, layout: DeviceLayout, use_nccl: bool, bucket_bytes: int | None,
-               first_bucket_bytes: int) -> None:
-    if not model._grad_names:
-        log.warning("Parallelize: model %r has no parameter gradients to all-reduce", model.name)
-        return
-    args = (model._device_grouped_blobs, layout, model._blob_to_device)
-    options = dict(use_nccl=use_nccl, peer_access=_peer_access(layout), broadcast=not model._shared_model)
-    order = list(reversed(model._grad_names))
-    if bucket_bytes is None:
-        allreduce_gradients(model.net.Proto(), order, *args, **options)
-        return
-    params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
-              if layout.replica_of(str(p)) == layout.master}
-    allreduce_gradient_buckets(model.net.Proto(), model.param_init_net.Proto(), order, params, *args,
-                               bucket_bytes, first_bucket_bytes, **options)
-
-
 def _peer_access(layout: DeviceLayout) -> PeerAccess | None:
     """P2P access between real CUDA devices; None (full access) on CPU or simulated CUDA."""
     if layout.device_type != CUDA or cuda_is_simulated():
         return None
-    return _can_access_peer
+    return can_access_peer
 
 
 @cache
-def _can_access_peer(root: int, peer: int) -> bool:
+def can_access_peer(root: int, peer: int) -> bool:
+    """Whether CUDA device `root` may read `peer`'s memory (`torch.cuda.can_device_access_peer`)."""
     import torch
 
     return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
 
 
-def _build_updates(model: ModelHelper, layout: DeviceLayout, param_update_builder_fun: Builder | None,
-                   optimizer_builder_fun: Builder | None) -> None:
-    if param_update_builder_fun is not None:
-        _per_device(model, layout, param_update_builder_fun)
-    else:
-        model._optimizer = optimizer_builder_fun(model)
-
-
-def _sync_after_init(model: ModelHelper, layout: DeviceLayout) -> None:
-    """Find the blobs to sync, check the replicas, and broadcast them at the end of param_init_net."""
-    grouped = model._device_grouped_blobs
-    computed = [str(b) for name in model._computed_param_names for b in grouped[name].values()]
-    params = [str(b) for name in model._param_names for b in grouped[name].values()]
-    init = model.param_init_net.Proto()
-    blobs, names = compute_blobs_to_sync(init, layout, params, computed, model._shared_model)
-    grouped.update(group_by_device(blobs, layout))
-    model._sync_names = names
-    _infer_devices(model)
-    analyze_operators([init, model.net.Proto()], layout)
-    model.net.Proto().args["first_iter_only_one_worker"] = 1  # Caffe2's hint: a serial first iteration
-    sync_blobs(init, names, layout, model._blob_to_device)
-
-
-def _finish_forward_only(model: ModelHelper, layout: DeviceLayout) -> None:
-    """Forward-only models: devices, checks and net lists, but nothing to reduce or sync."""
-    _infer_devices(model)
-    analyze_operators([model.param_init_net.Proto(), model.net.Proto()], layout)
-    outputs = replica_init_outputs(model.param_init_net.Proto(), layout)
-    model._sync_names = list(dict.fromkeys(stripBlobName(b) for b in outputs))
-    _set_net_lists(model)
-
-
-def _set_net_lists(model: ModelHelper) -> None:
-    model._data_parallel_model_init_nets = [model.param_init_net]
-    model._data_parallel_model_nets = [model.net]
-
-
-def _layout_of(model: ModelHelper) -> DeviceLayout:
-    prefix = getattr(model, "_device_prefix", None)
-    if prefix is None or not getattr(model, "_devices", None):
+def _state_of(model: ModelHelper) -> ParallelState:
+    state = getattr(model, "_parallel", None)
+    if state is None:
         raise ParallelizeError(f"model {getattr(model, 'name', model)!r} is not parallelized: call "
                                f"data_parallel_model.Parallelize first")
-    return DeviceLayout(tuple(model._devices), prefix)
-
-
-def _net_list(model: ModelHelper, attribute: str) -> list[Any]:
-    _layout_of(model)
-    return getattr(model, attribute)
+    return state

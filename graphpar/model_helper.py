@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import numbers
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import BlobReference, GradientSlice
 from graphpar.core.net import Net
 from graphpar.core.schema import get_schema
 from graphpar.core.scope import CurrentNameScope
+
+if TYPE_CHECKING:
+    from graphpar.passes.state import ParallelState
 
 
 class ParameterTags:
@@ -107,6 +110,15 @@ def _in_scope(blobs: list[BlobReference], namescope: str | None) -> list[BlobRef
     return [b for b in blobs if b.startswith(namescope)]
 
 
+def _parallel_attribute(read: Callable[[ParallelState], Any], unset: Callable[[], Any], doc: str) -> property:
+    """A read-only view of the model's Parallelize state under one of Caffe2's attribute names."""
+
+    def get(model: ModelHelper) -> Any:
+        return unset() if model._parallel is None else read(model._parallel)
+
+    return property(get, doc=doc)
+
+
 class ModelHelper:
     """A model: `param_init_net`, `net`, its parameters, and (after AddGradientOperators) their gradients.
 
@@ -130,8 +142,29 @@ class ModelHelper:
         self.param_to_grad: dict[BlobReference, str | GradientSlice] = {}
         self.grad_map: dict[BlobReference, str | GradientSlice] = {}
         self.gradient_ops_added = False
-        self._devices: list[int] = []
+        self._parallel: ParallelState | None = None  # set by data_parallel_model.Parallelize
         self._arg_scope: dict[str, Any] = {"order": "NCHW", **(arg_scope or {})}
+
+    # Caffe2's private attributes of a parallelized model, read-only views of `self._parallel`.
+    _devices = _parallel_attribute(lambda s: list(s.layout.devices), list, "The device ids of the replicas.")
+    _device_prefix = _parallel_attribute(lambda s: s.layout.prefix, lambda: None, "'gpu' or 'cpu'.")
+    _device_type = _parallel_attribute(lambda s: s.layout.device_type, lambda: None, "CUDA or CPU.")
+    _shared_model = _parallel_attribute(lambda s: s.options.shared_model, lambda: False, "Parallelize's option.")
+    _rendezvous = _parallel_attribute(lambda s: s.options.rendezvous, lambda: None, "Parallelize's option.")
+    _device_grouped_blobs = _parallel_attribute(lambda s: s.grouped, dict,
+                                                "Unscoped name -> {device id: blob}.")
+    _param_names = _parallel_attribute(lambda s: s.param_names, list, "Unscoped params and computed params.")
+    _computed_param_names = _parallel_attribute(lambda s: s.computed_param_names, list,
+                                                "Unscoped computed params.")
+    _grad_names = _parallel_attribute(lambda s: s.grad_names, list, "Unscoped gradients, in param order.")
+    _sync_names = _parallel_attribute(lambda s: s.sync_names, list, "Unscoped blobs of the initial sync.")
+    _blob_to_device = _parallel_attribute(lambda s: s.blob_to_device, dict, "Blob -> DeviceOption.")
+    _losses_by_gpu = _parallel_attribute(lambda s: s.losses_by_device, dict, "Device id -> its losses.")
+    _optimizer = _parallel_attribute(lambda s: s.optimizer, lambda: None, "optimizer_builder_fun's result.")
+    _data_parallel_model_init_nets = _parallel_attribute(lambda s: s.init_nets, list, "What RunInitNet runs.")
+    _data_parallel_model_nets = _parallel_attribute(lambda s: s.nets, list, "What RunNet runs.")
+    _checkpoint_net = _parallel_attribute(lambda s: s.checkpoint_net, lambda: None,
+                                          "FinalizeAfterCheckpoint's net, once built.")
 
     @property
     def arg_scope(self) -> dict[str, Any]:
@@ -225,9 +258,9 @@ class ModelHelper:
         counts = Counter(str(p) for p in self.params + self._computed_params)
         dupes = sorted(p for p, n in counts.items() if n > 1)
         if dupes:
-            raise ValueError(f"model {self.name!r}: parameters registered more than once: "
-                             f"{dupes}; create each parameter once (create_param "
-                             f"returns the existing blob for a shared one)")
+            raise ValueError(f"model {self.name!r}: Duplicate entries in params: {dupes}. Each parameter "
+                             f"must be created once (create_param returns the existing blob when a name "
+                             f"is reused)")
 
     def AddGradientOperators(self, ys: list | dict,  # noqa: N802
                              input_gradients: bool = False) -> dict[BlobReference, str | GradientSlice]:

@@ -4,10 +4,10 @@
 with type, index and device, blobs are ellipses, data inputs and outputs are solid edges and control
 inputs dashed ones. With `show_blobs=False` only ops are drawn, joined by the dependency edges of
 `graphpar.core.graph.dependency_graph` (read-after-write solid, dashed when the read is a control input;
-write-after-write and write-after-read dotted). Gradient ops are red, communication ops (collectives,
-copies, and any op that touches blobs of several replicas, such as the all-reduce `Sum`s) blue. When a
-net spans several replica scopes (`gpu_0/`, `cpu_1/`, ...), each gets a cluster holding its ops and
-blobs; unscoped and cross-replica ones stay outside.
+write-after-write and write-after-read dotted). Gradient ops are red, communication ops (those with
+Trait.CROSS_DEVICE, i.e. collectives and copies, and any op that touches blobs of several replicas,
+such as the all-reduce `Sum`s) blue. When a net spans several replica scopes (`gpu_0/`, `cpu_1/`, ...),
+each gets a cluster holding its ops and blobs; unscoped and cross-replica ones stay outside.
 
 `render(net, "net.svg")` writes `net.dot` and runs Graphviz's `dot` on it (without a shell).
 """
@@ -21,11 +21,9 @@ from typing import Any
 
 from graphpar.core.graph import dependency_graph
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import Trait, has_trait
 from graphpar.naming import parse_device_scope
 
-# Op types that move data between devices; ops touching several replicas' blobs count as well.
-COMMUNICATION_TYPES = frozenset({"NCCLAllreduce", "NCCLBroadcast", "Allreduce", "Broadcast", "Barrier",
-                                 "Copy", "CopyCPUToGPU", "CopyGPUToCPU", "CopyOnDeviceLike"})
 RENDER_FORMATS = ("svg", "png", "pdf")
 _FILL = {"forward": "#ffffff", "gradient": "#f4cccc", "communication": "#c9daf8"}
 _DEPENDENCY_STYLE = {"raw": "solid", "waw": "dotted", "war": "dotted"}
@@ -44,8 +42,9 @@ def quote(text: str) -> str:
 
 
 def op_kind(op: OperatorDef) -> str:
-    """'communication' (collective, copy or cross-replica op), 'gradient' or 'forward'."""
-    if op.type in COMMUNICATION_TYPES or len(_op_scopes(op)) > 1:
+    """'communication' (an op that moves data between devices, Trait.CROSS_DEVICE, or touches several
+    replicas' blobs), 'gradient' or 'forward'."""
+    if has_trait(op, Trait.CROSS_DEVICE) or len(_op_scopes(op)) > 1:
         return "communication"
     return "gradient" if op.is_gradient_op else "forward"
 

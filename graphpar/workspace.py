@@ -10,7 +10,9 @@ ints int64, bools bool. A fed value is always copied, and a value that cannot be
 workspace unchanged.
 
 A net's type names the executor that runs it (`graphpar.executor.registry`); a run changes the
-workspace only if every op succeeds (`graphpar.executor.frame`).
+workspace only if every op succeeds (`graphpar.executor.frame`). Nets with the argument
+`dynamic_memory_management` keep only their persistent blobs; `Workspace.keep_all = True` (or
+`GRAPHPAR_KEEP_ALL=1`) keeps every blob of nets created afterwards, for introspection.
 
 Random ops draw from streams keyed by the workspace seed, the compile (its ordinal in the workspace),
 the op's index and the run, so draws never depend on the order ops execute in.
@@ -24,6 +26,7 @@ dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -48,6 +51,7 @@ class Workspace:
         self.blobs: dict[str, torch.Tensor] = {}
         self.nets: dict[str, Plan] = {}
         self.seed = _check_seed(seed)
+        self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
         self._compiles = 0  # plans compiled since the streams were last restarted
         self._epoch = 0  # bumped when the streams restart (SetSeed, reset)
 
@@ -162,7 +166,7 @@ class Workspace:
         if netdef.name in self.nets and not overwrite:
             raise RuntimeError(f"net {netdef.name!r} already exists in workspace {self.name!r}; pass "
                                f"overwrite=True to replace it.")
-        plan = compile_net(netdef, self)
+        plan = compile_net(netdef, self, self.keep_all)
         self.nets[netdef.name] = plan
         return plan
 
@@ -188,7 +192,7 @@ class Workspace:
     def run_net_once(self, net: Any) -> None:
         """Compile and run `net` once without keeping it (typical for init nets); raises as
         create_net and run_net."""
-        plan = compile_net(_as_netdef(net), self)
+        plan = compile_net(_as_netdef(net), self, self.keep_all)
         get_executor(plan.type).run(plan, self.blobs)
 
     def run_operator_once(self, op: OperatorDef) -> None:

@@ -53,3 +53,7 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(plan, "torch_device", record)
     with devices.cuda_on_cpu():
         yield seen
+
+
+# Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline).
+os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")

@@ -171,8 +171,12 @@ def test_get_devices():
     model = ModelHelper(name="mh_devices")
     with pytest.raises(RuntimeError, match="Parallelize"):
         model.GetDevices()
-    model._devices = [0, 1]
-    assert model.GetDevices() == [0, 1]
+    from graphpar import data_parallel_model as dpm
+
+    dpm.Parallelize(model, lambda m: None, lambda m, scale: None, devices=[2, 0], cpu_device=True)
+    assert model.GetDevices() == [2, 0] == model._devices
+    with pytest.raises(AttributeError):
+        model._devices = [0, 1]  # Caffe2's attributes are read-only views of the Parallelize state
 
 
 def _mlp(name: str) -> ModelHelper:
@@ -205,7 +209,7 @@ def test_duplicate_params_are_refused_before_gradients():
     model = _mlp("mh_dupes")
     model.AddParameter(model.params[0])
     model.AddParameter(model.params[0])
-    with pytest.raises(ValueError, match=r"more than once: \['fc1_w'\]"):
+    with pytest.raises(ValueError, match=r"Duplicate entries in params: \['fc1_w'\]"):
         model.Validate()
     n_ops = len(model.net.Proto().ops)
     with pytest.raises(ValueError, match="fc1_w"):

@@ -261,8 +261,11 @@ def get_schema(type_: str) -> OpSchema:
 
 
 def has_trait(op: OperatorDef, trait: Trait) -> bool:
-    """Whether `op`'s type has `trait`. Raises UnknownOperatorError for an unregistered type."""
-    return trait in get_schema(op.type).traits
+    """Whether `op`'s type has `trait` (False for an unregistered type)."""
+    schema = _REGISTRY.get(op.type)
+    if schema is None and is_registered(op.type):
+        schema = _REGISTRY[op.type]
+    return schema is not None and trait in schema.traits
 
 
 def _coerce(kind: str, value: Any) -> Any:

@@ -1,22 +1,21 @@
-"""Pass (a check): no operator touches another replica's blobs, except the ones that move data."""
+"""Analysis passes: where each blob lives, and a check that no op touches another replica's blobs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, NetDef, OperatorDef
+from graphpar.core.schema import Trait, has_trait
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DPM_SUM_NAME, DeviceLayout
-
-# Ops that exist to read or write several devices' blobs.
-COLLECTIVE_TYPES = frozenset({"NCCLAllreduce", "NCCLBroadcast", "NCCLReduce", "NCCLAllGather",
-                              "Allreduce", "Broadcast", "Barrier"})
+from graphpar.passes.state import ParallelState
 
 
 def is_cross_device_op(op: OperatorDef) -> bool:
-    """Collectives, copies (every type with 'Copy' in its name) and Parallelize's own `dpm` Sums."""
-    return (op.type in COLLECTIVE_TYPES or "Copy" in op.type
-            or (op.type == "Sum" and op.name == DPM_SUM_NAME))
+    """Ops that exist to move data between devices (Trait.CROSS_DEVICE: copies and collectives), and
+    Parallelize's own cross-replica Sums (named `dpm`, Caffe2's marker)."""
+    return has_trait(op, Trait.CROSS_DEVICE) or (op.type == "Sum" and op.name == DPM_SUM_NAME)
 
 
 def analyze_operators(nets: Iterable[NetDef], layout: DeviceLayout) -> None:
@@ -53,3 +52,23 @@ def _check_op(net: NetDef, index: int, op: OperatorDef, layout: DeviceLayout) ->
                 f"net {net.name!r} op #{index} {op.type}{where} belongs to replica {layout.scope(owner)}/ but "
                 f"touches {blob!r}: blob {blob} should have namescope {layout.scope(owner)}/. Replicas may "
                 f"only use their own blobs; move data between devices with Copy")
+
+
+def infer_devices(state: ParallelState) -> None:
+    """Place every blob of the model's nets (`core.graph.blob_devices`, init net first), updating
+    `state.blob_to_device` in place (the reducer reads the same dict)."""
+    state.blob_to_device.clear()
+    state.blob_to_device.update(blob_devices(state.netdefs()))
+
+
+def analyze(state: ParallelState) -> None:
+    """`analyze_operators` on the model's nets."""
+    analyze_operators(state.netdefs(), state.layout)
+
+
+def validate_params(state: ParallelState) -> None:
+    """No param is registered twice (the model's own check, `ModelHelper.Validate`), as a ParallelizeError."""
+    try:
+        state.model.Validate()
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None

@@ -5,8 +5,7 @@ overhead), so gradients are packed, in the order they are reduced (reverse creat
 layer first), into buckets: the first one small (`first_bucket_bytes`, DDP's 1 MiB, so the first
 collective starts early), the others up to `bucket_bytes`. Per bucket and device the gradients are
 flattened (`FlattenToVec`) and concatenated (`Concat`) into one flat buffer, the buffers are summed
-by the per-gradient all-reduce (`allreduce.allreduce_copies`: Sum tree and Copy back, or one chained
-`NCCLAllreduce`), and each device cuts its buffer back (`Split`) and restores every gradient's shape
+by the reducer's all-reduce (`passes.reducers`: Sum tree and Copy back, or one `NCCLAllreduce`), and each device cuts its buffer back (`Split`) and restores every gradient's shape
 (`Reshape`) into the gradient blob, so the update ops read what they read without buckets.
 
 Sizes come from the op of `param_init_net` that creates each param (a gradient has its param's shape
@@ -27,8 +26,10 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
 from graphpar.ops.fill import to_torch_dtype
-from graphpar.passes.allreduce import PeerAccess, allreduce_copies, checked_group
-from graphpar.passes.common import BlobDevices, DeviceLayout, append_ops, chain_collectives, make_op
+from graphpar.passes.allreduce import checked_group
+from graphpar.passes.common import make_op
+from graphpar.passes.reducers import Reducer
+from graphpar.passes.state import ParallelState
 
 # Fill ops whose output shape is their `shape` (+ `extra_shape`) argument when they have no input.
 _SHAPED_FILLS = frozenset({"ConstantFill", "UniformFill", "GaussianFill", "XavierFill", "MSRAFill"})
@@ -117,16 +118,14 @@ def plan_buckets(names: Sequence[str], specs: Mapping[str, TensorSpec], bucket_b
     return buckets
 
 
-def allreduce_gradient_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], params: Mapping[str, str],
-                               grouped: Mapping[str, Mapping[int, str]], layout: DeviceLayout,
-                               blob_devices: BlobDevices, bucket_bytes: int, first_bucket_bytes: int,
-                               use_nccl: bool = False, peer_access: PeerAccess | None = None,
-                               broadcast: bool = True) -> list[OperatorDef]:
+def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], params: Mapping[str, str],
+                      grouped: Mapping[str, Mapping[int, str]], reducer: Reducer, bucket_bytes: int,
+                      first_bucket_bytes: int, to_all: bool = True) -> list[OperatorDef]:
     """Append the ops that sum the gradients in `names` (in that order) over every replica, by bucket.
 
-    Input: as `allreduce.allreduce_gradients`, plus `params[name]`, the first device's param of
+    Input: as `allreduce.allreduce_blobs`, plus `params[name]`, the first device's param of
     gradient `name`, created in `init_net` (its shape and dtype are the gradient's). Guarantees: after
-    the ops, every copy of each gradient (only the first device's with `broadcast=False`) holds the sum,
+    the ops, every copy of each gradient (only the first device's with `to_all=False`) holds the sum,
     with its own shape, as without buckets. A bucket of a single gradient is reduced as without
     buckets (nothing to flatten). Returns the ops added, all in `net`.
 
@@ -134,6 +133,7 @@ def allreduce_gradient_buckets(net: NetDef, init_net: NetDef, names: Iterable[st
         ParallelizeError: a gradient misses a copy on some device; a param's size is unknown.
         NotImplementedError: a sparse (GradientSlice) gradient.
     """
+    layout = reducer.layout
     if len(layout.devices) < 2:
         return []
     groups = {}
@@ -146,19 +146,17 @@ def allreduce_gradient_buckets(net: NetDef, init_net: NetDef, names: Iterable[st
     ops: list[OperatorDef] = []
     for k, bucket in enumerate(plan_buckets(list(groups), specs, bucket_bytes, first_bucket_bytes)):
         if len(bucket) == 1:
-            ops.extend(allreduce_copies(bucket[0], groups[bucket[0]], layout, blob_devices, use_nccl,
-                                        peer_access, broadcast))
+            ops.extend(reducer.allreduce(bucket[0], groups[bucket[0]], to_all))
         else:
-            ops.extend(_bucket_ops(k, bucket, groups, specs, layout, blob_devices, use_nccl, peer_access,
-                                   broadcast))
-    chain_collectives(net.ops, ops)
-    return append_ops(net, ops)
+            ops.extend(_bucket_ops(k, bucket, groups, specs, reducer, to_all))
+    net.ops.extend(ops)
+    return ops
 
 
 def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], specs: Mapping[str, TensorSpec],
-                layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool, peer_access: PeerAccess | None,
-                broadcast: bool) -> list[OperatorDef]:
+                reducer: Reducer, to_all: bool) -> list[OperatorDef]:
     """Flatten and concatenate on every device, one all-reduce of the buffers, split and reshape back."""
+    layout = reducer.layout
     positions = range(len(layout.devices))
     buffers = [bucket_name(groups[bucket[0]][i], k) for i in positions]
     ops = []
@@ -168,13 +166,22 @@ def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], spec
         ops.extend(make_op("FlattenToVec", [g], [flat_name(g)], device) for g in grads)
         ops.append(make_op("Concat", [flat_name(g) for g in grads], [buffers[i], split_info_name(buffers[i])],
                            device, axis=0))
-    ops.extend(allreduce_copies(stripBlobName(buffers[0]), buffers, layout, blob_devices, use_nccl, peer_access,
-                                broadcast))
+    ops.extend(reducer.allreduce(stripBlobName(buffers[0]), buffers, to_all))
     sizes = [specs[name].numel for name in bucket]
-    for i in positions if broadcast else positions[:1]:
+    for i in positions if to_all else positions[:1]:
         device = layout.option(layout.devices[i])
         grads = [groups[name][i] for name in bucket]
         ops.append(make_op("Split", [buffers[i]], [flat_name(g) for g in grads], device, axis=0, split=sizes))
         ops.extend(make_op("Reshape", [flat_name(g)], [g, old_shape_name(g)], device,
                            shape=list(specs[name].shape)) for name, g in zip(bucket, grads))
     return ops
+
+
+def allreduce_gradient_buckets(state: ParallelState) -> None:
+    """Like `allreduce.allreduce_gradients`, in buckets of `gradient_bucket_bytes` (see the module doc)."""
+    model, layout, options = state.model, state.layout, state.options
+    params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
+              if layout.replica_of(str(p)) == layout.master}
+    allreduce_buckets(model.net.Proto(), model.param_init_net.Proto(), reversed(state.grad_names), params,
+                      state.grouped, state.reducer, options.gradient_bucket_bytes, options.first_bucket_bytes,
+                      to_all=not options.shared_model)

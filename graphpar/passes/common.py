@@ -1,4 +1,4 @@
-"""What every Parallelize pass shares: the replica layout, op construction, appending, broadcasting.
+"""What every Parallelize pass shares: the replica layout, op construction and external inputs.
 
 A `DeviceLayout` names the replicas (`gpu_3/...` or `cpu_1/...`) and their device options; the
 *position* of a device in `layout.devices` (not its id) is what trees and "the first device" refer
@@ -7,7 +7,7 @@ to, so device ids need not start at 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -79,67 +79,24 @@ def make_op(type_: str, inputs: Iterable[str], outputs: Iterable[str], device: D
                        control_inputs=[str(b) for b in control_inputs], source="added by Parallelize")
 
 
-def append_ops(net: NetDef, ops: Iterable[OperatorDef]) -> list[OperatorDef]:
-    """Append `ops` to `net`; inputs that no earlier op produces become external inputs. Returns the ops."""
-    ops = list(ops)
-    if not ops:
-        return ops
-    known = set(net.external_inputs)
+def declare_external_inputs(net: NetDef) -> list[str]:
+    """Declare every blob an op of `net` reads before any op writes it as an external input (appended
+    in first-read order after those already declared); returns the names added. One O(net) scan, so
+    passes append ops freely and the pipeline declares inputs once, at the end."""
+    declared = set(net.external_inputs)
+    written: set[str] = set()
+    added = []
     for op in net.ops:
-        known.update(op.outputs)
-    for op in ops:
         for blob in op.inputs:
-            if blob not in known:
-                net.external_inputs.append(blob)
-                known.add(blob)
-        known.update(op.outputs)
-    net.ops.extend(ops)
-    return ops
-
-
-def chain_collectives(earlier: Sequence[OperatorDef], ops: Iterable[OperatorDef]) -> None:
-    """Chain the NCCL ops among `ops`, in order, after the last NCCL op of `earlier` (the ops they
-    follow in the net): each gets a control input on the first output of the NCCL op before it.
-
-    Single-process NCCL launches issued concurrently (by the DAG executor's workers) can deadlock, so
-    every collective of a net runs in one fixed order, whichever pass added it (Caffe2 chained only
-    its gradient all-reduces, not its batch-norm or computed-param collectives).
-    """
-    ops = [op for op in ops if op.type.startswith("NCCL")]
-    if not ops:
-        return
-    previous = next((op.outputs[0] for op in reversed(earlier) if op.type.startswith("NCCL")), None)
-    for op in ops:
-        if previous is not None and previous not in op.control_inputs:
-            op.control_inputs.append(previous)
-        previous = op.outputs[0]
+            if blob not in written and blob not in declared:
+                declared.add(blob)
+                added.append(blob)
+        written.update(op.outputs)
+    net.external_inputs.extend(added)
+    return added
 
 
 def copy_device(layout: DeviceLayout, device_id: int, blob: str, blob_devices: BlobDevices) -> DeviceOption:
     """Where a copy into replica `device_id`'s `blob` runs: the blob's own device (Iter counters of a
     GPU replica live on the CPU), else the replica's device."""
     return blob_devices.get(blob) or layout.option(device_id)
-
-
-def broadcast_ops(layout: DeviceLayout, group: Group, blob_devices: BlobDevices,
-                  use_nccl: bool = False) -> list[OperatorDef]:
-    """Ops that copy the first device's copy of a blob (`group` has one per replica) onto the others.
-
-    With `use_nccl` on CUDA replicas (and a blob that lives on the GPU): one in-place
-    `NCCLBroadcast(root=0)` (root is a position, not a device id). Otherwise one `Copy` per other
-    device, placed on the destination blob's device.
-    """
-    master_blob = group[layout.master]
-    others = layout.devices[1:]
-    if not others:
-        return []
-    if use_nccl and layout.device_type == CUDA and _on_gpu(master_blob, layout, blob_devices):
-        blobs = [group[d] for d in layout.devices]
-        return [make_op("NCCLBroadcast", blobs, blobs, layout.option(layout.master), root=0)]
-    return [make_op("Copy", [master_blob], [group[d]], copy_device(layout, d, group[d], blob_devices))
-            for d in others]
-
-
-def _on_gpu(blob: str, layout: DeviceLayout, blob_devices: BlobDevices) -> bool:
-    device = blob_devices.get(blob)
-    return device is None or device.device_type == CUDA

@@ -1,15 +1,18 @@
-"""Pass: group per-replica blobs by their unscoped name, `name -> {device id: blob}`."""
+"""Passes: group per-replica blobs by their unscoped name, `name -> {device id: blob}`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from graphpar.core.ir import GradientSlice
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.state import ParallelState
 
 Blob = str | GradientSlice
+log = logging.getLogger(__name__)
 
 
 def group_by_device(blobs: Iterable[Blob], layout: DeviceLayout) -> dict[str, dict[int, Blob]]:
@@ -41,3 +44,28 @@ def _replica(blob: Blob, layout: DeviceLayout) -> int:
         raise ParallelizeError(f"blob {blob!r} is not in a replica name scope ({scopes}); data-parallel "
                                f"params and gradients must be created inside the builder functions")
     return device
+
+
+def group_params(state: ParallelState) -> None:
+    """Group the data-parallel params and computed params by device (Caffe2's `_param_names`,
+    `_computed_param_names`); params created before Parallelize are left out."""
+    model = state.model
+    params = group_by_device([p for p in model.params if str(p) not in state.non_datapar], state.layout)
+    computed = group_by_device([p for p in model.GetComputedParams("") if str(p) not in state.non_datapar],
+                               state.layout)
+    state.grouped.update(params)
+    state.grouped.update(computed)
+    state.param_names = list(params) + list(computed)
+    state.computed_param_names = list(computed)
+
+
+def group_gradients(state: ParallelState) -> None:
+    """Group the data-parallel params' gradients by device, in param creation order (`_grad_names`)."""
+    model = state.model
+    grads = [model.param_to_grad[p] for p in model.params
+             if p in model.param_to_grad and str(p) not in state.non_datapar]
+    grouped = group_by_device(grads, state.layout)
+    if not grouped:
+        log.warning("Parallelize: model %r has no parameter gradients to all-reduce", model.name)
+    state.grouped.update(grouped)
+    state.grad_names = list(grouped)

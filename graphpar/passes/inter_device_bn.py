@@ -14,8 +14,8 @@ exactly what one device computes on the concatenated batch:
   SpatialBNGradient takes the global sums as inputs 5, 6 with `num_batches=N`; it writes them back
   divided by N, in place, and the gradient all-reduce that Parallelize adds later sums them up again.
 
-The all-reduce is `passes.allreduce`'s (a Sum tree over device positions plus Copy back, or one
-`NCCLAllreduce` with `use_nccl` on CUDA; peers without P2P access are copied to the root first).
+The all-reduce is the reducer's (`passes.reducers`: a Sum tree over device positions plus Copy back,
+or one `NCCLAllreduce` with `use_nccl` on CUDA; peers without P2P access are copied to the root first).
 Unlike Caffe2, whose GPU variant reduced through `cpu_0` and which needed device ids 0..N-1, the sums
 stay on the replicas' devices and any device ids work. The statistics are two per-channel vectors, so
 per layer and direction this adds N stats ops and 2 all-reduces: 2 NCCLAllreduce ops, or 2 Sum
@@ -28,14 +28,14 @@ from __future__ import annotations
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
-from graphpar.passes.allreduce import PeerAccess, allreduce_gradients
-from graphpar.passes.common import DeviceLayout, chain_collectives, make_op
+from graphpar.passes.common import DeviceLayout, make_op
+from graphpar.passes.reducers import Reducer
+from graphpar.passes.state import ParallelState
 
 BN_TYPES = ("SpatialBN", "SpatialBNGradient")
 
 
-def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool = False,
-                            peer_access: PeerAccess | None = None) -> NetDef:
+def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
     """Rewrite every group of training SpatialBN / SpatialBNGradient ops to use global batch statistics.
 
     Input invariant: `netdef` was interleaved (`interleave_ops`), so each training SpatialBN (5
@@ -44,13 +44,13 @@ def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool
     the gradient maker refuses the 7-input form). Guarantees: before each group, the per-device stats
     ops and their all-reduce; each op of the group gets the summed statistics as inputs 5, 6 and
     `num_batches=N`; every new non-collective op runs on its replica's device and touches only its
-    replica's blobs; NCCL all-reduces are chained by control inputs in program order. Other ops are
-    unchanged; already combined (7-input) or `is_test` ops are left alone. A single device is a no-op.
+    replica's blobs. Other ops are unchanged; already combined (7-input) or `is_test` ops are left alone. A single device is a no-op.
     Returns `netdef`, edited in place.
 
     Raises:
         ParallelizeError: a group is incomplete or out of device order (run interleave_ops first).
     """
+    layout = reducer.layout
     count = len(layout.devices)
     if count < 2:
         return netdef
@@ -65,7 +65,7 @@ def inter_device_batch_norm(netdef: NetDef, layout: DeviceLayout, use_nccl: bool
             continue
         group = netdef.ops[index:index + count]
         _check_group(netdef, index, group, layout)
-        rewritten += _combine(group, layout, taken, use_nccl, peer_access, rewritten)
+        rewritten += _combine(group, reducer, taken)
         index += count
     netdef.ops[:] = rewritten
     return netdef
@@ -92,10 +92,8 @@ def _label(op: OperatorDef) -> str:
     return op.type
 
 
-def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], use_nccl: bool,
-             peer_access: PeerAccess | None, earlier: list[OperatorDef]) -> list[OperatorDef]:
-    """The stats ops and their all-reduce (chained after the NCCL ops of `earlier`, the ops before the
-    group), then the group's ops, edited to read the global stats."""
+def _combine(group: list[OperatorDef], reducer: Reducer, taken: set[str]) -> list[OperatorDef]:
+    """The stats ops and their all-reduce, then the group's ops, edited to read the global stats."""
     if group[0].type == "SpatialBN":
         stats = [make_op("ChannelStats", [op.inputs[0]],
                          [_fresh(f"{op.inputs[0]}_sums", taken), _fresh(f"{op.inputs[0]}_sumsq", taken)],
@@ -103,23 +101,12 @@ def _combine(group: list[OperatorDef], layout: DeviceLayout, taken: set[str], us
     else:  # SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std) -> dX, dscale, dbias
         stats = [make_op("ChannelBackpropStats", [op.inputs[0], op.inputs[3], op.inputs[4], op.inputs[2]],
                          op.outputs[1:3], op.device_option) for op in group]
-    reduce_ops = _allreduce([stat.outputs for stat in stats], layout, use_nccl, peer_access)
-    chain_collectives(earlier, reduce_ops)
+    reduce_ops = [op for copies in zip(*(stat.outputs for stat in stats))
+                  for op in reducer.allreduce(stripBlobName(copies[0]), copies)]
     for op, stat in zip(group, stats):
         op.inputs.extend(stat.outputs)
         op.args["num_batches"] = len(group)
     return [*stats, *reduce_ops, *group]
-
-
-def _allreduce(outputs: list[list[str]], layout: DeviceLayout, use_nccl: bool,
-               peer_access: PeerAccess | None) -> list[OperatorDef]:
-    """All-reduce each stats output over the devices (outputs[p][k]: device position p, output k).
-
-    `allreduce_gradients` appends to a net, so the ops are built in a scratch net and returned for
-    splicing in before the group.
-    """
-    grouped = {stripBlobName(copies[0]): dict(zip(layout.devices, copies)) for copies in zip(*outputs)}
-    return allreduce_gradients(NetDef("inter_device_bn"), grouped, grouped, layout, {}, use_nccl, peer_access)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -131,3 +118,8 @@ def _fresh(name: str, taken: set[str]) -> str:
     taken.add(candidate)
     return candidate
 
+
+
+def combine_batch_norm(state: ParallelState) -> None:
+    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`)."""
+    inter_device_batch_norm(state.model.net.Proto(), state.reducer)

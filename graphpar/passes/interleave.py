@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
+from graphpar.passes.state import ParallelState
 
 
 def interleave_ops(netdef: NetDef, devices: Sequence[int],
@@ -72,3 +73,9 @@ def _check_same_programs(net_name: str, devices: Sequence[int], decks: list[list
                 f"interleave_ops: net {net_name!r}: the replicas differ at op index {j} ({per_device}); op "
                 f"counts ({per_count}). Interleaving (combine_spatial_bn) needs every device to record the "
                 f"same ops in the same order: build each replica identically")
+
+
+def interleave(state: ParallelState) -> None:
+    """`interleave_ops` on the train net, replicas told apart by their name scopes (`combine_spatial_bn`)."""
+    layout = state.layout
+    interleave_ops(state.model.net.Proto(), layout.devices, layout.replica_of)

@@ -1,4 +1,4 @@
-"""Pass: seed the gradient of every replica's losses with ones."""
+"""Pass: the gradient ops, seeded with ones for every replica's losses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 
 from graphpar.core.ir import NetDef
 from graphpar.naming import grad_name
-from graphpar.passes.common import DeviceLayout, append_ops, make_op
+from graphpar.passes.common import DeviceLayout, make_op
+from graphpar.passes.state import ParallelState
 
 
 def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence[str]],
@@ -24,5 +25,11 @@ def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence
         for loss in losses_by_device.get(device, ()):
             seeds[str(loss)] = grad_name(str(loss))
             ops.append(make_op("ConstantFill", [loss], [seeds[str(loss)]], layout.option(device), value=1.0))
-    append_ops(net, ops)
+    net.ops.extend(ops)
     return seeds
+
+
+def add_gradients(state: ParallelState) -> None:
+    """Seed every replica's losses and add the gradient ops with one `AddGradientOperators` call."""
+    model = state.model
+    model.AddGradientOperators(add_loss_gradient_seeds(model.net.Proto(), state.losses_by_device, state.layout))

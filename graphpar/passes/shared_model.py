@@ -12,6 +12,7 @@ from typing import Any
 from graphpar.core.ir import NetDef
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.state import ParallelState
 
 
 def _foreign(blob: str, layout: DeviceLayout) -> bool:
@@ -48,3 +49,14 @@ def remap_shared_parameters(nets: Collection[NetDef], all_params: Collection[str
         for op in net.ops:
             op.inputs = [master(b) for b in op.inputs]
         net.external_inputs = list(dict.fromkeys(master(b) for b in net.external_inputs))
+
+
+def prune_shared_params(state: ParallelState) -> None:
+    """Remember every replica's params, then keep only the first device's (`prune_parameters_for_sharing`)."""
+    state.all_params = [str(p) for p in state.model.GetParams("")]
+    prune_parameters_for_sharing(state.model, state.layout)
+
+
+def remap_shared_params(state: ParallelState) -> None:
+    """`remap_shared_parameters` on the model's nets, for the params remembered before pruning."""
+    remap_shared_parameters(state.netdefs(), state.all_params, state.layout)

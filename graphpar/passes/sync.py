@@ -12,7 +12,10 @@ from collections.abc import Collection, Iterable, Sequence
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import parse_device_scope, stripBlobName
-from graphpar.passes.common import BlobDevices, DeviceLayout, append_ops, broadcast_ops
+from graphpar.passes.common import DeviceLayout, declare_external_inputs
+from graphpar.passes.group_by_device import group_by_device
+from graphpar.passes.reducers import Reducer
+from graphpar.passes.state import ParallelState
 
 
 def replica_init_outputs(init_net: NetDef, layout: DeviceLayout) -> list[str]:
@@ -55,17 +58,16 @@ def compute_blobs_to_sync(init_net: NetDef, layout: DeviceLayout, params: Collec
     return blobs, names
 
 
-def sync_blobs(net: NetDef, names: Iterable[str], layout: DeviceLayout,
-               blob_devices: BlobDevices) -> list[OperatorDef]:
-    """Append, per unscoped name in order, copies from the first device's blob to every other replica.
+def sync_blobs(net: NetDef, names: Iterable[str], reducer: Reducer) -> list[OperatorDef]:
+    """Append, per unscoped name in order, the reducer's broadcast from the first device's blob.
 
     Input: the first device's copy exists when `net` reaches the end. Guarantees: afterwards every
     replica holds the first device's value (destinations are created if needed). Returns the ops added.
     """
-    if len(layout.devices) < 2:
-        return []
-    ops = [op for name in names for op in broadcast_ops(layout, layout.group(name), blob_devices)]
-    return append_ops(net, ops)
+    layout = reducer.layout
+    ops = [op for name in names for op in reducer.broadcast(layout.group(name))]
+    net.ops.extend(ops)
+    return ops
 
 
 def check_unprefixed(names: Iterable[str], layout: DeviceLayout) -> list[str]:
@@ -114,9 +116,32 @@ def checkpoint_sync_names(blobs: Iterable[str], known: Collection[str], layout: 
     return list(dict.fromkeys(names))
 
 
-def checkpoint_sync_net(name: str, names: Sequence[str], layout: DeviceLayout,
-                        blob_devices: BlobDevices) -> NetDef:
+def checkpoint_sync_net(name: str, names: Sequence[str], reducer: Reducer) -> NetDef:
     """A new net that broadcasts each name's first-device blob to every replica (sources are inputs)."""
     net = NetDef(name)
-    sync_blobs(net, names, layout, blob_devices)
+    sync_blobs(net, names, reducer)
+    declare_external_inputs(net)
     return net
+
+
+def compute_sync_blobs(state: ParallelState) -> None:
+    """Find the blobs the initial sync broadcasts (`compute_blobs_to_sync`) and group them by device."""
+    grouped, layout = state.grouped, state.layout
+    computed = [str(b) for name in state.computed_param_names for b in grouped[name].values()]
+    params = [str(b) for name in state.param_names for b in grouped[name].values()]
+    blobs, names = compute_blobs_to_sync(state.model.param_init_net.Proto(), layout, params, computed,
+                                         state.options.shared_model)
+    grouped.update(group_by_device(blobs, layout))
+    state.sync_names = names
+
+
+def initial_sync(state: ParallelState) -> None:
+    """Broadcast every sync blob from the first device at the end of `param_init_net`, so every
+    replica starts identical."""
+    sync_blobs(state.model.param_init_net.Proto(), state.sync_names, state.reducer)
+
+
+def forward_only_sync_names(state: ParallelState) -> None:
+    """A forward-only model syncs nothing, but remembers the names of its replicas' init outputs."""
+    outputs = replica_init_outputs(state.model.param_init_net.Proto(), state.layout)
+    state.sync_names = list(dict.fromkeys(stripBlobName(b) for b in outputs))

@@ -169,3 +169,19 @@ _PLACED_NETS = st.lists(st.builds(lambda ops, dev: NetDef("random", ops, device_
 def test_blob_devices_on_random_nets_match_the_definition(netdefs: list[NetDef], default) -> None:
     """Device hooks, net and op devices, in-place and repeated blobs: as the literal definition places them."""
     assert blob_devices(netdefs, default=default) == _reference_blob_devices(netdefs, default)
+
+
+def test_first_op_places_a_blob_and_iter_counters_live_on_the_cpu():
+    init = NetDef("init", [OperatorDef("ConstantFill", [], ["gpu_1/w"], {"shape": [2]}, GPU1),
+                           OperatorDef("ConstantFill", [], ["gpu_1/ITER"],
+                                       {"shape": [1], "value": 0, "dtype": "int64"}, CPU0)])
+    net = NetDef("net", [OperatorDef("Iter", ["gpu_1/ITER"], ["gpu_1/ITER"], {}, GPU1),
+                         OperatorDef("Copy", ["gpu_1/w"], ["gpu_0/w"], {}, GPU0),
+                         OperatorDef("Relu", ["gpu_0/w"], ["gpu_0/y"], {}, DeviceOption(CUDA, 3))])
+    devices = blob_devices([init, net])
+    assert devices == {"gpu_1/w": GPU1, "gpu_1/ITER": CPU0, "gpu_0/w": GPU0, "gpu_0/y": DeviceOption(CUDA, 3)}
+
+
+def test_iter_created_in_the_train_net_is_still_on_the_cpu():
+    net = NetDef("net", [OperatorDef("Iter", ["gpu_1/ITER"], ["gpu_1/ITER"], {}, GPU1)])
+    assert blob_devices([net])["gpu_1/ITER"] == CPU0

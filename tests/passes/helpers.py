@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.reducers import Reducer, make_reducer
 
 
 def layout(devices: list[int], gpu: bool = False) -> DeviceLayout:
@@ -32,3 +33,9 @@ def cpu(device_id: int) -> DeviceOption:
 
 def gpu(device_id: int) -> DeviceOption:
     return DeviceOption(CUDA, device_id)
+
+
+def reducer(lay: DeviceLayout, blob_devices: dict | None = None, use_nccl: bool = False,
+            peer_access=None) -> Reducer:  # noqa: ANN001
+    """The reducer Parallelize would build for these options."""
+    return make_reducer(lay, {} if blob_devices is None else blob_devices, use_nccl, peer_access)

@@ -8,8 +8,10 @@ from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
-from graphpar.passes.allreduce import allreduce_gradients, tree_levels
-from tests.passes.helpers import cpu, gpu, grad_net, layout, summary
+from graphpar.passes.allreduce import allreduce_blobs
+from graphpar.passes.finish import chain_collectives
+from graphpar.passes.reducers import tree_levels
+from tests.passes.helpers import cpu, gpu, grad_net, layout, reducer, summary
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 6, 7, 9, 12, 15, 17])
@@ -31,7 +33,7 @@ def _sums(ops):
 def test_three_devices_flat_sum_then_copies_back():
     lay = layout([0, 1, 2])
     net = grad_net(lay, ["w_grad"])
-    ops = allreduce_gradients(net, ["w_grad"], {"w_grad": lay.group("w_grad")}, lay, {})
+    ops = allreduce_blobs(net, ["w_grad"], {"w_grad": lay.group("w_grad")}, reducer(lay))
     assert summary(ops) == [
         ("Sum", ["cpu_0/w_grad", "cpu_1/w_grad", "cpu_2/w_grad"], ["cpu_0/w_grad"], cpu(0), "dpm", []),
         ("Copy", ["cpu_0/w_grad"], ["cpu_1/w_grad"], cpu(1), "", []),
@@ -45,7 +47,7 @@ def test_four_devices_use_positions_not_ids():
     """Caffe2 #714: device ids that do not start at 0 crashed the old tree."""
     lay = layout([7, 4, 9, 5], gpu=True)
     net = grad_net(lay, ["g"])
-    ops = allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {})
+    ops = allreduce_blobs(net, ["g"], {"g": lay.group("g")}, reducer(lay))
     assert summary(ops) == [
         ("Sum", ["gpu_7/g", "gpu_4/g"], ["gpu_7/g"], gpu(7), "dpm", []),
         ("Sum", ["gpu_9/g", "gpu_5/g"], ["gpu_9/g"], gpu(9), "dpm", []),
@@ -59,7 +61,7 @@ def test_four_devices_use_positions_not_ids():
 @pytest.mark.parametrize("count", [8, 16])
 def test_eight_and_sixteen_devices_reduce_as_a_tree(count):
     lay = layout(list(range(1, count + 1)))
-    ops = allreduce_gradients(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, lay, {})
+    ops = allreduce_blobs(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, reducer(lay))
     pairs = [(pos[0], pos[1]) for level in tree_levels(count) for pos in level]
     assert _sums(ops) == [([f"cpu_{a + 1}/g", f"cpu_{b + 1}/g"], f"cpu_{a + 1}/g") for a, b in pairs]
     copies = [(op.inputs, op.outputs) for op in ops if op.type == "Copy"]
@@ -70,8 +72,8 @@ def test_eight_and_sixteen_devices_reduce_as_a_tree(count):
 def test_gradients_are_reduced_in_the_order_given():
     lay = layout([0, 1])
     names = ["a_grad", "b_grad", "c_grad"]
-    ops = allreduce_gradients(grad_net(lay, names), list(reversed(names)), {n: lay.group(n) for n in names},
-                              lay, {})
+    ops = allreduce_blobs(grad_net(lay, names), list(reversed(names)), {n: lay.group(n) for n in names},
+                          reducer(lay))
     assert [op.outputs[0] for op in ops if op.type == "Sum"] == ["cpu_0/c_grad", "cpu_0/b_grad", "cpu_0/a_grad"]
 
 
@@ -79,7 +81,8 @@ def test_nccl_on_cuda_is_one_inplace_allreduce_per_gradient_chained_by_control_i
     lay = layout([2, 3], gpu=True)
     names = ["a", "b", "c"]
     net = grad_net(lay, names)
-    ops = allreduce_gradients(net, names, {n: lay.group(n) for n in names}, lay, {}, use_nccl=True)
+    ops = allreduce_blobs(net, names, {n: lay.group(n) for n in names}, reducer(lay, use_nccl=True))
+    chain_collectives(net.ops)
     assert net.ops[-3:] == ops  # Caffe2 put NCCL ops into model.net whatever net it was asked for
     assert summary(ops) == [
         ("NCCLAllreduce", ["gpu_2/a", "gpu_3/a"], ["gpu_2/a", "gpu_3/a"], gpu(2), "", []),
@@ -88,7 +91,7 @@ def test_nccl_on_cuda_is_one_inplace_allreduce_per_gradient_chained_by_control_i
     ]
 
 
-def test_nccl_allreduces_are_chained_after_the_nets_earlier_collectives():
+def test_collectives_are_chained_after_the_nets_earlier_collectives():
     """One chain per net: the first all-reduce waits for the collective before it (e.g. a computed-param
     NCCLBroadcast or an inter-device batch-norm all-reduce)."""
     lay = layout([0, 1], gpu=True)
@@ -96,13 +99,14 @@ def test_nccl_allreduces_are_chained_after_the_nets_earlier_collectives():
     net.ops.append(OperatorDef("NCCLBroadcast", ["gpu_0/rm", "gpu_1/rm"], ["gpu_0/rm", "gpu_1/rm"], {"root": 0},
                                gpu(0)))
     net.ops.append(OperatorDef("Relu", ["gpu_0/g"], ["gpu_0/h"], {}, gpu(0)))
-    (op,) = allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {}, use_nccl=True)
+    (op,) = allreduce_blobs(net, ["g"], {"g": lay.group("g")}, reducer(lay, use_nccl=True))
+    chain_collectives(net.ops)
     assert op.control_inputs == ["gpu_0/rm"]
 
 
 def test_nccl_is_ignored_on_cpu():
     lay = layout([0, 1])
-    ops = allreduce_gradients(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, lay, {}, use_nccl=True)
+    ops = allreduce_blobs(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, reducer(lay, use_nccl=True))
     assert [op.type for op in ops] == ["Sum", "Copy"]
 
 
@@ -111,8 +115,8 @@ def test_peers_without_p2p_access_are_copied_to_the_root_first_into_the_target_n
     lay = layout([0, 1, 2, 3], gpu=True)
     net, other = grad_net(lay, ["g"]), NetDef("untouched")
     islands = {0: 0, 1: 0, 2: 1, 3: 1}
-    ops = allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {},
-                              peer_access=lambda a, b: islands[a] == islands[b])
+    ops = allreduce_blobs(net, ["g"], {"g": lay.group("g")},
+                          reducer(lay, peer_access=lambda a, b: islands[a] == islands[b]))
     assert summary(ops[:5]) == [
         ("Sum", ["gpu_0/g", "gpu_1/g"], ["gpu_0/g"], gpu(0), "dpm", []),
         ("Sum", ["gpu_2/g", "gpu_3/g"], ["gpu_2/g"], gpu(2), "dpm", []),
@@ -125,24 +129,24 @@ def test_peers_without_p2p_access_are_copied_to_the_root_first_into_the_target_n
 
 def test_shared_models_keep_the_sum_on_the_first_device_only():
     lay = layout([0, 1, 2])
-    ops = allreduce_gradients(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, lay, {}, broadcast=False)
+    ops = allreduce_blobs(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, reducer(lay), to_all=False)
     assert [op.type for op in ops] == ["Sum"]
 
 
 def test_one_device_or_single_copy_adds_nothing():
     lay = layout([3])
-    assert allreduce_gradients(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, lay, {}) == []
+    assert allreduce_blobs(grad_net(lay, ["g"]), ["g"], {"g": lay.group("g")}, reducer(lay)) == []
     two = layout([0, 1])
-    assert allreduce_gradients(grad_net(two, ["g"]), ["g"], {"g": {0: "cpu_0/g"}}, two, {}) == []
+    assert allreduce_blobs(grad_net(two, ["g"]), ["g"], {"g": {0: "cpu_0/g"}}, reducer(two)) == []
 
 
 def test_missing_copy_and_sparse_gradients_are_refused():
     lay = layout([0, 1, 2])
     with pytest.raises(ParallelizeError, match=r"'g' has no copy on device\(s\) \[2\]"):
-        allreduce_gradients(NetDef("n"), ["g"], {"g": {0: "cpu_0/g", 1: "cpu_1/g"}}, lay, {})
+        allreduce_blobs(NetDef("n"), ["g"], {"g": {0: "cpu_0/g", 1: "cpu_1/g"}}, reducer(lay))
     sparse = {d: GradientSlice(f"cpu_{d}/i", f"cpu_{d}/v") for d in (0, 1, 2)}
     with pytest.raises(NotImplementedError, match="sparse"):
-        allreduce_gradients(NetDef("n"), ["i:v"], {"i:v": sparse}, lay, {})
+        allreduce_blobs(NetDef("n"), ["i:v"], {"i:v": sparse}, reducer(lay))
 
 
 def _run_and_fetch(net: NetDef, blobs: list[str]) -> list[np.ndarray]:
@@ -155,7 +159,7 @@ def test_every_copy_ends_up_holding_the_sum(count):
     lay = layout(list(range(3, 3 + count)))
     names = ["a", "b"]
     net = grad_net(lay, names)
-    allreduce_gradients(net, names, {n: lay.group(n) for n in names}, lay, {})
+    allreduce_blobs(net, names, {n: lay.group(n) for n in names}, reducer(lay))
     for k, name in enumerate(names):
         expected = np.full(3, sum(10.0 * k + i + 1 for i in range(count)), np.float32)
         for value in _run_and_fetch(net, list(lay.group(name).values())):
@@ -166,8 +170,8 @@ def test_every_copy_ends_up_holding_the_sum(count):
 def test_simulated_cuda_all_reduce_sums_on_every_device(use_nccl):
     lay = layout([1, 2, 3, 4], gpu=True)
     net = grad_net(lay, ["g"])
-    allreduce_gradients(net, ["g"], {"g": lay.group("g")}, lay, {}, use_nccl=use_nccl,
-                        peer_access=lambda a, b: False)
+    allreduce_blobs(net, ["g"], {"g": lay.group("g")},
+                    reducer(lay, use_nccl=use_nccl, peer_access=lambda a, b: False))
     with cuda_on_cpu():
         values = _run_and_fetch(net, list(lay.group("g").values()))
     for value in values:

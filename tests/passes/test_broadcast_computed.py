@@ -7,15 +7,16 @@ from graphpar import workspace
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
-from graphpar.passes.broadcast_computed import add_computed_params_average, add_computed_params_broadcast
-from tests.passes.helpers import cpu, gpu, grad_net, layout, summary
+from graphpar.passes.broadcast_computed import average_computed_params, broadcast_computed_params
+from graphpar.passes.finish import chain_collectives
+from tests.passes.helpers import cpu, gpu, grad_net, layout, reducer, summary
 
 
 def test_copies_each_computed_param_from_the_first_device_in_order():
     lay = layout([1, 0])
     net = grad_net(lay, ["bn_rm", "bn_riv"])
     grouped = {n: lay.group(n) for n in ("bn_rm", "bn_riv")}
-    ops = add_computed_params_broadcast(net, ["bn_rm", "bn_riv"], grouped, lay, {})
+    ops = broadcast_computed_params(net, ["bn_rm", "bn_riv"], grouped, reducer(lay))
     assert summary(ops) == [("Copy", ["cpu_1/bn_rm"], ["cpu_0/bn_rm"], cpu(0), "", []),
                             ("Copy", ["cpu_1/bn_riv"], ["cpu_0/bn_riv"], cpu(0), "", [])]
     assert net.ops[-2:] == ops
@@ -23,21 +24,22 @@ def test_copies_each_computed_param_from_the_first_device_in_order():
 
 def test_nccl_broadcast_on_cuda_and_nothing_for_one_device():
     lay = layout([0, 1], gpu=True)
-    ops = add_computed_params_broadcast(NetDef("n"), ["rm"], {"rm": lay.group("rm")}, lay, {}, use_nccl=True)
+    ops = broadcast_computed_params(NetDef("n"), ["rm"], {"rm": lay.group("rm")}, reducer(lay, use_nccl=True))
     assert summary(ops) == [("NCCLBroadcast", ["gpu_0/rm", "gpu_1/rm"], ["gpu_0/rm", "gpu_1/rm"], gpu(0), "", [])]
     net = NetDef("n", [OperatorDef("NCCLAllreduce", ["gpu_0/s", "gpu_1/s"], ["gpu_0/s", "gpu_1/s"], {}, gpu(0))])
-    ops = add_computed_params_broadcast(net, ["rm", "riv"], {n: lay.group(n) for n in ("rm", "riv")}, lay, {},
-                                        use_nccl=True)
+    ops = broadcast_computed_params(net, ["rm", "riv"], {n: lay.group(n) for n in ("rm", "riv")},
+                                    reducer(lay, use_nccl=True))
+    chain_collectives(net.ops)
     assert [op.control_inputs for op in ops] == [["gpu_0/s"], ["gpu_0/rm"]]  # one chain of collectives
     one = layout([2])
-    assert add_computed_params_broadcast(NetDef("n"), ["rm"], {"rm": one.group("rm")}, one, {}) == []
+    assert broadcast_computed_params(NetDef("n"), ["rm"], {"rm": one.group("rm")}, reducer(one)) == []
 
 
 def test_averaging_all_reduces_then_scales_every_copy_in_order():
     lay = layout([1, 0, 2])
     net = grad_net(lay, ["bn_rm", "bn_riv"])
     grouped = {n: lay.group(n) for n in ("bn_rm", "bn_riv")}
-    ops = add_computed_params_average(net, ["bn_rm", "bn_riv"], grouped, lay, {})
+    ops = average_computed_params(net, ["bn_rm", "bn_riv"], grouped, reducer(lay), {})
     expected = []
     for name in ("bn_rm", "bn_riv"):
         expected += [("Sum", [f"cpu_{d}/{name}" for d in (1, 0, 2)], [f"cpu_1/{name}"], cpu(1), "dpm", []),
@@ -49,14 +51,15 @@ def test_averaging_all_reduces_then_scales_every_copy_in_order():
     assert net.ops[-len(ops):] == ops
     validate_net(net)
     one = layout([2])
-    assert add_computed_params_average(NetDef("n"), ["rm"], {"rm": one.group("rm")}, one, {}) == []
+    assert average_computed_params(NetDef("n"), ["rm"], {"rm": one.group("rm")}, reducer(one), {}) == []
 
 
 def test_averaging_with_nccl_is_one_chained_allreduce_per_blob_then_scales():
     lay = layout([0, 1], gpu=True)
     net = NetDef("n", [OperatorDef("NCCLAllreduce", ["gpu_0/s", "gpu_1/s"], ["gpu_0/s", "gpu_1/s"], {}, gpu(0))])
-    ops = add_computed_params_average(net, ["rm", "riv"], {n: lay.group(n) for n in ("rm", "riv")}, lay, {},
-                                      use_nccl=True)
+    ops = average_computed_params(net, ["rm", "riv"], {n: lay.group(n) for n in ("rm", "riv")},
+                                  reducer(lay, use_nccl=True), {})
+    chain_collectives(net.ops)
     assert summary(ops) == [
         ("NCCLAllreduce", ["gpu_0/rm", "gpu_1/rm"], ["gpu_0/rm", "gpu_1/rm"], gpu(0), "", ["gpu_0/s"]),
         ("Scale", ["gpu_0/rm"], ["gpu_0/rm"], gpu(0), "", []),
@@ -71,7 +74,7 @@ def test_averaging_with_nccl_is_one_chained_allreduce_per_blob_then_scales():
 def test_every_copy_ends_up_holding_the_mean(gpu_, use_nccl):
     lay = layout([3, 4, 5, 6], gpu=gpu_)
     net = grad_net(lay, ["rm"])  # copy i holds i + 1
-    add_computed_params_average(net, ["rm"], {"rm": lay.group("rm")}, lay, {}, use_nccl=use_nccl)
+    average_computed_params(net, ["rm"], {"rm": lay.group("rm")}, reducer(lay, use_nccl=use_nccl), {})
     with cuda_on_cpu():
         workspace.RunNetOnce(net)
         for blob in lay.group("rm").values():

@@ -9,8 +9,9 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
-from graphpar.passes.bucketing import TensorSpec, allreduce_gradient_buckets, param_specs, plan_buckets
-from tests.passes.helpers import cpu, fill, gpu, layout, summary
+from graphpar.passes.bucketing import TensorSpec, allreduce_buckets, param_specs, plan_buckets
+from graphpar.passes.finish import chain_collectives
+from tests.passes.helpers import cpu, fill, gpu, layout, reducer, summary
 
 # Three params (created in this order) and their shapes: 24, 16 and 12 bytes of float32.
 SHAPES = {"a": (2, 3), "b": (4,), "c": (3,)}
@@ -27,12 +28,13 @@ def _nets(lay):
     return init, net
 
 
-def _bucketed(lay, bucket_bytes=40, first_bucket_bytes=12, **options):
+def _bucketed(lay, bucket_bytes=40, first_bucket_bytes=12, to_all=True, **options):
     init, net = _nets(lay)
     grouped = {f"{p}_grad": lay.group(f"{p}_grad") for p in SHAPES}
     params = {f"{p}_grad": lay.scoped(lay.master, p) for p in SHAPES}
-    ops = allreduce_gradient_buckets(net, init, ORDER, params, grouped, lay, {}, bucket_bytes, first_bucket_bytes,
-                                     **options)
+    ops = allreduce_buckets(net, init, ORDER, params, grouped, reducer(lay, **options), bucket_bytes,
+                            first_bucket_bytes, to_all)
+    chain_collectives(net.ops)
     return net, ops
 
 
@@ -67,12 +69,13 @@ def test_two_devices_a_small_first_bucket_then_one_flat_buffer_per_device():
     lay = layout([0, 1])
     net, ops = _bucketed(lay)
     assert _summary(ops) == [
-        ("Sum", ["cpu_0/c_grad", "cpu_1/c_grad"], ["cpu_0/c_grad"], cpu(0), "dpm", [], {}),
-        ("Copy", ["cpu_0/c_grad"], ["cpu_1/c_grad"], cpu(1), "", [], {}),
+        ("Sum", ["cpu_0/c_grad", "cpu_1/c_grad"], ["cpu_0/c_grad"], cpu(0), "dpm", [], {"input_device_ids": [0, 1]}),
+        ("Copy", ["cpu_0/c_grad"], ["cpu_1/c_grad"], cpu(1), "", [], {"input_device_ids": [0]}),
         *_flatten("cpu_0", cpu(0)),
         *_flatten("cpu_1", cpu(1)),
-        ("Sum", ["cpu_0/_bucket_1", "cpu_1/_bucket_1"], ["cpu_0/_bucket_1"], cpu(0), "dpm", [], {}),
-        ("Copy", ["cpu_0/_bucket_1"], ["cpu_1/_bucket_1"], cpu(1), "", [], {}),
+        ("Sum", ["cpu_0/_bucket_1", "cpu_1/_bucket_1"], ["cpu_0/_bucket_1"], cpu(0), "dpm", [],
+         {"input_device_ids": [0, 1]}),
+        ("Copy", ["cpu_0/_bucket_1"], ["cpu_1/_bucket_1"], cpu(1), "", [], {"input_device_ids": [0]}),
         *_unflatten("cpu_0", cpu(0)),
         *_unflatten("cpu_1", cpu(1)),
     ]
@@ -102,7 +105,8 @@ def test_nccl_is_one_allreduce_per_bucket_in_one_chain():
                                gpu(7)))
     grouped = {f"{p}_grad": lay.group(f"{p}_grad") for p in SHAPES}
     params = {f"{p}_grad": f"gpu_7/{p}" for p in SHAPES}
-    ops = allreduce_gradient_buckets(net, init, ORDER, params, grouped, lay, {}, 40, 12, use_nccl=True)
+    ops = allreduce_buckets(net, init, ORDER, params, grouped, reducer(lay, use_nccl=True), 40, 12)
+    chain_collectives(net.ops)
     collectives = [(op.inputs, op.control_inputs) for op in ops if op.type == "NCCLAllreduce"]
     assert collectives == [([f"gpu_{d}/c_grad" for d in (7, 4, 9, 5)], ["gpu_7/rm"]),
                            ([f"gpu_{d}/_bucket_1" for d in (7, 4, 9, 5)], ["gpu_7/c_grad"])]
@@ -111,7 +115,7 @@ def test_nccl_is_one_allreduce_per_bucket_in_one_chain():
 
 
 def test_shared_models_unflatten_on_the_first_device_only():
-    _, ops = _bucketed(layout([0, 1, 2]), broadcast=False)
+    _, ops = _bucketed(layout([0, 1, 2]), to_all=False)
     assert [op.type for op in ops] == ["Sum", *["FlattenToVec", "FlattenToVec", "Concat"] * 3, "Sum", "Split",
                                        "Reshape", "Reshape"]
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from graphpar.core.ir import CPU, CUDA, NetDef, OperatorDef
 from graphpar.core.schema import validate_net
-from graphpar.passes.common import append_ops, broadcast_ops, make_op
-from tests.passes.helpers import cpu, gpu, layout, summary
+from graphpar.passes.common import declare_external_inputs, make_op
+from tests.passes.helpers import gpu, layout
 
 
 def test_layout_names_scopes_and_devices():
@@ -18,28 +18,11 @@ def test_layout_names_scopes_and_devices():
     assert layout([0]).device_type == CPU
 
 
-def test_append_ops_declares_unproduced_inputs_as_external():
-    net = NetDef("n", [OperatorDef("ConstantFill", [], ["a"], {"shape": [1]})], external_inputs=["x"])
-    append_ops(net, [make_op("Sum", ["a", "x", "y"], ["z"], None), make_op("Copy", ["z"], ["w"], None)])
-    assert net.external_inputs == ["x", "y"]
-    assert [op.type for op in net.ops] == ["ConstantFill", "Sum", "Copy"]
+def test_declare_external_inputs_adds_blobs_read_before_written_in_first_read_order():
+    net = NetDef("n", [OperatorDef("ConstantFill", [], ["a"], {"shape": [1]}),
+                       make_op("Sum", ["a", "x", "y"], ["z"], None), make_op("Copy", ["z"], ["w"], None),
+                       make_op("Sum", ["q", "w"], ["q"], None)], external_inputs=["x"])
+    assert declare_external_inputs(net) == ["y", "q"]
+    assert net.external_inputs == ["x", "y", "q"]
+    assert declare_external_inputs(net) == []
     validate_net(net)
-
-
-def test_broadcast_copies_from_the_first_device_onto_each_destination_device():
-    lay = layout([2, 0, 1], gpu=True)
-    group = lay.group("it")
-    ops = broadcast_ops(lay, group, {"gpu_0/it": cpu(0)})
-    assert summary(ops) == [("Copy", ["gpu_2/it"], ["gpu_0/it"], cpu(0), "", []),
-                            ("Copy", ["gpu_2/it"], ["gpu_1/it"], gpu(1), "", [])]
-
-
-def test_broadcast_with_nccl_is_one_inplace_op_on_cuda_only():
-    lay = layout([3, 1], gpu=True)
-    (op,) = broadcast_ops(lay, lay.group("w"), {}, use_nccl=True)
-    assert summary([op]) == [("NCCLBroadcast", ["gpu_3/w", "gpu_1/w"], ["gpu_3/w", "gpu_1/w"], gpu(3), "", [])]
-    assert op.args == {"root": 0}
-    cpu_ops = broadcast_ops(layout([0, 1]), layout([0, 1]).group("w"), {}, use_nccl=True)
-    assert [op.type for op in cpu_ops] == ["Copy"]
-    host_blob = broadcast_ops(lay, lay.group("it"), {"gpu_3/it": cpu(0)}, use_nccl=True)
-    assert [op.type for op in host_blob] == ["Copy"]

@@ -18,8 +18,9 @@ from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
 from graphpar.passes.analyze import analyze_operators
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.finish import chain_collectives
 from graphpar.passes.inter_device_bn import inter_device_batch_norm
-from tests.passes.helpers import cpu, gpu, layout, summary
+from tests.passes.helpers import cpu, gpu, layout, reducer, summary
 
 EPS = 1e-3
 
@@ -50,7 +51,7 @@ def _bn_net(lay: DeviceLayout) -> NetDef:
 
 def test_exact_ops_on_two_cpu_devices():
     lay = layout([0, 1])
-    net = inter_device_batch_norm(_bn_net(lay), lay)
+    net = inter_device_batch_norm(_bn_net(lay), reducer(lay))
     assert summary(net.ops[:6]) == [
         ("ChannelStats", ["cpu_0/x"], ["cpu_0/x_sums", "cpu_0/x_sumsq"], cpu(0), "", []),
         ("ChannelStats", ["cpu_1/x"], ["cpu_1/x_sums", "cpu_1/x_sumsq"], cpu(1), "", []),
@@ -86,7 +87,8 @@ def test_exact_ops_on_two_cpu_devices():
 
 def test_exact_ops_on_logical_cuda_devices_with_nccl_chained_in_program_order():
     lay = layout([3, 1], gpu=True)
-    net = inter_device_batch_norm(_bn_net(lay), lay, use_nccl=True)
+    net = inter_device_batch_norm(_bn_net(lay), reducer(lay, use_nccl=True))
+    chain_collectives(net.ops)
     assert summary(net.ops) == [
         ("ChannelStats", ["gpu_3/x"], ["gpu_3/x_sums", "gpu_3/x_sumsq"], gpu(3), "", []),
         ("ChannelStats", ["gpu_1/x"], ["gpu_1/x_sums", "gpu_1/x_sumsq"], gpu(1), "", []),
@@ -110,7 +112,7 @@ def test_exact_ops_on_logical_cuda_devices_with_nccl_chained_in_program_order():
 
 def test_without_nccl_cuda_uses_sums_and_copies_peers_without_p2p_to_the_root_first():
     lay = layout([0, 1], gpu=True)
-    net = inter_device_batch_norm(_bn_net(lay), lay, peer_access=lambda root, peer: False)
+    net = inter_device_batch_norm(_bn_net(lay), reducer(lay, peer_access=lambda root, peer: False))
     assert summary(net.ops[2:5]) == [
         ("Copy", ["gpu_1/x_sums"], ["gpu_0/x_sums_gpu1_copy"], gpu(0), "", []),
         ("Sum", ["gpu_0/x_sums", "gpu_0/x_sums_gpu1_copy"], ["gpu_0/x_sums"], gpu(0), "dpm", []),
@@ -121,7 +123,7 @@ def test_without_nccl_cuda_uses_sums_and_copies_peers_without_p2p_to_the_root_fi
 
 def test_four_devices_reduce_each_statistic_as_a_tree():
     lay = layout([4, 5, 6, 7])
-    net = inter_device_batch_norm(NetDef("bn", [_bn(lay, d) for d in lay.devices]), lay)
+    net = inter_device_batch_norm(NetDef("bn", [_bn(lay, d) for d in lay.devices]), reducer(lay))
     types = [op.type for op in net.ops]
     assert types == ["ChannelStats"] * 4 + (["Sum"] * 3 + ["Copy"] * 3) * 2 + ["SpatialBN"] * 4
     assert [(op.inputs, op.outputs[0]) for op in net.ops[4:7]] == [
@@ -133,7 +135,7 @@ def test_four_devices_reduce_each_statistic_as_a_tree():
 def test_consecutive_groups_on_one_input_get_fresh_statistics_names():
     lay = layout([0, 1])
     ops = [_bn(lay, d, out="a") for d in lay.devices] + [_bn(lay, d, out="b") for d in lay.devices]
-    net = inter_device_batch_norm(NetDef("two", ops), lay)
+    net = inter_device_batch_norm(NetDef("two", ops), reducer(lay))
     stats = [op.outputs for op in net.ops if op.type == "ChannelStats"]
     assert stats == [["cpu_0/x_sums", "cpu_0/x_sumsq"], ["cpu_1/x_sums", "cpu_1/x_sumsq"],
                      ["cpu_0/x_sums_1", "cpu_0/x_sumsq_1"], ["cpu_1/x_sums_1", "cpu_1/x_sumsq_1"]]
@@ -148,13 +150,13 @@ def test_test_mode_combined_and_single_device_nets_are_left_alone():
     for op in ops:
         op.outputs = op.outputs[:1]
     net = NetDef("eval", ops)
-    assert summary(inter_device_batch_norm(net, lay).ops) == summary(ops)
-    combined = inter_device_batch_norm(_bn_net(lay), lay)
+    assert summary(inter_device_batch_norm(net, reducer(lay)).ops) == summary(ops)
+    combined = inter_device_batch_norm(_bn_net(lay), reducer(lay))
     again = summary(combined.ops)
-    assert summary(inter_device_batch_norm(combined, lay).ops) == again  # idempotent
+    assert summary(inter_device_batch_norm(combined, reducer(lay)).ops) == again  # idempotent
     single = layout([2])
     net = NetDef("one", [_bn(single, 2)])
-    assert [op.type for op in inter_device_batch_norm(net, single).ops] == ["SpatialBN"]
+    assert [op.type for op in inter_device_batch_norm(net, reducer(single)).ops] == ["SpatialBN"]
 
 
 def test_an_incomplete_or_misordered_group_is_refused():
@@ -162,10 +164,10 @@ def test_an_incomplete_or_misordered_group_is_refused():
     net = NetDef("fwd", [_bn(lay, 0), OperatorDef("Relu", ["cpu_1/x"], ["cpu_1/r"], device_option=cpu(1))])
     with pytest.raises(ParallelizeError, match=r"net 'fwd' op #0 starts a group of SpatialBN ops, expected "
                                                r"one per device \[0, 1\] .*\('Relu', 1\)\].*interleave_ops"):
-        inter_device_batch_norm(net, lay)
+        inter_device_batch_norm(net, reducer(lay))
     swapped = NetDef("swapped", [_bn(lay, 1), _bn(lay, 0)])
     with pytest.raises(ParallelizeError, match=r"\[\('SpatialBN', 1\), \('SpatialBN', 0\)\]"):
-        inter_device_batch_norm(swapped, lay)
+        inter_device_batch_norm(swapped, reducer(lay))
 
 
 # ---- numerics: the rewritten net equals batch norm over the concatenated batch --------------------
@@ -185,7 +187,7 @@ def _feed_and_run(net: NetDef, lay: DeviceLayout, xs, dys, scale, bias) -> dict[
     ([0, 1], False, False), ([3, 1, 2], False, False), ([4, 5, 6, 7], True, False), ([2, 0], True, True)])
 def test_rewritten_net_equals_batch_norm_over_the_concatenated_batch(devices, gpu, use_nccl):
     lay = layout(devices, gpu=gpu)
-    net = inter_device_batch_norm(_bn_net(lay), lay, use_nccl=use_nccl)
+    net = inter_device_batch_norm(_bn_net(lay), reducer(lay, use_nccl=use_nccl))
     gen = torch.Generator().manual_seed(len(devices))
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     xs = [rand(3, 3, 2, 3) * (i + 1) + i for i in range(len(devices))]  # per-device batches differ a lot

@@ -14,7 +14,7 @@ from graphpar.passes.sync import (
     replica_init_outputs,
     sync_blobs,
 )
-from tests.passes.helpers import cpu, fill, gpu, layout, summary
+from tests.passes.helpers import cpu, fill, gpu, layout, reducer, summary
 
 
 def _init_net(devices: list[int]) -> NetDef:
@@ -59,11 +59,11 @@ def test_a_blob_the_first_device_lacks_cannot_be_synced():
 def test_sync_copies_from_the_first_device_onto_each_blob_device():
     lay = layout([3, 1], gpu=True)
     net = NetDef("init", [fill("gpu_3/w", gpu(3)), fill("gpu_3/ITER", cpu(0))])
-    ops = sync_blobs(net, ["w", "ITER"], lay, {"gpu_1/ITER": cpu(0)})
+    ops = sync_blobs(net, ["w", "ITER"], reducer(lay, {"gpu_1/ITER": cpu(0)}))
     assert summary(ops) == [("Copy", ["gpu_3/w"], ["gpu_1/w"], gpu(1), "", []),
                             ("Copy", ["gpu_3/ITER"], ["gpu_1/ITER"], cpu(0), "", [])]
     assert net.ops[-2:] == ops and net.external_inputs == []
-    assert sync_blobs(NetDef("n"), ["w"], layout([5]), {}) == []
+    assert sync_blobs(NetDef("n"), ["w"], reducer(layout([5]))) == []
 
 
 def test_blob_sync_needs_unprefixed_names():
@@ -88,7 +88,7 @@ def test_checkpoint_names_of_other_devices_are_refused(blob):
 
 def test_checkpoint_sync_net_broadcasts_loaded_values():
     lay = layout([4, 2, 3])
-    net = checkpoint_sync_net("ckpt", ["w", "rm"], lay, {})
+    net = checkpoint_sync_net("ckpt", ["w", "rm"], reducer(lay))
     assert net.external_inputs == ["cpu_4/w", "cpu_4/rm"]
     assert [(op.inputs[0], op.outputs[0]) for op in net.ops] == [
         ("cpu_4/w", "cpu_2/w"), ("cpu_4/w", "cpu_3/w"), ("cpu_4/rm", "cpu_2/rm"), ("cpu_4/rm", "cpu_3/rm")]
@@ -105,7 +105,7 @@ def test_initial_sync_runs():
     lay = layout([0, 1, 2])
     init = NetDef("init", [OperatorDef("UniformFill", [], [f"cpu_{d}/w"], {"shape": [4]}, cpu(d))
                            for d in lay.devices])
-    sync_blobs(init, ["w"], lay, {})
+    sync_blobs(init, ["w"], reducer(lay))
     workspace.RunNetOnce(init)
     first = workspace.FetchBlob("cpu_0/w")
     for d in (1, 2):

@@ -1,0 +1,78 @@
+"""Passes that run the user's builder functions: per replica inside its scopes, or once, unscoped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from graphpar.core.ir import BlobReference
+from graphpar.core.scope import DeviceScope, NameScope
+from graphpar.errors import ParallelizeError
+from graphpar.passes.common import DeviceLayout
+from graphpar.passes.state import ParallelState
+
+
+@contextmanager
+def replica_scope(layout: DeviceLayout, device_id: int) -> Iterator[None]:
+    """`DeviceScope` + `NameScope("{prefix}_{id}")` of one replica (the name scope replaces the current one)."""
+    with DeviceScope(layout.option(device_id)), NameScope(layout.scope(device_id), reset=True):
+        yield
+
+
+def per_replica(state: ParallelState, builder: Callable[[Any], Any]) -> None:
+    """Call `builder(model)` once per device, in device order, inside that replica's scopes."""
+    for device_id in state.layout.devices:
+        with replica_scope(state.layout, device_id):
+            builder(state.model)
+
+
+def build_replicas(state: ParallelState) -> None:
+    """Run the input and forward builders per device and keep each replica's losses.
+
+    Guarantees: every replica's ops are recorded (replica 0's first); `losses_by_device` maps each
+    device to its losses. A training model's forward builder must return a non-empty list of
+    BlobReferences (ParallelizeError otherwise).
+    """
+    options, layout = state.options, state.layout
+    loss_scale = 1.0 / len(layout.devices)
+    for device_id in layout.devices:
+        with replica_scope(layout, device_id):
+            options.input_builder_fun(state.model)
+            result = options.forward_pass_builder_fun(state.model, loss_scale)
+        if state.training:
+            _check_losses(result, layout.scope(device_id))
+        state.losses_by_device[device_id] = list(result) if isinstance(result, list) else []
+
+
+def _check_losses(losses: Any, scope: str) -> None:
+    if not isinstance(losses, list) or not losses or not all(isinstance(b, BlobReference) for b in losses):
+        raise ParallelizeError(f"forward_pass_builder_fun must return a non-empty list of loss blobs "
+                               f"(BlobReferences, already multiplied by loss_scale); for {scope} it returned "
+                               f"{losses!r}")
+
+
+def transform_before_gradients(state: ParallelState) -> None:
+    """`pre_grad_net_transformer_fun(model)`, once, before the gradient ops exist."""
+    state.options.pre_grad_net_transformer_fun(state.model)
+
+
+def transform_nets(state: ParallelState) -> None:
+    """`net_transformer_fun(model, num_devices, prefix, device_type)`, exactly once, after the gradients."""
+    layout = state.layout
+    state.options.net_transformer_fun(state.model, len(layout.devices), layout.prefix, layout.device_type)
+
+
+def build_updates(state: ParallelState) -> None:
+    """The parameter updates: `param_update_builder_fun` per replica, or `optimizer_builder_fun` once
+    (unscoped; its result is kept as the model's `_optimizer`)."""
+    options = state.options
+    if options.param_update_builder_fun is not None:
+        per_replica(state, options.param_update_builder_fun)
+    else:
+        state.optimizer = options.optimizer_builder_fun(state.model)
+
+
+def build_post_sync(state: ParallelState) -> None:
+    """`post_sync_builder_fun(model)` per replica, after the initial sync was added."""
+    per_replica(state, state.options.post_sync_builder_fun)

@@ -1,0 +1,56 @@
+"""Passes that set up and finish the nets: executor settings, collective order, inputs, net lists."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import Trait, has_trait
+from graphpar.passes.common import declare_external_inputs
+from graphpar.passes.state import ParallelState
+
+
+def configure_train_net(state: ParallelState) -> None:
+    """The train net's executor (`net_type`) and `num_workers = devices * num_threads_per_device`."""
+    proto, options = state.model.net.Proto(), state.options
+    proto.type = options.net_type
+    proto.num_workers = len(state.layout.devices) * options.num_threads_per_device
+
+
+def mark_first_iteration_serial(state: ParallelState) -> None:
+    """Caffe2's hint `first_iter_only_one_worker=1` on the train net (a serial first iteration)."""
+    state.model.net.Proto().args["first_iter_only_one_worker"] = 1
+
+
+def chain_collectives(ops: Sequence[OperatorDef]) -> None:
+    """Give each collective op of `ops` (Trait.COLLECTIVE) a control input on the first output of the
+    collective before it, so they run in program order on every device whatever the executor.
+
+    Concurrent collective launches can deadlock (single-process NCCL; cross-host collectives wait on
+    peers), so every collective of a net runs in one fixed order, whichever pass added it.
+    """
+    previous = None
+    for op in ops:
+        if not has_trait(op, Trait.COLLECTIVE):
+            continue
+        if previous is not None and previous not in op.control_inputs:
+            op.control_inputs.append(previous)
+        previous = op.outputs[0] if op.outputs else previous
+
+
+def order_collectives(state: ParallelState) -> None:
+    """Chain the collectives of every model net in program order (see `chain_collectives`)."""
+    for net in state.netdefs():
+        chain_collectives(net.ops)
+
+
+def declare_inputs(state: ParallelState) -> None:
+    """Declare, in every model net, the blobs read before they are written as external inputs."""
+    for net in state.netdefs():
+        declare_external_inputs(net)
+
+
+def set_net_lists(state: ParallelState) -> None:
+    """The nets `RunInitNet` and `RunNet` run: `[param_init_net]` and `[net]` (Caffe2's lists)."""
+    state.init_nets = [state.model.param_init_net]
+    state.nets = [state.model.net]

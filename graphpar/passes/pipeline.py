@@ -1,0 +1,147 @@
+"""The Parallelize pipeline: its passes in Caffe2's order, and the runner that applies them.
+
+Every pass is a function `pass_(state: ParallelState) -> None` that edits the model, its nets and the
+state in place, with a docstring stating what it needs and what it guarantees; a `Pass` entry gives
+it a name and the condition under which it runs. Adding a pass is one line in `PIPELINE`.
+
+The runner can check and dump the nets after each pass: set `GRAPHPAR_CHECK_PASSES=1` to validate
+every net against the schemas after each pass (the test suite always does; an error names the pass),
+and `GRAPHPAR_DUMP_PASSES=<dir>` to write each net after each pass to `<dir>/<k>_<pass>_<net>.txt`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphpar.core.schema import validate_net
+from graphpar.passes import (
+    allreduce,
+    analyze,
+    broadcast_computed,
+    bucketing,
+    builders,
+    finish,
+    group_by_device,
+    inter_device_bn,
+    interleave,
+    loss_gradients,
+    shared_model,
+    sync,
+)
+from graphpar.passes.state import ParallelState
+
+Condition = Callable[[ParallelState], bool]
+
+
+def always(_state: ParallelState) -> bool:
+    return True
+
+
+def training(state: ParallelState) -> bool:
+    return state.training
+
+
+def forward_only(state: ParallelState) -> bool:
+    return not state.training
+
+
+def _option(name: str, test: Callable[[object], bool] = bool) -> Condition:
+    """Runs when training and option `name` passes `test` (default: is truthy)."""
+    return lambda state: state.training and test(getattr(state.options, name))
+
+
+def _given(name: str) -> Condition:
+    """Runs when the builder function `name` was given."""
+    return lambda state: getattr(state.options, name) is not None
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pipeline entry: a name (for messages and dumps), the pass, and when it runs."""
+
+    name: str
+    run: Callable[[ParallelState], None]
+    when: Condition = always
+
+
+def _buckets(state: ParallelState) -> bool:
+    return state.options.gradient_bucket_bytes is not None
+
+
+def _computed_params_sync(state: ParallelState) -> bool:
+    options = state.options
+    return options.average_computed_params or options.broadcast_computed_params
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("configure_train_net", finish.configure_train_net),
+    Pass("build_replicas", builders.build_replicas),
+    Pass("validate_params", analyze.validate_params),
+    Pass("group_params", group_by_device.group_params),
+    Pass("transform_before_gradients", builders.transform_before_gradients, _given("pre_grad_net_transformer_fun")),
+    Pass("add_gradients", loss_gradients.add_gradients, training),
+    Pass("transform_nets", builders.transform_nets, _given("net_transformer_fun")),
+    # forward-only models stop here: devices, the cross-replica check, net lists
+    Pass("infer_devices_forward_only", analyze.infer_devices, forward_only),
+    Pass("analyze_forward_only", analyze.analyze, forward_only),
+    Pass("forward_only_sync_names", sync.forward_only_sync_names, forward_only),
+    Pass("interleave", interleave.interleave, _option("combine_spatial_bn")),
+    Pass("combine_batch_norm", inter_device_bn.combine_batch_norm, _option("combine_spatial_bn")),
+    Pass("validate_params_again", analyze.validate_params, training),
+    Pass("group_gradients", group_by_device.group_gradients, training),
+    Pass("infer_devices", analyze.infer_devices, training),
+    Pass("sync_computed_params", broadcast_computed.sync_computed_params,
+         lambda s: s.training and _computed_params_sync(s)),
+    Pass("allreduce_gradients", allreduce.allreduce_gradients, lambda s: s.training and not _buckets(s)),
+    Pass("allreduce_gradient_buckets", bucketing.allreduce_gradient_buckets, lambda s: s.training and _buckets(s)),
+    Pass("prune_shared_params", shared_model.prune_shared_params, _option("shared_model")),
+    Pass("build_updates", builders.build_updates, training),
+    Pass("compute_sync_blobs", sync.compute_sync_blobs, training),
+    Pass("infer_devices_after_updates", analyze.infer_devices, training),
+    Pass("analyze", analyze.analyze, training),
+    Pass("mark_first_iteration_serial", finish.mark_first_iteration_serial, training),
+    Pass("initial_sync", sync.initial_sync, training),
+    Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
+    Pass("set_net_lists", finish.set_net_lists),
+    Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
+    Pass("order_collectives", finish.order_collectives),
+    Pass("declare_inputs", finish.declare_inputs),
+)
+
+
+def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None) -> None:
+    """Apply each pass of `pipeline` (default `PIPELINE`) whose condition holds, in order; check and
+    dump the nets after each if asked.
+
+    Raises whatever a pass raises; with checking on, a ValueError/TypeError naming the pass whose
+    output breaks a net's structure or a schema.
+    """
+    check = os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0")
+    dump = os.environ.get("GRAPHPAR_DUMP_PASSES") or None
+    for k, entry in enumerate(PIPELINE if pipeline is None else pipeline):
+        if not entry.when(state):
+            continue
+        entry.run(state)
+        if check:
+            check_nets(state, entry.name)
+        if dump:
+            dump_nets(state, f"{k:02d}_{entry.name}", Path(dump))
+
+
+def check_nets(state: ParallelState, pass_name: str) -> None:
+    """Validate every model net (structure and schemas), naming the pass in the error."""
+    for net in state.netdefs():
+        try:
+            validate_net(net)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"after Parallelize pass {pass_name!r}: {exc}") from exc
+
+
+def dump_nets(state: ParallelState, stem: str, directory: Path) -> None:
+    """Write each model net as text to `directory/<stem>_<net>.txt`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for net in state.netdefs():
+        (directory / f"{stem}_{net.name}.txt").write_text(repr(net) + "\n")

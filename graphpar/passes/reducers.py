@@ -1,0 +1,133 @@
+"""Reducers: how the per-device copies of a blob are summed and broadcast, chosen once by Parallelize.
+
+A reducer turns "combine these copies" into operators. Every pass that moves data between replicas
+(gradient all-reduce, gradient buckets, batch-norm statistics, computed params, the initial and
+checkpoint syncs) asks the one reducer Parallelize built from its options, so a new way to reduce
+(e.g. across hosts) is a new class here, not a flag threaded through the passes:
+
+- `TreeReducer`: Caffe2's single-host reduction, a tree of `Sum` ops named "dpm" over device
+  *positions* (4, 8 and 16 devices pairwise, doubling the stride each level; any other count one flat
+  Sum onto position 0), then a `Copy` back to every other device. A peer whose memory the root cannot
+  read (no P2P access) is first copied to the root (Caffe2 issues #633/#659).
+- `NcclReducer`: one in-place `NCCLAllreduce` / `NCCLBroadcast` over every copy (CUDA replicas).
+
+Cross-device ops name their inputs' devices in `input_device_ids`, so nothing parses device ids out of
+blob names. Collectives are left unordered here: the `order_collectives` pass chains every collective
+of a net in program order at the end of the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
+from graphpar.passes.common import DPM_SUM_NAME, BlobDevices, DeviceLayout, Group, copy_device, make_op
+
+PeerAccess = Callable[[int, int], bool]  # (root device id, peer device id) -> may root read peer's memory
+
+
+class Reducer(Protocol):
+    """Builds the ops that combine or copy one blob's per-replica copies."""
+
+    layout: DeviceLayout
+
+    def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
+        """Ops after which every copy in `group` (one per replica, in device order) holds their sum, or
+        at least the first device's copy does with `to_all=False`. `name` (unscoped) names temporaries.
+        Used for gradients, gradient buckets, batch-norm statistics and averaged computed params."""
+        ...
+
+    def broadcast(self, group: Group) -> list[OperatorDef]:
+        """Ops after which every copy in `group` ({device id: blob}) holds the first device's value."""
+        ...
+
+
+def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
+    """The Sum tree over `count` device positions: levels of position tuples, root first in each.
+
+    4, 8 and 16 devices reduce pairwise, doubling the stride each level (16: (0,1)…(14,15), then
+    (0,2),(4,6),(8,10),(12,14), then (0,4),(8,12), then (0,8)), as Caffe2 did; any other count is
+    one flat Sum of every position onto position 0. The root of the last level is position 0.
+    """
+    if count not in (4, 8, 16):
+        return [[tuple(range(count))]]
+    levels, stride = [], 1
+    while stride < count:
+        levels.append([(i, i + stride) for i in range(0, count, 2 * stride)])
+        stride *= 2
+    return levels
+
+
+class TreeReducer:
+    """Sum trees onto the first device and copies back (CPU replicas, and CUDA without NCCL)."""
+
+    def __init__(self, layout: DeviceLayout, blob_devices: BlobDevices,
+                 peer_access: PeerAccess | None = None) -> None:
+        self.layout = layout
+        self.blob_devices = blob_devices  # read when ops are built: Parallelize keeps it up to date
+        self.peer_access = peer_access  # None: every device may read every other's memory
+
+    def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
+        layout, ops = self.layout, []
+        for level in tree_levels(len(group)):
+            for positions in level:
+                root = layout.devices[positions[0]]
+                inputs, ids = [group[positions[0]]], [root]
+                for position in positions[1:]:
+                    peer, blob = layout.devices[position], group[position]
+                    if self.peer_access is not None and not self.peer_access(root, peer):
+                        copy = layout.scoped(root, f"{name}_{layout.prefix}{peer}_copy")
+                        ops.append(make_op("Copy", [blob], [copy], layout.option(root), input_device_ids=[peer]))
+                        blob, peer = copy, root
+                    inputs.append(blob)
+                    ids.append(peer)
+                ops.append(make_op("Sum", inputs, [inputs[0]], layout.option(root), name=DPM_SUM_NAME,
+                                   input_device_ids=ids))
+        if to_all:
+            ops.extend(self.broadcast(dict(zip(layout.devices, group))))
+        return ops
+
+    def broadcast(self, group: Group) -> list[OperatorDef]:
+        return _copies(self.layout, group, self.blob_devices)
+
+
+class NcclReducer:
+    """In-place NCCL collectives over every copy (CUDA replicas); host-side blobs are copied."""
+
+    def __init__(self, layout: DeviceLayout, blob_devices: BlobDevices) -> None:
+        self.layout = layout
+        self.blob_devices = blob_devices
+
+    def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
+        layout = self.layout
+        return [make_op("NCCLAllreduce", group, group, layout.option(layout.master),
+                        input_device_ids=list(layout.devices))]
+
+    def broadcast(self, group: Group) -> list[OperatorDef]:
+        layout = self.layout
+        if len(layout.devices) < 2:
+            return []
+        device = self.blob_devices.get(group[layout.master])
+        if device is not None and device.device_type != CUDA:  # e.g. a GPU replica's CPU counter
+            return _copies(layout, group, self.blob_devices)
+        blobs = [group[d] for d in layout.devices]
+        return [make_op("NCCLBroadcast", blobs, blobs, layout.option(layout.master), root=0,
+                        input_device_ids=list(layout.devices))]
+
+
+def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool = False,
+                 peer_access: PeerAccess | None = None) -> Reducer:
+    """The reducer for Parallelize's options: NCCL for CUDA replicas with `use_nccl`, else Sum trees."""
+    if use_nccl and layout.device_type == CUDA:
+        return NcclReducer(layout, blob_devices)
+    return TreeReducer(layout, blob_devices, peer_access)
+
+
+def _copies(layout: DeviceLayout, group: Group, blob_devices: Mapping[str, DeviceOption]) -> list[OperatorDef]:
+    """One `Copy` from the first device's copy to each other copy, placed on the destination's device."""
+    source = group[layout.master]
+    source_device = blob_devices.get(source) or layout.option(layout.master)
+    return [make_op("Copy", [source], [group[d]], copy_device(layout, d, group[d], blob_devices),
+                    input_device_ids=[source_device.device_id])
+            for d in layout.devices[1:]]

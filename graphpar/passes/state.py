@@ -1,0 +1,87 @@
+"""What Parallelize knows and builds: its checked options and the state every pass reads and edits.
+
+`ParallelState` is the one argument of every pipeline pass (`passes.pipeline`). It lives on the
+model as `model._parallel`; `ModelHelper` exposes its fields under Caffe2's private attribute names
+(`model._devices`, `model._device_grouped_blobs`, ...) as read-only properties, so code written for
+Caffe2 keeps reading them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from graphpar.core.ir import DeviceOption, GradientSlice
+from graphpar.passes.common import DeviceLayout
+from graphpar.passes.reducers import Reducer
+
+if TYPE_CHECKING:
+    from graphpar.model_helper import ModelHelper
+
+Builder = Callable[..., Any]
+Blob = str | GradientSlice
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """Parallelize's arguments after checking (see `data_parallel_model.Parallelize`)."""
+
+    input_builder_fun: Builder
+    forward_pass_builder_fun: Builder
+    param_update_builder_fun: Builder | None = None
+    optimizer_builder_fun: Builder | None = None
+    post_sync_builder_fun: Builder | None = None
+    pre_grad_net_transformer_fun: Builder | None = None
+    net_transformer_fun: Builder | None = None
+    rendezvous: dict | None = None
+    net_type: str = "dag"
+    num_threads_per_device: int = 4
+    broadcast_computed_params: bool = True
+    average_computed_params: bool = False
+    use_nccl: bool = False
+    shared_model: bool = False
+    combine_spatial_bn: bool = False
+    gradient_bucket_bytes: int | None = None
+    first_bucket_bytes: int = 1024 * 1024
+
+    @property
+    def training(self) -> bool:
+        """Whether the model gets gradients and updates (an update builder was given)."""
+        return self.param_update_builder_fun is not None or self.optimizer_builder_fun is not None
+
+
+@dataclass
+class ParallelState:
+    """A model being (or once) parallelized: the passes' shared state, Caffe2's bookkeeping included.
+
+    `grouped` is Caffe2's `_device_grouped_blobs`: unscoped name -> {device id: blob}, for params,
+    computed params, gradients and synced blobs. `blob_to_device` is updated in place (the reducer
+    reads it when it builds copies).
+    """
+
+    model: ModelHelper
+    options: ParallelizeOptions
+    layout: DeviceLayout
+    reducer: Reducer
+    blob_to_device: dict[str, DeviceOption]
+    non_datapar: frozenset[str]  # params created before Parallelize: not replicated
+    losses_by_device: dict[int, list[str]] = field(default_factory=dict)
+    grouped: dict[str, dict[int, Blob]] = field(default_factory=dict)
+    param_names: list[str] = field(default_factory=list)
+    computed_param_names: list[str] = field(default_factory=list)
+    grad_names: list[str] = field(default_factory=list)
+    sync_names: list[str] = field(default_factory=list)
+    all_params: list[str] = field(default_factory=list)  # every replica's params, before shared-model pruning
+    optimizer: Any = None
+    init_nets: list[Any] = field(default_factory=list)
+    nets: list[Any] = field(default_factory=list)
+    checkpoint_net: Any = None
+
+    @property
+    def training(self) -> bool:
+        return self.options.training
+
+    def netdefs(self) -> list[Any]:
+        """The model's init and train NetDefs, in run order (what the passes rewrite)."""
+        return [self.model.param_init_net.Proto(), self.model.net.Proto()]

@@ -1,0 +1,89 @@
+"""The memory model: persistent vs transient blobs, freeing at last use, and runs that commit or change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import workspace
+from graphpar.core import NetDef, OperatorDef
+from graphpar.errors import OperatorError
+from graphpar.executor.frame import layout_frame
+
+
+def _net(**args: object) -> NetDef:
+    """w is a param updated in place; h, g are intermediates; y is declared as an output."""
+    return NetDef("frame", [
+        OperatorDef("FC", ["x", "w", "b"], ["h"]),          # 0
+        OperatorDef("Relu", ["h"], ["g"]),                   # 1
+        OperatorDef("Scale", ["g"], ["y"], {"scale": 2.0}),  # 2
+        OperatorDef("Sub", ["w", "w"], ["d"]),               # 3: d is dead after this op
+        OperatorDef("Sum", ["w", "d"], ["w"]),               # 4: w written after being read
+        OperatorDef("Iter", ["it"], ["it"]),                 # 5
+    ], external_outputs=["y"], args=dict(args))
+
+
+def _feed() -> None:
+    workspace.FeedBlob("x", np.arange(6, dtype=np.float32).reshape(2, 3) - 2)
+    workspace.FeedBlob("w", np.ones((4, 3), np.float32))
+    workspace.FeedBlob("b", np.zeros(4, np.float32))
+    workspace.FeedBlob("it", np.zeros(1, np.int64))
+
+
+def test_persistent_blobs_are_those_read_first_outputs_and_kept_ones():
+    layout = layout_frame(_net(blobs_to_keep=["g"]))
+    assert layout.persistent == {"x", "w", "b", "it", "y", "g"}
+    assert [load.name for load in layout.loads] == ["x", "w", "b", "it"]
+    assert not layout.frees_memory and layout.drops == ()
+    assert [name for _, name in layout.stores] == ["h", "g", "y", "d", "w", "it"]
+
+
+def test_dynamic_memory_management_frees_each_transient_after_its_last_use():
+    layout = layout_frame(_net(dynamic_memory_management=1))
+    names = layout.names
+    assert [[names[s] for s in step] for step in layout.frees] == [[], ["h"], ["g"], [], ["d"], []]
+    assert [name for _, name in layout.stores] == ["y", "w", "it"] and set(layout.drops) == {"h", "g", "d"}
+    assert layout_frame(_net(dynamic_memory_management=1), keep_all=True).frees_memory is False
+
+
+def test_freeing_changes_no_result_and_leaves_no_stale_blob():
+    _feed()
+    workspace.RunNetOnce(_net())
+    kept = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
+    workspace.ResetWorkspace()
+    _feed()
+    workspace.RunNetOnce(_net())  # leaves h, g, d behind: a freeing run must remove them, not keep them stale
+    workspace.FeedBlob("w", np.ones((4, 3), np.float32))
+    workspace.FeedBlob("it", np.zeros(1, np.int64))
+    workspace.RunNetOnce(_net(dynamic_memory_management=1))
+    assert workspace.Blobs() == ["b", "it", "w", "x", "y"]
+    for name in workspace.Blobs():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), kept[name], err_msg=name)
+
+
+def test_keep_all_keeps_every_blob_for_introspection():
+    _feed()
+    workspace.get_workspace().keep_all = True
+    workspace.RunNetOnce(_net(dynamic_memory_management=1))
+    assert {"h", "g", "d"} <= set(workspace.Blobs())
+
+
+def test_a_failed_run_changes_nothing_in_the_workspace():
+    _feed()
+    net = _net()
+    net.ops.insert(4, OperatorDef("Add", ["d", "x"], ["bad"]))  # [4, 3] + [2, 3]: fails after earlier ops ran
+    workspace.CreateNet(net)
+    before = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
+    with pytest.raises(OperatorError, match=r"op #4 \(Add\)"):
+        workspace.RunNet(net.name)
+    assert workspace.Blobs() == sorted(before)
+    for name, value in before.items():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), value, err_msg=name)
+
+
+def test_copy_never_aliases_its_input_even_on_the_same_device():
+    workspace.FeedBlob("x", np.ones(3, np.float32))
+    workspace.RunOperatorOnce(OperatorDef("Copy", ["x"], ["y"]))
+    x, y = workspace.FetchTensor("x"), workspace.FetchTensor("y")
+    assert torch.equal(x, y) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

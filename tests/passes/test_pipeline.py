@@ -1,0 +1,148 @@
+"""The Parallelize pipeline: its order, checks after each pass, dumps, and the collective order it keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from graphpar import brew, model_helper, optimizer
+from graphpar import data_parallel_model as dpm
+from graphpar.core.ir import OperatorDef
+from graphpar.core.schema import Trait, has_trait, registered_types
+from graphpar.devices import cuda_on_cpu
+from graphpar.models import mlp
+from graphpar.passes import analyze, pipeline
+from graphpar.passes.pipeline import PIPELINE, Pass
+from graphpar.passes.state import ParallelState
+from graphpar.visualize import op_kind
+
+
+def _parallelize(name: str = "pipe", forward=None, **options) -> model_helper.ModelHelper:  # noqa: ANN001
+    model = model_helper.ModelHelper(name=name)
+    options.setdefault("devices", [0, 1])
+    options.setdefault("cpu_device", True)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=forward or (lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2)),
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9), **options)
+    return model
+
+
+def test_every_pass_is_documented_and_named_once():
+    names = [entry.name for entry in PIPELINE]
+    assert len(set(names)) == len(names)
+    for entry in PIPELINE:
+        assert inspect.getdoc(entry.run), entry.name
+        assert list(inspect.signature(entry.run).parameters) == ["state"], entry.name
+
+
+def test_the_state_lives_on_the_model_and_backs_caffe2_attribute_names():
+    model = _parallelize()
+    state = model._parallel
+    assert isinstance(state, ParallelState)
+    assert model._devices == [0, 1] and model._device_prefix == "cpu"
+    assert model._device_grouped_blobs is state.grouped and model._grad_names == state.grad_names
+    assert model._data_parallel_model_nets == [model.net]
+    assert model_helper.ModelHelper(name="fresh")._device_grouped_blobs == {}
+
+
+def test_a_planted_bad_pass_is_caught_after_it_runs_and_the_model_is_restored(monkeypatch: pytest.MonkeyPatch):
+    def bad_pass(state: ParallelState) -> None:
+        """Appends a Relu with two inputs, which its schema forbids."""
+        state.model.net.Proto().ops.append(OperatorDef("Relu", ["cpu_0/fc1", "cpu_1/fc1"], ["cpu_0/bad"]))
+
+    at = [e.name for e in PIPELINE].index("add_gradients") + 1
+    monkeypatch.setattr(pipeline, "PIPELINE", (*PIPELINE[:at], Pass("planted", bad_pass), *PIPELINE[at:]))
+    model = model_helper.ModelHelper(name="planted")
+    with pytest.raises(ValueError, match=r"after Parallelize pass 'planted'.*\(Relu\): takes 1 inputs, got 2"):
+        dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                        forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2),
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1],
+                        cpu_device=True)
+    assert model._parallel is None and model.net.Proto().ops == []
+
+
+def test_nets_are_dumped_after_each_pass(monkeypatch: pytest.MonkeyPatch, tmp_path):  # noqa: ANN001
+    monkeypatch.setenv("GRAPHPAR_DUMP_PASSES", str(tmp_path))
+    model = _parallelize("dumped")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    train = model.net.Proto().name
+    ran = [e.name for e in PIPELINE if e.when(model._parallel)]
+    assert [f for f in files if f.endswith(f"_{train}.txt")] == [
+        f"{PIPELINE.index(e):02d}_{e.name}_{train}.txt" for e in PIPELINE if e.name in ran]
+    last = (tmp_path / f"{PIPELINE.index(PIPELINE[-1]):02d}_{PIPELINE[-1].name}_{train}.txt").read_text()
+    assert last.strip() == repr(model.net.Proto()).strip()
+
+
+def test_forward_only_models_skip_the_training_passes():
+    model = model_helper.ModelHelper(name="fwd", init_params=False)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2),
+                    devices=[0, 1], cpu_device=True)
+    assert not any(op.is_gradient_op for op in model.net.Proto().ops)
+    assert model._data_parallel_model_nets == [model.net] and model._grad_names == []
+
+
+def _conv_bn(model: model_helper.ModelHelper, loss_scale: float) -> list:
+    conv = brew.conv(model, "data", "conv", dim_in=3, dim_out=4, kernel=3)
+    h = brew.relu(model, brew.spatial_bn(model, conv, "bn", dim_in=4), "relu")
+    pred = brew.fc(model, brew.average_pool(model, h, "pool", global_pooling=True), "pred", dim_in=4, dim_out=2)
+    _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+
+def test_every_collective_is_chained_to_the_one_before_it_in_program_order():
+    """NCCL for gradients (in buckets), batch-norm statistics and computed params: one fixed order."""
+    with cuda_on_cpu():
+        model = _parallelize("chain", forward=_conv_bn, devices=[1, 0, 2], cpu_device=False, use_nccl=True,
+                             combine_spatial_bn=True, gradient_bucket_bytes=256)
+    for net in (model.net.Proto(), model.param_init_net.Proto()):
+        collectives = [op for op in net.ops if has_trait(op, Trait.COLLECTIVE)]
+        for before, op in zip(collectives, collectives[1:]):
+            assert before.outputs[0] in op.control_inputs, (net.name, op)
+    assert len([op for op in model.net.Proto().ops if has_trait(op, Trait.COLLECTIVE)]) > 4
+
+
+def test_visualize_and_analyze_agree_on_what_moves_data_between_devices():
+    for op_type in registered_types():
+        op = OperatorDef(op_type)
+        assert (op_kind(op) == "communication") == analyze.is_cross_device_op(op), op_type
+        assert has_trait(op, Trait.COLLECTIVE) <= has_trait(op, Trait.CROSS_DEVICE), op_type
+
+
+def test_peers_without_p2p_access_get_copies_on_real_cuda(monkeypatch: pytest.MonkeyPatch):
+    """The wiring from torch.cuda.can_device_access_peer to the reducer (CUDA placed on the CPU to run)."""
+    import torch
+
+    islands = {0: 0, 1: 0, 2: 1, 3: 1}
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: islands[a] == islands[b])
+    monkeypatch.setattr(dpm, "cuda_is_simulated", lambda: False)  # Parallelize plans for real GPUs...
+    monkeypatch.setattr(dpm, "num_cuda_devices", lambda: 4)
+    dpm.can_access_peer.cache_clear()
+    try:
+        model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False)
+    finally:
+        dpm.can_access_peer.cache_clear()
+    copies = [op for op in model.net.Proto().ops if op.type == "Copy" and op.outputs[0].endswith("_gpu2_copy")]
+    assert [op.outputs[0] for op in copies] == [f"gpu_0/{g}_gpu2_copy" for g in reversed(model._grad_names)]
+    assert all(op.args["input_device_ids"] == [2] for op in copies)
+    with cuda_on_cpu():  # ...and the nets run where CUDA is placed on the CPU
+        import numpy as np
+
+        from graphpar import workspace
+
+        for d in model._devices:
+            workspace.FeedBlob(f"gpu_{d}/data", np.ones((2, 4), np.float32))
+            workspace.FeedBlob(f"gpu_{d}/label", np.zeros(2, np.int32))
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+        first = workspace.FetchBlob("gpu_0/fc1_w")
+        for d in (1, 2, 3):
+            np.testing.assert_array_equal(workspace.FetchBlob(f"gpu_{d}/fc1_w"), first)
+
+
+def test_options_are_frozen():
+    model = _parallelize("frozen")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model._parallel.options.use_nccl = True  # type: ignore[misc]
