@@ -20,13 +20,14 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from graphpar.core.graph import blob_lifetimes, predecessors
-from graphpar.core.ir import CUDA, DeviceOption, NetDef, OperatorDef
+from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, layout_frame
 from graphpar.executor.registry import get_executor
+from graphpar.executor.threads import intra_op_threads
 
 RandomStream = Callable[[torch.device], torch.Generator]
 
@@ -50,13 +51,15 @@ class BlobStore(Protocol):
     def random_streams(self, net_name: str) -> Callable[[int], RandomStream]: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """A compiled net: its steps, their dependencies, and how blobs map to frame slots.
 
     `dependencies[j]` are the indices of the steps step j must run after (`core.graph.predecessors`);
     `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
-    are persistent (they outlive a run) and which slots an executor may free after each step.
+    are persistent (they outlive a run) and which slots an executor may free after each step;
+    `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
+    (`executor.threads`).
     """
 
     netdef: NetDef
@@ -65,6 +68,7 @@ class Plan:
     last_use: Mapping[str, int]
     frame: FrameLayout
     workspace_name: str
+    intra_op_threads: int
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
@@ -111,8 +115,9 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
+    cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
     return Plan(netdef, steps, predecessors(netdef), {blob: span[1] for blob, span in lifetimes.items()},
-                frame, workspace.name)
+                frame, workspace.name, intra_op_threads(cpu_replicas))
 
 
 def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from graphpar.executor.dag import DagExecutor
 from graphpar.executor.simple import SimpleExecutor
 
 if TYPE_CHECKING:
@@ -51,6 +52,5 @@ def net_types() -> tuple[str, ...]:
 
 
 register_executor("simple", SimpleExecutor())
-# Until a concurrent executor lands, "dag" nets run in program order, a topological order of the
-# dependency graph, so their results are those of "simple" nets exactly.
-register_executor("dag", SimpleExecutor())
+register_executor("dag", DagExecutor())
+register_executor("async_scheduling", get_executor("dag"))  # Caffe2's name for its concurrent executor

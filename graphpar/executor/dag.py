@@ -1,0 +1,150 @@
+"""The "dag" executor: each step runs as soon as the steps it depends on are done, on worker threads.
+
+PyTorch kernels release the GIL while they compute, so the replicas of a data-parallel net, which
+share no blobs until their gradients are all-reduced, run side by side. The dependencies come from
+the plan (`core.graph.predecessors`: read-after-write, write-after-write and write-after-read,
+control inputs included), so a step never runs before a step it must follow, and collectives, chained
+by control inputs, keep one fixed order on every device. Random kernels draw from per-op streams, and
+every kernel runs with the plan's intra-op thread count, so results are bit-identical to "simple".
+
+Workers are a pool of daemon threads, shared by every run of the executor, that grows to the largest
+concurrency a plan has asked for (no threads are created per run); ready steps start in program
+order. A plan runs at most
+`budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
+`num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
+then raises the error "simple" would raise for that op, and the workspace is unchanged.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphpar.executor.failure import op_failure
+from graphpar.executor.frame import commit, open_frame
+from graphpar.executor.threads import thread_budget
+
+if TYPE_CHECKING:
+    from graphpar.executor.plan import Plan
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the dag executor derives once per plan: successors, in-degrees and its concurrency."""
+
+    successors: tuple[tuple[int, ...], ...]
+    indegree: tuple[int, ...]
+    roots: tuple[int, ...]
+    concurrency: int
+
+
+def make_schedule(plan: Plan) -> Schedule:
+    """The schedule of `plan`: who waits for whom, and how many steps may run at once."""
+    successors: list[list[int]] = [[] for _ in plan.steps]
+    for j, before in enumerate(plan.dependencies):
+        for i in before:
+            successors[i].append(j)
+    indegree = tuple(len(before) for before in plan.dependencies)
+    concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
+                             len(plan.steps)))
+    return Schedule(tuple(map(tuple, successors)), indegree, tuple(j for j, n in enumerate(indegree) if n == 0),
+                    concurrency)
+
+
+class _Run:
+    """The state of one run: pending counts, the frame, the first failure, and who is waiting."""
+
+    def __init__(self, plan: Plan, frame: list, schedule: Schedule) -> None:
+        self.plan, self.frame, self.schedule = plan, frame, schedule
+        self.pending = list(schedule.indegree)
+        self.left = len(plan.steps)  # steps not finished (run, or skipped after a failure)
+        self.running = 0
+        self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
+        self.failure: tuple[int, Exception] | None = None
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+
+
+class DagExecutor:
+    """Runs a plan's steps concurrently as their dependencies complete (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._grow = threading.Lock()
+        self._schedules: weakref.WeakKeyDictionary[Plan, Schedule] = weakref.WeakKeyDictionary()
+
+    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+        frame = open_frame(plan, blobs)
+        if plan.steps:
+            schedule = self._schedules.get(plan)
+            if schedule is None:
+                schedule = self._schedules[plan] = make_schedule(plan)
+            self._ensure_workers(schedule.concurrency)
+            state = _Run(plan, frame, schedule)
+            with state.lock:
+                self._release(state, list(schedule.roots))
+            state.finished.wait()
+            if state.failure is not None:
+                index, exc = state.failure
+                raise op_failure(plan, frame, index, exc) from exc
+        commit(plan, frame, blobs)
+
+    def worker_count(self) -> int:
+        """How many worker threads exist (they are shared by every run and never shrink)."""
+        return len(self._workers)
+
+    def _ensure_workers(self, count: int) -> None:
+        with self._grow:
+            while len(self._workers) < count:
+                worker = threading.Thread(target=self._work, name=f"graphpar-dag-{len(self._workers)}",
+                                          daemon=True)
+                worker.start()
+                self._workers.append(worker)
+
+    def _release(self, state: _Run, ready: list[int]) -> None:
+        """Hand ready steps to the workers, up to the plan's concurrency (call with state.lock held)."""
+        for index in ready:
+            heapq.heappush(state.backlog, index)
+        while state.backlog and state.running < state.schedule.concurrency:
+            state.running += 1
+            self._tasks.put((state, heapq.heappop(state.backlog)))
+
+    def _work(self) -> None:
+        threads = torch.get_num_threads()
+        while True:
+            state, index = self._tasks.get()
+            plan = state.plan
+            if threads != plan.intra_op_threads:
+                threads = plan.intra_op_threads
+                torch.set_num_threads(threads)
+            error = None
+            if state.failure is None:
+                try:
+                    plan.runs[index](state.frame)
+                except Exception as exc:  # reported by the thread that called run()
+                    error = exc
+            with state.lock:
+                state.running -= 1
+                state.left -= 1
+                if error is not None and state.failure is None:
+                    state.failure = (index, error)
+                if state.failure is None:
+                    ready = []
+                    for j in state.schedule.successors[index]:
+                        state.pending[j] -= 1
+                        if state.pending[j] == 0:
+                            ready.append(j)
+                    self._release(state, ready)
+                elif state.running == 0:
+                    state.backlog.clear()
+                    state.finished.set()
+                    continue
+                if state.left == 0:
+                    state.finished.set()

@@ -1,0 +1,106 @@
+"""The concurrent "dag" executor: real overlap, dependencies kept, simple's results and errors, no thread growth."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import workspace
+from graphpar.core import CPU, DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import register_op, scoped_registry
+from graphpar.errors import OperatorError
+from graphpar.executor import get_executor
+
+CPU0, CPU1 = DeviceOption(CPU, 0), DeviceOption(CPU, 1)  # two CPU replicas: one intra-op thread each
+
+
+@pytest.fixture(autouse=True)
+def _two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+
+
+def _rendezvous_op(barrier: threading.Barrier, seen: list) -> None:
+    def kernel(a, ctx):  # noqa: ANN001, ANN202
+        def run(x: torch.Tensor) -> torch.Tensor:
+            seen.append(threading.current_thread().name)
+            barrier.wait(timeout=10)  # both branches must be inside their kernels at once
+            return x + 1
+        return run
+
+    register_op("_TestRendezvous", kernel=kernel, doc="Test op: waits for its twin on another thread.")
+
+
+def test_independent_branches_run_at_the_same_time_on_worker_threads():
+    barrier, seen = threading.Barrier(2), []
+    with scoped_registry():
+        _rendezvous_op(barrier, seen)
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        net = NetDef("overlap", [OperatorDef("_TestRendezvous", ["x"], ["a"], device_option=CPU0),
+                                 OperatorDef("_TestRendezvous", ["x"], ["b"], device_option=CPU1),
+                                 OperatorDef("Add", ["a", "b"], ["c"])], type="dag", num_workers=2)
+        workspace.RunNetOnce(net)
+    np.testing.assert_array_equal(workspace.FetchBlob("c"), [2.0, 2.0])
+    assert len(set(seen)) == 2 and all(name.startswith("graphpar-dag-") for name in seen)
+
+
+def test_dependencies_are_kept_including_writes_after_reads():
+    workspace.FeedBlob("x", np.ones(3, np.float32))
+    ops = [OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0}),
+           OperatorDef("Scale", ["x"], ["z"], {"scale": 3.0}),
+           OperatorDef("Scale", ["y"], ["x"], {"scale": 5.0}),  # must wait for both reads of x
+           OperatorDef("Add", ["x", "z"], ["w"])]
+    for net_type in ("simple", "dag"):
+        workspace.FeedBlob("x", np.ones(3, np.float32))
+        workspace.RunNetOnce(NetDef(f"deps_{net_type}", [op.copy() for op in ops], type=net_type, num_workers=4))
+        np.testing.assert_array_equal(workspace.FetchBlob("w"), [13.0] * 3)
+
+
+def test_a_failing_kernel_raises_simples_error_and_changes_nothing():
+    def build(net_type: str) -> NetDef:
+        return NetDef(f"fails_{net_type}", [OperatorDef("Relu", ["x"], ["h"]),
+                                            OperatorDef("Relu", ["x"], ["g"]),
+                                            OperatorDef("Add", ["h", "bad"], ["y"]),
+                                            OperatorDef("Relu", ["y"], ["z"])], type=net_type, num_workers=2)
+
+    messages = {}
+    for net_type in ("simple", "dag"):
+        workspace.ResetWorkspace()
+        workspace.FeedBlob("x", np.ones(3, np.float32))
+        workspace.FeedBlob("bad", np.ones(4, np.float32))
+        with pytest.raises(OperatorError) as info:
+            workspace.RunNetOnce(build(net_type))
+        messages[net_type] = str(info.value).replace(net_type, "T")
+        assert workspace.Blobs() == ["bad", "x"]
+    assert messages["dag"] == messages["simple"] and "op #2 (Add)" in messages["dag"]
+    workspace.FeedBlob("bad", np.ones(3, np.float32))  # the executor is still usable
+    workspace.RunNetOnce(build("dag"))
+    np.testing.assert_array_equal(workspace.FetchBlob("z"), [2.0] * 3)
+
+
+def test_repeated_runs_and_creates_start_no_new_threads():
+    workspace.FeedBlob("x", np.ones(8, np.float32))
+    net = NetDef("loop", [OperatorDef("Relu", ["x"], [f"y{i}"]) for i in range(6)], type="dag", num_workers=8)
+    workspace.CreateNet(net)
+    workspace.RunNet(net.name)
+    before = threading.active_count()
+    for _ in range(20):
+        workspace.CreateNet(net, overwrite=True)
+        workspace.RunNet(net.name, 3)
+    assert threading.active_count() == before
+    assert get_executor("dag").worker_count() <= 8
+
+
+def test_concurrency_respects_the_thread_budget(monkeypatch: pytest.MonkeyPatch):
+    from graphpar.executor.dag import make_schedule
+
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    net = NetDef("wide", [OperatorDef("Relu", ["x"], [f"y{i}"]) for i in range(8)], type="dag", num_workers=16)
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "3")
+    plan = workspace.get_workspace().create_net(net)
+    assert plan.intra_op_threads == 3 and make_schedule(plan).concurrency == 1
+    cpu = [OperatorDef("Relu", ["x"], [f"y{i}"], device_option=DeviceOption(CPU, i % 4)) for i in range(8)]
+    plan = workspace.get_workspace().create_net(NetDef("replicas", cpu, type="dag", num_workers=16))
+    assert plan.intra_op_threads == 1 and make_schedule(plan).concurrency == 3
