@@ -140,10 +140,14 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
             Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
             N times its own batch).
-        blobs_to_keep, max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2
-            compatibility; they matter only with the options not supported yet.
-        rendezvous, optimize_gradient_memory, dynamic_memory_management: not supported yet
-            (NotImplementedError).
+        dynamic_memory_management: the train net frees every intermediate right after its last use
+            within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
+            counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
+            fetching a freed blob afterwards raises an error naming the option. Same results.
+        blobs_to_keep: unscoped names kept on every replica under dynamic_memory_management.
+        max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2 compatibility;
+            they matter only with multi-host training, not supported yet.
+        rendezvous, optimize_gradient_memory: not supported yet (NotImplementedError).
 
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
@@ -158,8 +162,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
-    _refuse_unsupported(rendezvous=rendezvous is not None, optimize_gradient_memory=optimize_gradient_memory,
-                        dynamic_memory_management=dynamic_memory_management)
+    _refuse_unsupported(rendezvous=rendezvous is not None, optimize_gradient_memory=optimize_gradient_memory)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
@@ -169,7 +172,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
-        combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes)
+        combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
+        _blob_names(blobs_to_keep, "blobs_to_keep"))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -482,6 +486,16 @@ def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_bu
             or num_threads_per_device < 1:
         raise ParallelizeError(f"Parallelize: num_threads_per_device must be an int >= 1, "
                                f"got {num_threads_per_device!r}")
+
+
+def _blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
+    """`names` as a tuple of strs; TypeError for anything but an iterable of non-empty strs."""
+    if names is None:
+        return ()
+    listed = () if isinstance(names, str) else tuple(names)
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in listed):
+        raise TypeError(f"Parallelize: {what} must be a list of blob names, got {names!r}")
+    return tuple(str(n) for n in listed)
 
 
 def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -> None:

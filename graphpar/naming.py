@@ -97,3 +97,5 @@ def adam_moment_names(param: str) -> tuple[str, str]:
 
 OPTIMIZER_ITERATION = "optimizer_iteration"  # the model's one unscoped CPU iteration counter (Caffe2's name)
 LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection` (Caffe2's name)
+DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free intermediates at their last use
+KEEP_ARG = "blobs_to_keep"  # net argument: blobs a run keeps whatever else holds

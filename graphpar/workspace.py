@@ -122,6 +122,12 @@ class Workspace:
         key = _blob_key(name)
         tensor = self.blobs.get(key)
         if tensor is None:
+            freed = next((plan.name for plan in self.nets.values() if key in plan.frame.drops), None)
+            if freed is not None:
+                raise MissingBlobError(
+                    f"blob {key!r} is an intermediate that net {freed!r} frees after its last use "
+                    f"(dynamic_memory_management); to fetch it after a run, keep it: Parallelize("
+                    f"blobs_to_keep=[...]) with its unscoped name, or the net argument blobs_to_keep")
             close = difflib.get_close_matches(key, self.blobs, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise MissingBlobError(f"blob {key!r} does not exist in workspace {self.name!r}.{hint}")

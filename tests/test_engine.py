@@ -10,6 +10,7 @@ import pytest
 from graphpar import data_parallel_model as dpm
 from graphpar import model_helper, optimizer, workspace
 from graphpar.devices import cuda_on_cpu
+from graphpar.errors import MissingBlobError
 from graphpar.models import lenet, mlp, resnet18
 
 STEPS = 3
@@ -71,3 +72,17 @@ def test_dag_trains_bit_identically_to_simple(case: str, monkeypatch: pytest.Mon
     model_name, devices, options = CASES[case]
     simple = train(model_name, devices, net_type="simple", **options)
     assert_identical(train(model_name, devices, net_type="dag", **options), simple)
+
+
+@pytest.mark.parametrize("case", ["mlp buckets", "resnet18 combined bn", "mlp shared model"])
+def test_dynamic_memory_management_trains_identically_and_keeps_what_a_user_fetches(case: str):
+    model_name, devices, options = CASES[case]
+    reference = train(model_name, devices, **options)
+    freed = train(model_name, devices, dynamic_memory_management=True, blobs_to_keep=["softmax"], **options)
+    kept = {name: value for name, value in reference.items() if not name.endswith("_grad")}
+    assert_identical(freed, kept)  # params, momenta, computed params, losses and the counter: gradients freed
+    assert workspace.HasBlob("cpu_1/softmax" if not options.get("gpu") else "gpu_1/softmax")
+    intermediate = "cpu_0/pred_grad"
+    with pytest.raises(MissingBlobError, match=r"frees after its last use \(dynamic_memory_management\).*"
+                                               r"blobs_to_keep"):
+        workspace.FetchBlob(intermediate)

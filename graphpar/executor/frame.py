@@ -24,12 +24,11 @@ import torch
 from graphpar.core.graph import blob_lifetimes
 from graphpar.core.ir import NetDef
 from graphpar.executor.failure import missing_at_run
+from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan
 
-DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free transients at their last use
-KEEP_ARG = "blobs_to_keep"  # net argument: names that are persistent whatever else holds
 
 
 @dataclass(frozen=True)

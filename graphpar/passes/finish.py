@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import Trait, has_trait
+from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 from graphpar.passes.common import declare_external_inputs
 from graphpar.passes.state import ParallelState
 
@@ -48,6 +49,17 @@ def declare_inputs(state: ParallelState) -> None:
     """Declare, in every model net, the blobs read before they are written as external inputs."""
     for net in state.netdefs():
         declare_external_inputs(net)
+
+
+def free_intermediates(state: ParallelState) -> None:
+    """`dynamic_memory_management`: the train net frees intermediates at their last use, keeping each
+    replica's losses and the user's `blobs_to_keep` (on every replica) besides its persistent blobs."""
+    layout = state.layout
+    keep = [layout.scoped(d, name) for d in layout.devices for name in state.options.blobs_to_keep]
+    keep += [str(loss) for losses in state.losses_by_device.values() for loss in losses]
+    args = state.model.net.Proto().args
+    args[DYNAMIC_MEMORY_ARG] = 1
+    args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *keep]))
 
 
 def set_net_lists(state: ParallelState) -> None:

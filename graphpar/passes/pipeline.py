@@ -105,6 +105,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mark_first_iteration_serial", finish.mark_first_iteration_serial, training),
     Pass("initial_sync", sync.initial_sync, training),
     Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
+    Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
     Pass("order_collectives", finish.order_collectives),

@@ -44,6 +44,8 @@ class ParallelizeOptions:
     combine_spatial_bn: bool = False
     gradient_bucket_bytes: int | None = None
     first_bucket_bytes: int = 1024 * 1024
+    dynamic_memory_management: bool = False
+    blobs_to_keep: tuple[str, ...] = ()
 
     @property
     def training(self) -> bool:
