@@ -59,7 +59,8 @@ class Profile:
     """The per-op times of `num_iter` runs of net `net`; `records` are in program order.
 
     `total_ms` is the sum of the op times; `wall_ms` the wall-clock time of the whole profiled loop,
-    which also counts the loop's own overhead (and device synchronisation).
+    which also counts the executor's own overhead (and device synchronisation). On a concurrent
+    executor ("dag") ops overlap, so `total_ms` may exceed `wall_ms`.
     """
 
     net: str

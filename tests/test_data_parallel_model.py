@@ -609,7 +609,6 @@ MISUSES = {
     "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
     "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
     "memonger": (dict(optimize_gradient_memory=True), NotImplementedError, "optimize_gradient_memory"),
-    "dynamic memory": (dict(dynamic_memory_management=True), NotImplementedError, "dynamic_memory"),
     "zero bucket bytes": (dict(gradient_bucket_bytes=0), ParallelizeError, "gradient_bucket_bytes must be >= 1"),
     "negative first bucket": (dict(gradient_bucket_bytes=64, first_bucket_bytes=-1), ParallelizeError,
                               "first_bucket_bytes must be >= 1"),
