@@ -48,6 +48,7 @@ from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
 from graphpar.passes.common import DeviceLayout, declare_external_inputs
 from graphpar.passes.finish import chain_collectives
+from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import PeerAccess, make_reducer
@@ -145,9 +146,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
             fetching a freed blob afterwards raises an error naming the option. Same results.
         blobs_to_keep: unscoped names kept on every replica under dynamic_memory_management.
+        optimize_gradient_memory: each replica's gradient blobs whose lifetimes do not overlap share
+            one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
+            gradients are never shared. Same results; may be combined with dynamic_memory_management
+            (Caffe2 refused the combination).
         max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2 compatibility;
             they matter only with multi-host training, not supported yet.
-        rendezvous, optimize_gradient_memory: not supported yet (NotImplementedError).
+        rendezvous: not supported yet (NotImplementedError).
 
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
@@ -162,7 +167,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
-    _refuse_unsupported(rendezvous=rendezvous is not None, optimize_gradient_memory=optimize_gradient_memory)
+    _refuse_unsupported(rendezvous=rendezvous is not None)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
@@ -173,7 +178,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        _blob_names(blobs_to_keep, "blobs_to_keep"))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -217,13 +222,23 @@ def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> NoReturn
 
 
 def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blobs: Iterable[str],  # noqa: N802
-                           recycle_activations: bool) -> NoReturn:
-    """Share gradient buffers within each replica (Caffe2's memonger): not supported yet.
+                           recycle_activations: bool) -> None:
+    """Share blob names within each replica of a parallelized model (Caffe2's memonger).
+
+    Call it after Parallelize and before RunInitNet creates the nets. Gradient blobs whose lifetimes
+    do not overlap share one name; with `recycle_activations`, forward activations too. Param
+    gradients, params, losses, blobs touched by cross-device ops and `excluded_blobs` (unscoped names,
+    kept on every replica) are never shared. Results are unchanged.
+
+    Args:
+        input_shapes: {unscoped input blob: shape}, as Caffe2 took it (graphpar needs no shapes here).
 
     Raises:
-        NotImplementedError: always.
+        ParallelizeError: the model was not parallelized.
+        TypeError: `excluded_blobs` is not a list of blob names.
     """
-    raise NotImplementedError("OptimizeGradientMemory (gradient blob sharing) is not supported yet")
+    state = _state_of(model)
+    optimize_memory(state, _blob_names(excluded_blobs, "excluded_blobs"), recycle_activations)
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -494,7 +509,7 @@ def _blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
         return ()
     listed = () if isinstance(names, str) else tuple(names)
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in listed):
-        raise TypeError(f"Parallelize: {what} must be a list of blob names, got {names!r}")
+        raise TypeError(f"{what} must be a list of blob names, got {names!r}")
     return tuple(str(n) for n in listed)
 
 

@@ -85,6 +85,11 @@ def stripBlobName(blob: str | GradientSlice) -> str:  # noqa: N802 - Caffe2 name
     return blob.split(SCOPE_SEPARATOR, 1)[1] if SCOPE_SEPARATOR in blob else str(blob)
 
 
+def shared_blob_name(namescope: str, k: int) -> str:
+    """The k-th name blobs of `namescope` share under the memory optimiser (Caffe2's `__m{k}_shared`)."""
+    return f"{namescope}__m{k}_shared"
+
+
 def momentum_name(param: str) -> str:
     """The momentum state blob of `param` under SGD with momentum (Caffe2: `fc_w` -> `fc_w_momentum`)."""
     return f"{param}_momentum"

@@ -608,7 +608,6 @@ MISUSES = {
     "non-int device ids": (dict(devices=["0"]), TypeError, "int device ids"),
     "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
     "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
-    "memonger": (dict(optimize_gradient_memory=True), NotImplementedError, "optimize_gradient_memory"),
     "zero bucket bytes": (dict(gradient_bucket_bytes=0), ParallelizeError, "gradient_bucket_bytes must be >= 1"),
     "negative first bucket": (dict(gradient_bucket_bytes=64, first_bucket_bytes=-1), ParallelizeError,
                               "first_bucket_bytes must be >= 1"),
@@ -678,7 +677,8 @@ def test_parallelizing_twice_and_non_models_are_refused():
 def test_helpers_of_models_that_were_not_parallelized_raise():
     model = model_helper.ModelHelper(name="plain")
     for call in (dpm.RunInitNet, lambda m: dpm.RunNet(m, 1), dpm.GetCheckpointParams, dpm.GetDevices,
-                 lambda m: dpm.AddBlobSync(m, ["x"]), dpm.FinalizeAfterCheckpoint):
+                 lambda m: dpm.AddBlobSync(m, ["x"]), dpm.FinalizeAfterCheckpoint,
+                 lambda m: dpm.OptimizeGradientMemory(m, {}, [], False)):
         with pytest.raises(ParallelizeError, match="not parallelized"):
             call(model)
 
@@ -689,8 +689,6 @@ def test_not_yet_supported_entry_points_raise():
         dpm.Parallelize_BMUF(model, lambda m: None, MLP, lambda m: None)
     with pytest.raises(NotImplementedError, match="rendezvous"):
         dpm.AddDistributedBlobSync(model, ["x"])
-    with pytest.raises(NotImplementedError, match="OptimizeGradientMemory"):
-        dpm.OptimizeGradientMemory(model, {}, [], False)
 
 
 # ---- the rest of the API --------------------------------------------------------------------------

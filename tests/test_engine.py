@@ -86,3 +86,29 @@ def test_dynamic_memory_management_trains_identically_and_keeps_what_a_user_fetc
     with pytest.raises(MissingBlobError, match=r"frees after its last use \(dynamic_memory_management\).*"
                                                r"blobs_to_keep"):
         workspace.FetchBlob(intermediate)
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn combined bn on cuda with nccl", "resnet18 combined bn", "mlp buckets"])
+def test_gradient_memory_sharing_trains_identically_alone_and_with_freeing(case: str):
+    model_name, devices, options = CASES[case]
+    reference = train(model_name, devices, **options)
+    shared = train(model_name, devices, optimize_gradient_memory=True, **options)
+    assert_identical(shared, reference)
+    both = train(model_name, devices, optimize_gradient_memory=True, dynamic_memory_management=True, **options)
+    assert_identical(both, {name: value for name, value in reference.items() if not name.endswith("_grad")})
+
+
+def test_optimize_gradient_memory_shares_names_and_recycles_activations_on_request():
+    counts = {}
+    for recycle in (False, True):
+        workspace.ResetWorkspace()
+        model = model_helper.ModelHelper(name="memonger")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MODELS["resnet18"][0],
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9),
+                        devices=[0, 1], cpu_device=True)
+        before = {b for op in model.net.Proto().ops for b in op.outputs}
+        dpm.OptimizeGradientMemory(model, {}, ["softmax"], recycle_activations=recycle)
+        after = {b for op in model.net.Proto().ops for b in op.outputs}
+        assert {"cpu_0/softmax", "cpu_1/softmax"} <= after and {g for g in model.param_to_grad.values()} <= after
+        counts[recycle] = (len(before), len(after))
+    assert counts[True][1] < counts[False][1] < counts[False][0]

@@ -28,6 +28,7 @@ from graphpar.passes import (
     inter_device_bn,
     interleave,
     loss_gradients,
+    memonger,
     shared_model,
     sync,
 )
@@ -105,6 +106,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("mark_first_iteration_serial", finish.mark_first_iteration_serial, training),
     Pass("initial_sync", sync.initial_sync, training),
     Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
+    Pass("share_gradient_memory", memonger.share_gradient_memory, _option("optimize_gradient_memory")),
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),

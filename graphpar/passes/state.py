@@ -45,6 +45,7 @@ class ParallelizeOptions:
     gradient_bucket_bytes: int | None = None
     first_bucket_bytes: int = 1024 * 1024
     dynamic_memory_management: bool = False
+    optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
 
     @property
