@@ -45,12 +45,23 @@ class Schedule:
 
 
 def make_schedule(plan: Plan) -> Schedule:
-    """The schedule of `plan`: who waits for whom, and how many steps may run at once."""
+    """The schedule of `plan`: who waits for whom, and how many steps may run at once.
+
+    Besides `plan.dependencies`, every in-place update waits for every other step before the first
+    update (`Plan.updates`): they all feed one gate step, the last of them in program order, whose
+    completion then counts for each update (the gate's own dependencies are made to cover them all).
+    """
+    dependencies = [set(before) for before in plan.dependencies]
+    if plan.updates:
+        first = min(plan.updates)
+        gate = [i for i in range(first) if i not in plan.updates]
+        for j in plan.updates:
+            dependencies[j].update(gate)
     successors: list[list[int]] = [[] for _ in plan.steps]
-    for j, before in enumerate(plan.dependencies):
+    for j, before in enumerate(dependencies):
         for i in before:
             successors[i].append(j)
-    indegree = tuple(len(before) for before in plan.dependencies)
+    indegree = tuple(len(before) for before in dependencies)
     concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
                              len(plan.steps)))
     return Schedule(tuple(map(tuple, successors)), indegree, tuple(j for j, n in enumerate(indegree) if n == 0),

@@ -59,7 +59,9 @@ class Plan:
     `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
     are persistent (they outlive a run) and which slots an executor may free after each step;
     `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
-    (`executor.threads`).
+    (`executor.threads`). `updates` are the steps that update state in place (Trait.INPLACE_UPDATE):
+    an executor starts none of them before every other step that precedes the first of them in
+    program order has finished, so a run that fails before its updates leaves the state as it was.
     """
 
     netdef: NetDef
@@ -69,6 +71,7 @@ class Plan:
     frame: FrameLayout
     workspace_name: str
     intra_op_threads: int
+    updates: frozenset[int]
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
@@ -116,8 +119,9 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
     cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
+    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
     return Plan(netdef, steps, predecessors(netdef), {blob: span[1] for blob, span in lifetimes.items()},
-                frame, workspace.name, intra_op_threads(cpu_replicas))
+                frame, workspace.name, intra_op_threads(cpu_replicas), updates)
 
 
 def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:
