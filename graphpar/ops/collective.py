@@ -20,6 +20,7 @@ import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
 from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, Trait, register_op, same_index
+from graphpar.ops.common import op_label
 
 _COLLECTIVE = (Trait.COLLECTIVE, Trait.CROSS_DEVICE)
 
@@ -32,7 +33,7 @@ def _devices(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
 
 
 def _check(ctx: KernelContext) -> str:
-    where = f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
+    where = op_label(ctx.op)
     if len(ctx.op.inputs) != len(ctx.op.outputs):
         raise ValueError(f"{where}: needs one output per input, got {len(ctx.op.inputs)} inputs and "
                          f"{len(ctx.op.outputs)} outputs")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphpar.core.schema import NO_GRADIENT, Arg, KernelContext, Trait, register_op
+from graphpar.ops.common import op_label
 
 
 class DataType(IntEnum):
@@ -66,10 +67,6 @@ def to_torch_dtype(value: Any, where: str = "dtype") -> torch.dtype:
                      f"{sorted(_NAMES)}, or a torch.dtype")
 
 
-def _where(ctx: KernelContext) -> str:
-    return f"{ctx.op.type} op writing {list(ctx.op.outputs)}"
-
-
 _SHAPE_ARGS = {"shape": Arg("ints", ()), "extra_shape": Arg("ints", ()), "input_as_shape": False,
                "dtype": Arg("any", None)}
 
@@ -79,20 +76,20 @@ def _shape_fn(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple[int
     extra = tuple(a.extra_shape)
     if not ctx.op.inputs:
         if a.input_as_shape:
-            raise ValueError(f"{_where(ctx)}: input_as_shape=True needs a shape input")
+            raise ValueError(f"{op_label(ctx.op)}: input_as_shape=True needs a shape input")
         shape = tuple(a.shape) + extra
         return lambda: shape
     if a.shape:
-        raise ValueError(f"{_where(ctx)}: pass either the `shape` argument or an input, not both")
+        raise ValueError(f"{op_label(ctx.op)}: pass either the `shape` argument or an input, not both")
     if a.input_as_shape:
         return lambda x: tuple(int(v) for v in x.reshape(-1).tolist()) + extra
     return lambda x: tuple(x.shape) + extra
 
 
 def _float_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype:
-    dtype = torch.float32 if a.dtype is None else to_torch_dtype(a.dtype, _where(ctx))
+    dtype = torch.float32 if a.dtype is None else to_torch_dtype(a.dtype, op_label(ctx.op))
     if not dtype.is_floating_point:
-        raise ValueError(f"{_where(ctx)}: random fills produce floating-point tensors, got dtype {dtype}")
+        raise ValueError(f"{op_label(ctx.op)}: random fills produce floating-point tensors, got dtype {dtype}")
     return dtype
 
 
@@ -105,7 +102,7 @@ def _register_fill(type_: str, doc: str, kernel: Callable[..., Any], random: boo
 def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | None:
     """The declared dtype; else Caffe2's rule (an int `value` gives int64, a bool bool); else None."""
     if a.dtype is not None:
-        return to_torch_dtype(a.dtype, _where(ctx))
+        return to_torch_dtype(a.dtype, op_label(ctx.op))
     if isinstance(a.value, bool):
         return torch.bool
     if isinstance(a.value, numbers.Integral):
@@ -115,7 +112,7 @@ def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | Non
 
 def _constant_fill(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     if not isinstance(a.value, numbers.Real):
-        raise TypeError(f"{_where(ctx)}: `value` must be a number, got {a.value!r}")
+        raise TypeError(f"{op_label(ctx.op)}: `value` must be a number, got {a.value!r}")
     shape_of, dtype, device = _shape_fn(a, ctx), _constant_dtype(a, ctx), ctx.device
 
     def fill(*x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +135,7 @@ def _random_fill(draw: Callable[..., Any]) -> Callable:
 
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
         shape_of, dtype, device = _shape_fn(a, ctx), _float_dtype(a, ctx), ctx.device
-        next_generator, where, host = ctx.random_stream(), _where(ctx), torch.device("cpu")
+        next_generator, where, host = ctx.random_stream(), op_label(ctx.op), torch.device("cpu")
 
         def fill(*x: torch.Tensor) -> torch.Tensor:
             out = torch.empty(shape_of(*x), dtype=dtype)
@@ -187,7 +184,7 @@ def _given_fill(dtype: torch.dtype) -> Callable:
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Tensor]:
         shape = tuple(a.shape)
         if len(a.values) != math.prod(shape):
-            raise ValueError(f"{_where(ctx)}: {len(a.values)} values do not fill shape {shape} "
+            raise ValueError(f"{op_label(ctx.op)}: {len(a.values)} values do not fill shape {shape} "
                              f"({math.prod(shape)} elements)")
         value = torch.tensor(a.values, dtype=dtype).reshape(shape).to(ctx.device)
         return value.clone

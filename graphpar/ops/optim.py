@@ -16,12 +16,9 @@ import torch
 
 from graphpar.core.ir import DeviceOption
 from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, Trait, register_op
+from graphpar.ops.common import op_label
 
 _HOST = DeviceOption()
-
-
-def _where(ctx: KernelContext) -> str:
-    return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
 
 
 _COUNTER = (Trait.COUNTER, Trait.INPLACE_UPDATE)
@@ -173,7 +170,7 @@ def learning_rate_schedule(a: SimpleNamespace, where: str) -> Schedule:
 
 
 def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    schedule = learning_rate_schedule(a, _where(ctx))
+    schedule = learning_rate_schedule(a, op_label(ctx.op))
     base_lr, device = a.base_lr, ctx.device
     return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
 
@@ -227,7 +224,7 @@ register_op(
 
 
 def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
-    beta1, beta2, eps, where = a.beta1, a.beta2, a.epsilon, _where(ctx)
+    beta1, beta2, eps, where = a.beta1, a.beta2, a.epsilon, op_label(ctx.op)
 
     def run(p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor, lr: torch.Tensor,
             it: torch.Tensor) -> tuple:
