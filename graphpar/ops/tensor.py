@@ -4,7 +4,8 @@ Each op is one registration (schema, kernel, gradient maker, doc); gradient ops 
 ops of their own (`AddGradient`, `SumElementsGradient`, ...) follow their forward op and name it
 (`ops.common.register_gradient`), so autodiff's copy of the forward args parses. Gradients use
 explicit formulas. Kernels are functional: they may return an input (or a view of it) unchanged, never
-modify one.
+modify one. Reshape and Split read their sizes input on the host (Trait.HOST_SYNC): their shape rules
+leave what it decides unknown.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
-from graphpar.core.schema import GI, NO_GRADIENT, Arg, KernelContext, Trait, gradient_op, register_op
+from graphpar.core.schema import (
+    GI,
+    NO_GRADIENT,
+    Arg,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    gradient_op,
+    register_op,
+)
+from graphpar.core.shapes import on_meta
 from graphpar.errors import GradientError
 from graphpar.ops.common import Maker, elementwise_grad, one_input_gradient, op_label, register_gradient
 from graphpar.ops.fill import to_torch_dtype
@@ -255,6 +266,14 @@ def _reshape_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tup
     return run
 
 
+def _reshape_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    """Y is unknown with a shape input (its values decide); the old shape is X's rank in int64."""
+    run = _reshape_kernel(a, ctx)
+    if len(inputs) == 1:
+        return on_meta(run, inputs)
+    return [None, TensorSpec((len(inputs[0].shape),), torch.int64)]
+
+
 def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
     dx = GI(op, 0)
     return ([gradient_op("Reshape", [g[0], op.outputs[1]], [dx, f"_{dx}_dims"])],
@@ -263,8 +282,8 @@ def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 register_op(
     "Reshape", inputs=(1, 2), outputs=2, inplace={(0, 0)}, args={"shape": Arg("ints", None)},
-    kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False,
-    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
+    kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False, infer=_reshape_infer,
+    traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
     doc="Y = X reshaped to `shape` (or the CPU int64 second input); a 0 keeps X's dim at that index, "
         "one -1 is inferred. Output 1 is X's old shape (CPU int64). Gradient Reshape(dY, old_shape).")
 
@@ -327,6 +346,12 @@ def _split_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
     return run
 
 
+def _split_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    """Unknown outputs with a sizes input (its values decide), else the kernel's on meta tensors."""
+    run = _split_kernel(a, ctx)
+    return on_meta(run, inputs) if len(inputs) == 1 else [None] * len(ctx.op.outputs)
+
+
 def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
     zeros = [gradient_op("ConstantFill", [out], [f"_{out}_grad_zeros"], value=0.0)
              for out, dy in zip(op.outputs, g) if dy is None]
@@ -339,8 +364,8 @@ def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 register_op(
     "Split", inputs=(1, 2), outputs=(1, None), args={**_AXIS_ARGS, "split": Arg("ints", ())},
-    kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False,
-    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
+    kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False, infer=_split_infer,
+    traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
     doc="Outputs = X cut along `axis` into the sizes of `split` (or the CPU second input; default equal "
         "parts); add_axis drops the axis (sizes 1). Gradient Concat(dY...), zeros for missing dY.")
 
