@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+import graphpar.executor.plan as plan_module
+from graphpar import workspace
 from graphpar.core import CPU, CUDA, DeviceOption, Net, NetDef, OperatorDef
 from graphpar.core.graph import blob_devices
 from graphpar.core.schema import (
@@ -222,3 +224,40 @@ def test_replicated_ops_are_inferred_once(counted: dict[str, int], op_type: str,
     counted[counter] = 0
     infer_specs(NetDef("replicas", ops), feeds)
     assert counted[counter] == 5
+
+
+# ---- CreateNet ------------------------------------------------------------------------------------------
+
+
+def test_create_net_reports_a_shape_mismatch_naming_the_op_before_anything_runs() -> None:
+    for name, value in _mlp_feeds(inner=4).items():
+        if isinstance(value, torch.Tensor):
+            workspace.FeedBlob(name, value.numpy())
+    workspace.FeedBlob("w2", np.zeros((2, 5), np.float32))
+    workspace.FeedBlob("b2", np.zeros(2, np.float32))
+    net = _mlp()
+    before = workspace.Blobs()
+    with pytest.raises(ValueError, match=r"op #0 \(FC\) \(recorded at .*test_shapes.py:\d+\).*same reduction dim"):
+        workspace.CreateNet(net)
+    assert workspace.Blobs() == before
+    workspace.FeedBlob("w1", np.zeros((5, 3), np.float32))
+    workspace.CreateNet(net)
+    workspace.RunNet(net)
+    assert workspace.FetchBlob("p").shape == (8, 2)
+
+
+def test_inference_at_create_net_leaves_the_random_streams_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout and random fills draw the same values as if CreateNet inferred nothing."""
+    netdef = NetDef("random", [OperatorDef("GaussianFill", [], ["g"], {"shape": [64]}),
+                               OperatorDef("Dropout", ["g"], ["y", "mask"], {"ratio": 0.5})])
+
+    def run() -> list[np.ndarray]:
+        workspace.ResetWorkspace()
+        workspace.CreateNet(netdef)
+        workspace.RunNet(netdef, 2)
+        return [workspace.FetchBlob(b) for b in ("g", "y", "mask")]
+
+    inferred = run()
+    monkeypatch.setattr(plan_module, "infer_specs", lambda netdef, feeds: {})
+    for got, expected in zip(run(), inferred):
+        np.testing.assert_array_equal(got, expected)
