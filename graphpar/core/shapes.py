@@ -15,7 +15,7 @@ net's replicas, are inferred once per call.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -53,11 +53,13 @@ class BlobSpec(NamedTuple):
 Feeds = Mapping[str, "BlobSpec | torch.Tensor"]
 
 
-def infer_specs(netdef: NetDef, feeds: Feeds | None = None) -> dict[str, BlobSpec | None]:
+def infer_specs(netdef: NetDef, feeds: Feeds | None = None,
+                wanted: Iterable[str] | None = None) -> dict[str, BlobSpec | None]:
     """The spec of every blob the net reads from `feeds` or writes, as it is after the net (None: unknown).
 
     `feeds` maps the blobs that exist before the net runs to their BlobSpecs or tensors; only those
-    the net reads are looked at, so a workspace's whole blob dict may be passed.
+    the net reads are looked at, so a workspace's whole blob dict may be passed. With `wanted`, only
+    the ops that the final values of those blobs depend on are inferred (the result holds their blobs).
 
     Raises:
         ValueError: an op's shape rule failed (its inputs do not fit it, or its args are wrong),
@@ -69,7 +71,8 @@ def infer_specs(netdef: NetDef, feeds: Feeds | None = None) -> dict[str, BlobSpe
     placed: dict[str, DeviceOption] = {}
     memo: dict[tuple, list[TensorSpec | None]] = {}
     net_device = netdef.device_option or DeviceOption()
-    for index, op in enumerate(netdef.ops):
+    for index in range(len(netdef.ops)) if wanted is None else _slice(netdef.ops, wanted):
+        op = netdef.ops[index]
         inputs = [known[name] if name in known else _fed(known, placed, feeds, name) for name in op.inputs]
         if not op.outputs:
             continue
@@ -81,6 +84,18 @@ def infer_specs(netdef: NetDef, feeds: Feeds | None = None) -> dict[str, BlobSpe
         placed.update(zip(op.outputs, output_devices(op, device)))
     return {name: None if spec is None else BlobSpec(spec.shape, spec.dtype, placed[name])
             for name, spec in known.items()}
+
+
+def _slice(ops: Sequence[OperatorDef], wanted: Iterable[str]) -> list[int]:
+    """The indices, in program order, of the ops that the final values of the `wanted` blobs depend on."""
+    needed, kept = set(wanted), []
+    for index in range(len(ops) - 1, -1, -1):
+        op = ops[index]
+        if any(blob in needed for blob in op.outputs):
+            kept.append(index)
+            needed.difference_update(op.outputs)
+            needed.update(op.inputs)
+    return kept[::-1]
 
 
 def on_meta(fn: Callable[..., Any], inputs: Sequence[TensorSpec | BlobSpec]) -> list[TensorSpec]:

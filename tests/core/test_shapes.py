@@ -184,6 +184,19 @@ def test_output_devices_follow_blob_devices() -> None:
         CPU0, GPU1, GPU1, CPU0, CPU0, GPU0]
 
 
+def test_wanted_infers_only_what_those_blobs_depend_on() -> None:
+    net = NetDef("init", [
+        OperatorDef("ConstantFill", [], ["bad"], {"shape": [1], "dtype": "complex"}),
+        OperatorDef("XavierFill", [], ["w"], {"shape": [3, 2]}),
+        OperatorDef("Scale", ["w"], ["w"], {"scale": 2.0}),
+        OperatorDef("Transpose", ["w"], ["wt"]),
+    ])
+    assert infer_specs(net, wanted=["wt"]) == {"w": BlobSpec((3, 2), torch.float32, CPU0),
+                                                "wt": BlobSpec((2, 3), torch.float32, CPU0)}
+    with pytest.raises(ValueError, match=r"op #0 \(ConstantFill\).*unsupported dtype"):
+        infer_specs(net)
+
+
 # ---- memoization ---------------------------------------------------------------------------------------
 
 
