@@ -129,8 +129,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
             dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat),
             the buffers are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and
-            reshaped back into the gradient blobs. Sizes come from the `shape` and dtype of the fill op
-            that creates each param in param_init_net; a param created otherwise raises
+            reshaped back into the gradient blobs. Sizes come from shape inference on the ops of
+            param_init_net that create each param; a param whose size it cannot tell raises
             ParallelizeError naming it. See `graphpar.passes.bucketing`.
         first_bucket_bytes: the first bucket's limit (default 1 MiB, DDP's), an int >= 1, so the
             first collective can start early; used only with gradient_bucket_bytes.

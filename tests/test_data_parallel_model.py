@@ -309,6 +309,13 @@ def test_bucketed_simulated_cuda_replicas_train_like_eager_pytorch(use_nccl):
     assert_params_close(final, torch_train(mlp_logits, initial, data))
 
 
+def test_bucketing_sizes_a_param_that_a_non_fill_op_creates():
+    """fc1_w is a Copy of a fill: shape inference sizes it, and training is unchanged."""
+    devices, data = [0, 1], batches(2, 4, (6,))
+    _, initial, bucketed = train(_param_copied_in_init, MLP_PARAMS, devices, data, check_replicas=True, **BUCKETS)
+    assert_params_close(bucketed, torch_train(mlp_logits, initial, data))
+
+
 def test_bucketing_replaces_only_the_all_reduce_and_leaves_the_updates_alone():
     def ops_of(model):  # the optimizers' instance numbers differ
         rename = functools.partial(re.sub, r"SgdOptimizer_\d+", "SgdOptimizer")
@@ -584,6 +591,17 @@ def _param_copied_in_init(model, loss_scale):
     return losses
 
 
+def _param_shaped_by_values(model, loss_scale):
+    """fc1_w is filled to the shape a blob holds: shape inference cannot know its size."""
+    losses = MLP(model, loss_scale)
+    init = model.param_init_net.Proto()
+    fill = next(op for op in init.ops if op.outputs == [f"{CurrentNameScope()}fc1_w"])
+    init.ops.remove(fill)
+    shape = model.param_init_net.GivenTensorInt64Fill([], "fc1_w_shape", values=fill.args["shape"], shape=[2])
+    model.param_init_net.GaussianFill(shape, "fc1_w", input_as_shape=1)
+    return losses
+
+
 def _external_params(model, loss_scale):
     model.init_params = False  # params get no init op: they cannot be synced or trained
     return MLP(model, loss_scale)
@@ -615,8 +633,8 @@ MISUSES = {
     "bool bucket bytes": (dict(gradient_bucket_bytes=True), TypeError, "gradient_bucket_bytes must be an int"),
     "str first bucket": (dict(first_bucket_bytes="1MB"), TypeError, "first_bucket_bytes must be an int"),
     "bucketing a param of unknown size": (
-        dict(forward_pass_builder_fun=_param_copied_in_init, gradient_bucket_bytes=64), ParallelizeError,
-        "size of param 'cpu_0/fc1_w', but its Copy op"),
+        dict(forward_pass_builder_fun=_param_shaped_by_values, gradient_bucket_bytes=64), ParallelizeError,
+        "size of param 'cpu_0/fc1_w', but shape inference .* depends on tensor values"),
     "builder not callable": (dict(input_builder_fun=None), TypeError, "input_builder_fun must be a function"),
 }
 

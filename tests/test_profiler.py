@@ -124,11 +124,12 @@ def test_errors_match_run_net() -> None:
     with pytest.raises(ValueError, match="num_iter must be a positive int"):
         profiler.profile_net("nope", num_iter=0)
     workspace.FeedBlob("x", np.ones((4, 3), dtype=np.float32))
-    workspace.FeedBlob("w", np.ones((2, 5), dtype=np.float32))
+    workspace.FeedBlob("w", np.ones((2, 3), dtype=np.float32))
     workspace.FeedBlob("b", np.ones(2, dtype=np.float32))
     net = core.Net("bad")
     net.FC(["x", "w", "b"], "y")
     workspace.CreateNet(net)
+    workspace.FeedBlob("w", np.ones((2, 5), dtype=np.float32))  # a kernel failure, not a CreateNet one
     with pytest.raises(OperatorError, match=r"net 'bad' op #0 \(FC\) failed"):
         profiler.profile_net("bad", workspace="default")
     assert not workspace.HasBlob("y")

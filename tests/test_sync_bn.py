@@ -148,9 +148,10 @@ def _train(devices: list[int], gpu: bool, combine: bool, **options) -> list[dict
                 part = slice(position * BATCH // len(devices), (position + 1) * BATCH // len(devices))
                 workspace.FeedBlob(f"{prefix}_{d}/data", x[part])
                 workspace.FeedBlob(f"{prefix}_{d}/label", y[part])
-            if step == 0:
-                dpm.RunInitNet(model)
+            if step == 0:  # the nets are created for the float64 blobs they run on
+                workspace.RunNetOnce(model.param_init_net)
                 _set_float64_params(model, prefix, devices)
+                dpm.CreateNet(model)
             dpm.RunNet(model, 1)
             snapshots.append(_replica_blobs(prefix, devices))
     return snapshots

@@ -109,4 +109,18 @@ def _place_inferred(placed: dict[str, DeviceOption], op: OperatorDef, device: De
     for names, devices in zip((op.inputs, op.outputs), inferred):
         for k, blob in enumerate(names):
             if blob not in placed:
-                placed[blob] = (devices[k] if k < len(devices) else None) or device
+                placed[blob] = _pick(devices, k, device)
+
+
+def _pick(devices: Sequence, k: int, device: DeviceOption) -> DeviceOption:
+    """Entry k of a device-inference hook's list; a None or missing entry means the op's device."""
+    return (devices[k] if k < len(devices) else None) or device
+
+
+def output_devices(op: OperatorDef, device: DeviceOption) -> list[DeviceOption]:
+    """Where each output of `op`, running on `device`, lives: `blob_devices`' rule for one op's writes."""
+    infer = get_schema(op.type).device_inference
+    if infer is None:
+        return [device] * len(op.outputs)
+    devices = infer(op, device)[1]
+    return [_pick(devices, k, device) for k in range(len(op.outputs))]

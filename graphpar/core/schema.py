@@ -25,6 +25,13 @@ with the forward op's device option and engine and, unless `copy_args_to_gradien
 Traits (`Trait`) say what passes and executors need to know about an op type without naming it:
 whether it is a collective (kept in one fixed order), moves data between devices, counts iterations,
 fills, draws random numbers, updates state in place, and so on.
+
+Shape rules (`infer`, used by `core.shapes.infer_specs`) say what an op's outputs will be, from its
+arguments and the `TensorSpec`s (shape, dtype) of its inputs, before anything runs. Most ops need
+none: by default the kernel itself runs on "meta" tensors (shapes and dtypes, no data). An op
+declares `infer(args, ctx, inputs) -> [TensorSpec or None per output]` when that cannot work or would
+allocate memory: kernels that read tensor values on the host (Trait.HOST_SYNC), and fills. None means
+unknown until the op runs (e.g. a shape read from a tensor's values).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.errors import UnknownOperatorError
@@ -76,7 +83,11 @@ class Trait(str, Enum):
     RANDOM = "random"  # draws random numbers (from `KernelContext.random_stream`)
     INPLACE_UPDATE = "inplace_update"  # updates state blobs that are both inputs and outputs
     LEARNING_RATE = "learning_rate"  # computes a learning rate from the iteration counter
-    HOST_SYNC = "host_sync"  # reads tensor values on the host (`.item()`, shapes from values)
+    # The kernel reads tensor values into Python (`.item()`, `.tolist()`, a shape taken from a tensor's
+    # values) for some inputs or arguments, so a CUDA run waits for the device there, and output
+    # shapes or values depend on data, not on input specs (such ops declare an `infer` rule). Copies
+    # between devices are CROSS_DEVICE, not HOST_SYNC: they move data without Python reading it.
+    HOST_SYNC = "host_sync"
 
 
 @dataclass(frozen=True)
@@ -105,13 +116,29 @@ def _arg_from_default(default: Any) -> Arg:
     return Arg("any", default)
 
 
+class TensorSpec(NamedTuple):
+    """What shape rules know of a tensor: its shape and dtype (no data, no device)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# infer(args, ctx, inputs) -> one TensorSpec (or None: unknown) per output; see the module docstring.
+InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], list["TensorSpec | None"]]
+
+
 @dataclass
 class KernelContext:
     """What a kernel factory may know at CreateNet: the op, its device, and its random stream.
 
     `random_stream()` returns the op's own generator source (for ops with the RANDOM trait): call it
     once per run for a generator seeded from the workspace seed, the net, the op's index and the run,
-    so draws never depend on the order in which ops execute.
+    so draws never depend on the order in which ops execute. Shape inference builds kernels and runs
+    rules with `device` = meta and a `random_stream` of throwaway generators that touch no workspace.
     """
 
     op: OperatorDef
@@ -137,6 +164,7 @@ class OpSchema:
     copy_args_to_gradient: bool = True
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None
     traits: frozenset[Trait] = frozenset()
+    infer: InferRule | None = None  # None: run the kernel on meta tensors (see the module docstring)
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -190,6 +218,7 @@ def register_op(
     copy_args_to_gradient: bool = True,
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None,
     traits: Iterable[Trait] = (),
+    infer: InferRule | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -199,6 +228,8 @@ def register_op(
     `device_inference(op, device) -> (input_devices, output_devices)` overrides "everything on the
     op's device" for ops that read or write CPU blobs from a CUDA op (Iter, LearningRate, copies).
     `traits` declares what the op is (see `Trait`).
+    `infer(args, ctx, inputs) -> [TensorSpec | None per output]` is the op's shape rule; without one,
+    shape inference runs the kernel on meta tensors (see the module docstring).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -213,7 +244,7 @@ def register_op(
         args={name: _arg_from_default(d) for name, d in (args or {}).items()}, kernel=kernel,
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
-        device_inference=device_inference, traits=traits)
+        device_inference=device_inference, traits=traits, infer=infer)
     _REGISTRY[type_] = schema
     return schema
 
@@ -335,9 +366,8 @@ def parse_args(schema: OpSchema, raw: dict[str, Any], where: str = "") -> Simple
     return SimpleNamespace(**parsed)
 
 
-# What check_operator's verdict depends on, for ops that passed it: (type, input and output counts,
-# the (input, output) index pairs that name the same blob, each arg's name, type and value). Ops are
-# recorded in large numbers with few distinct signatures, so most are checked by one set look-up.
+# The `op_signature`s of ops that passed check_operator. Ops are recorded in large numbers with few
+# distinct signatures, so most are checked by one set look-up.
 _passed: set[tuple] = set()
 _MAX_PASSED = 1 << 14  # signatures remembered (later ones are checked every time)
 _MAX_LIST = 16  # longer list args (e.g. GivenTensorFill values) are checked every time
@@ -355,7 +385,7 @@ def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
         TypeError: an unknown, missing or mistyped argument.
     """
     schema = get_schema(op.type)
-    signature = _signature(op)
+    signature = op_signature(op)
     if signature is not None and signature in _passed:
         return schema
     _check_against(schema, op, where or f"operator {op.type}")
@@ -382,8 +412,10 @@ def _check_against(schema: OpSchema, op: OperatorDef, where: str) -> None:
     parse_args(schema, op.args, where)
 
 
-def _signature(op: OperatorDef) -> tuple | None:
-    """The op's signature for `check_operator`, or None when an arg is not a scalar or a short list."""
+def op_signature(op: OperatorDef) -> tuple | None:
+    """All of `op` but its blob names: type, counts, in-place pairs and args (with their types), or
+    None when an arg is not a scalar or a short list. Schema checks depend on nothing else (shape
+    rules on nothing else but the inputs' specs), so a net's replicated ops are checked once."""
     args = []
     for name, value in op.args.items():
         kind = type(value)

@@ -22,6 +22,7 @@ import torch
 from graphpar.core.graph import blob_lifetimes, predecessors
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
+from graphpar.core.shapes import infer_specs
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
@@ -105,7 +106,8 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
 
     Raises:
         ValueError / TypeError: the net breaks its structure or a schema (`core.schema.validate_net`),
-            or its type names no registered executor.
+            its type names no registered executor, or an op's inputs do not fit its shape rule
+            (`core.shapes.infer_specs`).
         MissingBlobError: an input or control input is neither in the workspace nor produced earlier.
         RuntimeError: an op is placed on a CUDA device that does not exist.
         OperatorError: a kernel factory rejected its op.
@@ -114,6 +116,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
     _check_inputs_exist(netdef, workspace)
+    infer_specs(netdef, workspace.blobs)
     frame = layout_frame(netdef, keep_all)
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))

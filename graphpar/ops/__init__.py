@@ -1,7 +1,7 @@
 """The operator library: importing it registers every operator into `graphpar.core.schema`.
 
-Every module of this package is an op module and is imported here (discovered, not listed), so a new
-op module is picked up by adding the file.
+Every module of this package is imported here (discovered, not listed), so a new op module is picked
+up by adding the file; `common` holds the helpers op modules share and registers nothing.
 """
 
 import importlib

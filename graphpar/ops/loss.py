@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
-from graphpar.ops.nn import flatten_2d, op_label
+from graphpar.ops.common import op_label, register_gradient
+from graphpar.ops.nn import flatten_2d
 
 _PROB_FLOOR = 1e-20  # Caffe2's floor under probabilities before taking their log
 
@@ -144,12 +145,8 @@ register_op(
     "log_softmax, so no 1e-20 floor is needed.",
 )
 
-register_op(
-    "SoftmaxWithLossGradient",
-    inputs=(4, 5),
-    outputs=1,
-    gradient_of="SoftmaxWithLoss",
-    kernel=_softmax_with_loss_grad,
+register_gradient(
+    "SoftmaxWithLossGradient", "SoftmaxWithLoss", _softmax_with_loss_grad, inputs=(4, 5),
     doc="SoftmaxWithLossGradient(logits, labels[, weights], P, dLoss) -> dlogits = (P - onehot)·w·"
     "scale·dLoss / Σw.",
 )
@@ -194,11 +191,8 @@ register_op(
     doc="LabelCrossEntropy(X, label) -> Y[N] = -log(max(X[i, label_i], 1e-20)), X probabilities [N, D].",
 )
 
-register_op(
-    "LabelCrossEntropyGradient",
-    inputs=3,
-    gradient_of="LabelCrossEntropy",
-    kernel=_label_xent_grad,
+register_gradient(
+    "LabelCrossEntropyGradient", "LabelCrossEntropy", _label_xent_grad, inputs=3,
     doc="LabelCrossEntropyGradient(X, label, dY) -> dX: -dY / max(X, 1e-20) at each row's label entry, "
     "0 elsewhere (Caffe2's formula, also below the floor); the label gets no gradient.",
 )
@@ -221,10 +215,8 @@ register_op(
     "distribution both [N, D].",
 )
 
-register_op(
-    "CrossEntropyGradient",
-    inputs=3,
-    gradient_of="CrossEntropy",
+register_gradient(
+    "CrossEntropyGradient", "CrossEntropy", inputs=3,
     kernel=lambda a, ctx: lambda x, t, dy: -_rows(t) * dy.reshape(-1, 1) / _rows(x).clamp_min(_PROB_FLOOR),
     doc="CrossEntropyGradient(X, target, dY) -> dX = -dY·target / max(X, 1e-20); the target gets none.",
 )
@@ -260,12 +252,8 @@ register_op(
     doc="SquaredL2Distance(A, B) -> D[N] = ½‖A_i - B_i‖² per row (A, B of one shape, rows on axis 0).",
 )
 
-register_op(
-    "SquaredL2DistanceGradient",
-    inputs=3,
-    outputs=2,
-    gradient_of="SquaredL2Distance",
-    kernel=lambda a, ctx: _sq_l2_grad,
+register_gradient(
+    "SquaredL2DistanceGradient", "SquaredL2Distance", lambda a, ctx: _sq_l2_grad, inputs=3, outputs=2,
     doc="SquaredL2DistanceGradient(A, B, dD) -> dA = (A - B)·dD, dB = -dA.",
 )
 
@@ -296,11 +284,9 @@ register_op(
     "Y has logits.shape[:-1].",
 )
 
-register_op(
-    "SigmoidCrossEntropyWithLogitsGradient",
+register_gradient(
+    "SigmoidCrossEntropyWithLogitsGradient", "SigmoidCrossEntropyWithLogits", lambda a, ctx: _sigmoid_xent_grad,
     inputs=3,
-    gradient_of="SigmoidCrossEntropyWithLogits",
-    kernel=lambda a, ctx: _sigmoid_xent_grad,
     doc="SigmoidCrossEntropyWithLogitsGradient(dY, logits, targets) -> dlogits = (σ(x) - t)·dY / D; "
     "the targets get no gradient.",
 )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, KernelContext, Trait, gradient_op, register_op
+from graphpar.ops.common import elementwise_grad, one_input_gradient, op_label, register_gradient
 
 aten = torch.ops.aten
 
@@ -30,11 +31,6 @@ aten = torch.ops.aten
 # ----------------------------------------------------------------------------------------------------
 # Helpers shared with norm.py and loss.py
 # ----------------------------------------------------------------------------------------------------
-
-
-def op_label(op: OperatorDef) -> str:
-    """'Type(inputs -> outputs)', for error messages that name the op."""
-    return f"{op.type}({', '.join(op.inputs)} -> {', '.join(op.outputs)})"
 
 
 def require_nchw(args: SimpleNamespace, ctx: KernelContext) -> None:
@@ -59,15 +55,6 @@ def flatten_2d(x: torch.Tensor, axis: int, op: OperatorDef | None = None) -> tor
                          f"{tuple(x.shape)}; use an axis in [{-ndim}, {ndim})")
     axis = axis + ndim if axis < 0 else axis
     return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
-
-
-def _grad_from_output(grad_type: str) -> Callable[[OperatorDef, list], tuple[list, list]]:
-    """Maker for an elementwise op whose gradient reads only Y and dY (safe in place)."""
-
-    def maker(op: OperatorDef, g: list) -> tuple[list, list]:
-        return [gradient_op(grad_type, [op.outputs[0], g[0]], [GI(op, 0)])], [GI(op, 0)]
-
-    return maker
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,13 +116,8 @@ register_op(
     "-> Y = X·Wᵀ + b with shape X.shape[:axis] + [N].",
 )
 
-register_op(
-    "FCGradient",
-    inputs=3,
-    outputs=(2, 3),
-    args={"no_gradient_to_input": False},
-    gradient_of="FC",
-    kernel=_fc_grad,
+register_gradient(
+    "FCGradient", "FC", _fc_grad, inputs=3, outputs=(2, 3), args={"no_gradient_to_input": False},
     doc="FCGradient(X, W, dY) -> dW = dYᵀ·X, db = Σ_rows dY, dX = dY·W (X and W flattened as in FC). "
     "no_gradient_to_input=1 (Caffe2's arg; autodiff sets it when nobody wants dX) drops dX, the last "
     "output.",
@@ -316,13 +298,8 @@ register_op(
     "(d·(k-1)+1)) / stride) + 1.",
 )
 
-register_op(
-    "ConvGradient",
-    inputs=3,
-    outputs=(1, 3),
-    args={"no_gradient_to_input": False},
-    gradient_of="Conv",
-    kernel=_conv_grad,
+register_gradient(
+    "ConvGradient", "Conv", _conv_grad, inputs=3, outputs=(1, 3), args={"no_gradient_to_input": False},
     doc="ConvGradient(X, filter, dY) -> dfilter, [dbias], dX (dbias when the Conv had a bias), through "
     "aten.convolution_backward. no_gradient_to_input=1 (Caffe2's arg) drops dX, the last output.",
 )
@@ -464,11 +441,8 @@ register_op(
     "then reads instead of pooling X again (brew.max_pool asks for it when training).",
 )
 
-register_op(
-    "MaxPoolGradient",
-    inputs=(3, 4),
-    gradient_of="MaxPool",
-    kernel=_max_pool_grad,
+register_gradient(
+    "MaxPoolGradient", "MaxPool", _max_pool_grad, inputs=(3, 4),
     doc="MaxPoolGradient(X, Y, dY[, indices]) -> dX via aten.max_pool2d_with_indices_backward, with "
     "MaxPool's recorded indices or, without them, indices recomputed from X. Ties: dY goes to ONE "
     "arg-max per window (PyTorch's first in scan order), whereas Caffe2's CPU kernel gave it to every "
@@ -484,13 +458,9 @@ register_op(
     "window divides by its count of NON-padded elements (Caffe2 CPU, cuDNN EXCLUDE_PADDING).",
 )
 
-register_op(
-    "AveragePoolGradient",
-    inputs=3,
-    gradient_of="AveragePool",
-    kernel=_average_pool_grad,
-    doc="AveragePoolGradient(X, Y, dY) -> dX: each window's dY spread evenly over its non-padded cells.",
-)
+register_gradient(
+    "AveragePoolGradient", "AveragePool", _average_pool_grad, inputs=3,
+    doc="AveragePoolGradient(X, Y, dY) -> dX: each window's dY spread evenly over its non-padded cells.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -511,70 +481,46 @@ register_op(
     "Relu",
     inplace={(0, 0)},
     kernel=lambda a, ctx: torch.relu,
-    gradient=_grad_from_output("ReluGradient"),
+    gradient=one_input_gradient("ReluGradient", "Y"),
     doc="Y = max(0, X); may run in place.",
 )
 
-register_op(
-    "ReluGradient",
-    inputs=2,
-    inplace={(1, 0)},
-    gradient_of="Relu",
-    kernel=lambda a, ctx: lambda y, dy: aten.threshold_backward(dy, y, 0),
-    doc="ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.",
-)
+elementwise_grad("ReluGradient", "Relu", lambda y, dy: aten.threshold_backward(dy, y, 0), inplace={(1, 0)},
+                 doc="ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.")
 
 register_op(
     "LeakyRelu",
     inplace={(0, 0)},
     args={"alpha": 0.01},
     kernel=lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha),
-    gradient=_grad_from_output("LeakyReluGradient"),
+    gradient=one_input_gradient("LeakyReluGradient", "Y"),
     doc="Y = X where X > 0, else alpha·X (alpha = 0.01); may run in place.",
 )
 
-register_op(
-    "LeakyReluGradient",
-    inputs=2,
-    inplace={(1, 0)},
-    gradient_of="LeakyRelu",
-    kernel=_leaky_relu_grad,
-    doc="LeakyReluGradient(Y, dY) -> dX = dY where Y > 0, else alpha·dY (needs alpha >= 0).",
-)
+register_gradient("LeakyReluGradient", "LeakyRelu", _leaky_relu_grad, inplace={(1, 0)},
+                  doc="LeakyReluGradient(Y, dY) -> dX = dY where Y > 0, else alpha·dY (needs alpha >= 0).")
 
 register_op(
     "Sigmoid",
     inplace={(0, 0)},
     kernel=lambda a, ctx: torch.sigmoid,
-    gradient=_grad_from_output("SigmoidGradient"),
+    gradient=one_input_gradient("SigmoidGradient", "Y"),
     doc="Y = 1 / (1 + exp(-X)); may run in place.",
 )
 
-register_op(
-    "SigmoidGradient",
-    inputs=2,
-    inplace={(1, 0)},
-    gradient_of="Sigmoid",
-    kernel=lambda a, ctx: lambda y, dy: aten.sigmoid_backward(dy, y),
-    doc="SigmoidGradient(Y, dY) -> dX = dY·Y·(1 - Y).",
-)
+elementwise_grad("SigmoidGradient", "Sigmoid", lambda y, dy: aten.sigmoid_backward(dy, y), inplace={(1, 0)},
+                 doc="SigmoidGradient(Y, dY) -> dX = dY·Y·(1 - Y).")
 
 register_op(
     "Tanh",
     inplace={(0, 0)},
     kernel=lambda a, ctx: torch.tanh,
-    gradient=_grad_from_output("TanhGradient"),
+    gradient=one_input_gradient("TanhGradient", "Y"),
     doc="Y = tanh(X); may run in place.",
 )
 
-register_op(
-    "TanhGradient",
-    inputs=2,
-    inplace={(1, 0)},
-    gradient_of="Tanh",
-    kernel=lambda a, ctx: lambda y, dy: aten.tanh_backward(dy, y),
-    doc="TanhGradient(Y, dY) -> dX = dY·(1 - Y²).",
-)
+elementwise_grad("TanhGradient", "Tanh", lambda y, dy: aten.tanh_backward(dy, y), inplace={(1, 0)},
+                 doc="TanhGradient(Y, dY) -> dX = dY·(1 - Y²).")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -598,18 +544,12 @@ register_op(
     "Softmax",
     args={"axis": 1},
     kernel=_softmax,
-    gradient=_grad_from_output("SoftmaxGradient"),
+    gradient=one_input_gradient("SoftmaxGradient", "Y"),
     doc="Row softmax of X viewed as [prod(shape[:axis]), prod(shape[axis:])]; Y has X's shape.",
 )
 
-register_op(
-    "SoftmaxGradient",
-    inputs=2,
-    inplace={(1, 0)},
-    gradient_of="Softmax",
-    kernel=_softmax_grad,
-    doc="SoftmaxGradient(Y, dY) -> dX = Y ⊙ (dY - Σ_row(dY ⊙ Y)) over the same 2-D view.",
-)
+register_gradient("SoftmaxGradient", "Softmax", _softmax_grad, inplace={(1, 0)},
+                  doc="SoftmaxGradient(Y, dY) -> dX = Y ⊙ (dY - Σ_row(dY ⊙ Y)) over the same 2-D view.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -668,11 +608,7 @@ register_op(
     "is all true). May run in place.",
 )
 
-register_op(
-    "DropoutGrad",
-    inputs=(1, 2),
-    inplace={(0, 0)},
-    gradient_of="Dropout",
-    kernel=_dropout_grad,
+register_gradient(
+    "DropoutGrad", "Dropout", _dropout_grad, inputs=(1, 2), inplace={(0, 0)},
     doc="DropoutGrad(dY, mask) -> dX = dY·mask / (1 - ratio); with is_test=1, DropoutGrad(dY) -> dY.",
 )

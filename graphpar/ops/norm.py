@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
-from graphpar.ops.nn import op_label, require_nchw
+from graphpar.ops.common import op_label, register_gradient
+from graphpar.ops.nn import require_nchw
 
 aten = torch.ops.aten
 
@@ -190,13 +191,8 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
     )
 
 
-register_op(
-    "SpatialBNGradient",
-    inputs=(5, 7),
-    outputs=3,
-    inplace={(5, 1), (6, 2)},
-    gradient_of="SpatialBN",
-    kernel=_spatial_bn_grad,
+register_gradient(
+    "SpatialBNGradient", "SpatialBN", _spatial_bn_grad, inputs=(5, 7), outputs=3, inplace={(5, 1), (6, 2)},
     doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias]) -> dX, dscale, "
     "dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
     "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "

@@ -3,6 +3,7 @@
 Counters are int64 CPU tensors of shape [1], even inside CUDA ops (their `device_inference` says so).
 Update ops are functional like every kernel: they return new tensors, and the in-place blob names
 (enforced where Caffe2 enforces them) make the workspace rebind the state. None is differentiable.
+LearningRate and Adam read the counter on the host (Trait.HOST_SYNC), so they declare shape rules.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption
-from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, Trait, register_op
+from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, TensorSpec, Trait, register_op
+from graphpar.core.shapes import on_meta
+from graphpar.ops.common import op_label
 
 _HOST = DeviceOption()
-
-
-def _where(ctx: KernelContext) -> str:
-    return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
 
 
 _COUNTER = (Trait.COUNTER, Trait.INPLACE_UPDATE)
@@ -173,9 +172,22 @@ def learning_rate_schedule(a: SimpleNamespace, where: str) -> Schedule:
 
 
 def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    schedule = learning_rate_schedule(a, _where(ctx))
+    schedule = learning_rate_schedule(a, op_label(ctx.op))
     base_lr, device = a.base_lr, ctx.device
     return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
+
+
+def _one_counter(it: TensorSpec, ctx: KernelContext) -> None:
+    """Raise unless the iteration counter holds one value (the kernel reads it with `.item()`)."""
+    if it.numel != 1:
+        raise ValueError(f"{op_label(ctx.op)}: the iteration counter must hold one value, got shape "
+                         f"{list(it.shape)}")
+
+
+def _learning_rate_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
+    learning_rate_schedule(a, op_label(ctx.op))
+    _one_counter(inputs[0], ctx)
+    return [TensorSpec((1,), torch.float32)]
 
 
 _SUB_POLICY_ARGS = {f"sub_policy_{k}_{name}": arg for k in range(MAX_SUB_POLICIES)
@@ -185,7 +197,7 @@ register_op(
     "LearningRate", args={"base_lr": Arg("float"), "policy": "fixed", **_POLICY_ARGS,
                           "sub_policy_num_iters": Arg("ints", ()), **_SUB_POLICY_ARGS},
     kernel=_learning_rate, gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [d]),
-    traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC),
+    traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC), infer=_learning_rate_infer,
     doc="lr = base_lr * factor(iter), from the CPU int64 counter, computed in float64 on the host and "
         "written as a float32 [1] tensor on the op's device. Policies (Caffe2's args): fixed 1; step "
         "gamma^(iter // stepsize); multistep gamma^(#stepsizes <= iter); exp gamma^iter; inv "
@@ -226,8 +238,18 @@ register_op(
         "(dampening 0) with mom = lr * its buffer. Without nesterov, grad and mom share one tensor.")
 
 
+def _adam_step(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
+               lr: torch.Tensor, t: int) -> tuple:
+    beta1, beta2 = a.beta1, a.beta2
+    m1 = torch.lerp(m1, g, 1.0 - beta1)
+    m2 = torch.addcmul(m2 * beta2, g, g, value=1.0 - beta2)
+    denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(a.epsilon)
+    step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
+    return torch.addcdiv(p, step, denom), m1, m2
+
+
 def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
-    beta1, beta2, eps, where = a.beta1, a.beta2, a.epsilon, _where(ctx)
+    where = op_label(ctx.op)
 
     def run(p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor, lr: torch.Tensor,
             it: torch.Tensor) -> tuple:
@@ -235,19 +257,21 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         if t < 1:
             raise ValueError(f"{where}: the iteration counter is {t}; Adam needs t >= 1 (increment it "
                              f"with Iter/AtomicIter before the update)")
-        m1 = torch.lerp(m1, g, 1.0 - beta1)
-        m2 = torch.addcmul(m2 * beta2, g, g, value=1.0 - beta2)
-        denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(eps)
-        step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
-        return torch.addcdiv(p, step, denom), m1, m2
+        return _adam_step(a, p, m1, m2, g, lr, t)
 
     return run
+
+
+def _adam_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
+    """The update's specs from a step at t = 1 on meta tensors (the counter's value is not known)."""
+    _one_counter(inputs[5], ctx)
+    return on_meta(lambda *xs: _adam_step(a, *xs, 1), inputs[:5])
 
 
 register_op(
     "Adam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
-    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC),
+    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer,
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
         "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter. "

@@ -1,9 +1,11 @@
 """Tensor operators: copies, element-wise arithmetic, shape manipulation and reductions.
 
 Each op is one registration (schema, kernel, gradient maker, doc); gradient ops that are not forward
-ops of their own (`AddGradient`, `SumElementsGradient`, ...) follow their forward op and name it in
-`gradient_of`, so autodiff's copy of the forward args parses. Gradients use explicit formulas.
-Kernels are functional: they may return an input (or a view of it) unchanged, never modify one.
+ops of their own (`AddGradient`, `SumElementsGradient`, ...) follow their forward op and name it
+(`ops.common.register_gradient`), so autodiff's copy of the forward args parses. Gradients use
+explicit formulas. Kernels are functional: they may return an input (or a view of it) unchanged, never
+modify one. Reshape and Split read their sizes input on the host (Trait.HOST_SYNC): their shape rules
+leave what it decides unknown.
 """
 
 from __future__ import annotations
@@ -16,33 +18,27 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
-from graphpar.core.schema import GI, NO_GRADIENT, Arg, KernelContext, Trait, gradient_op, register_op
+from graphpar.core.schema import (
+    GI,
+    NO_GRADIENT,
+    Arg,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    gradient_op,
+    register_op,
+)
+from graphpar.core.shapes import on_meta
 from graphpar.errors import GradientError
+from graphpar.ops.common import Maker, elementwise_grad, one_input_gradient, op_label, register_gradient
 from graphpar.ops.fill import to_torch_dtype
 
 _HOST = DeviceOption()
-
-Maker = Callable[[OperatorDef, list], tuple[list[OperatorDef], list]]
 
 
 def _pack(outs: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """A kernel's result: the tensor itself for one output, else a tuple."""
     return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def _where(ctx: KernelContext) -> str:
-    return f"{ctx.op.type} op {list(ctx.op.inputs)} -> {list(ctx.op.outputs)}"
-
-
-def _one_grad(grad_type: str, reads: str = "") -> Maker:
-    """Maker for a one-input op: `grad_type([X or Y,] dY) -> dX` (reads "X", "Y" or nothing)."""
-
-    def maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
-        src = {"X": [op.inputs[0]], "Y": [op.outputs[0]], "": []}[reads]
-        grads = [GI(op, 0), *[None] * (len(op.inputs) - 1)]
-        return [gradient_op(grad_type, [*src, g[0]], [GI(op, 0)])], grads
-
-    return maker
 
 
 def _pass_through(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
@@ -88,12 +84,12 @@ register_op(
     doc="Y = a copy of X on the device of the second input (the gradient of Copy); `input_device_ids` "
         "as for Copy.")
 register_op(
-    "CopyCPUToGPU", kernel=_copy_kernel, gradient=_one_grad("CopyGPUToCPU"),
+    "CopyCPUToGPU", kernel=_copy_kernel, gradient=one_input_gradient("CopyGPUToCPU"),
     device_inference=lambda op, d: ([_HOST], [d]), traits=_COPY,
     doc="Y = a copy of X (a CPU blob) on the op's (CUDA) device.")
 register_op(
     "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host, copy=True))(ctx.device_of(_HOST)),
-    gradient=_one_grad("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
+    gradient=one_input_gradient("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
     doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
 register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through,
             doc="Y is X (the same tensor); the gradient passes straight through.")
@@ -105,7 +101,7 @@ register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: 
 
 
 def _sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
-    device, where = ctx.device, _where(ctx)
+    device, where = ctx.device, op_label(ctx.op)
 
     def run(*xs: torch.Tensor) -> torch.Tensor:
         out = xs[0].to(device)
@@ -142,7 +138,7 @@ def _binary_kernel(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> 
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
         if not a.broadcast:
             return fn
-        where = _where(ctx)
+        where = op_label(ctx.op)
         return lambda x, y: fn(x, y.reshape(_legacy_shape(y.shape, x.ndim, a.axis, where)))
 
     return factory
@@ -150,7 +146,7 @@ def _binary_kernel(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> 
 
 def _reducer(a: SimpleNamespace, ctx: KernelContext) -> Callable:
     """`reduce(g, like, is_b)`: g summed over the dims along which `like` was broadcast."""
-    where = _where(ctx)
+    where = op_label(ctx.op)
 
     def reduce(g: torch.Tensor, like: torch.Tensor, is_b: bool = False) -> torch.Tensor:
         if is_b and a.broadcast:
@@ -168,7 +164,7 @@ def _binary_grad_kernel(grads: Callable) -> Callable:
     """Factory for `<Op>Gradient`; `grads(dc, x, yb, *extra)` gives the unreduced (dA, dB)."""
 
     def factory(a: SimpleNamespace, ctx: KernelContext) -> Callable:
-        reduce, where = _reducer(a, ctx), _where(ctx)
+        reduce, where = _reducer(a, ctx), op_label(ctx.op)
 
         def run(dc: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *extra: torch.Tensor) -> tuple:
             da, db = grads(dc, x, _aligned(a, y, dc.ndim, where), *extra)
@@ -203,38 +199,35 @@ for _name, _fn, _inplace, _grads, _formula in _BINARY:
             f"from `axis` (-1: trailing). `{_name}Gradient(dC, A, B{', C' if _div else ''})` sums dA, dB "
             f"over the broadcast dims; as it reads A, autodiff refuses an in-place {_name} on the path of "
             f"a gradient (in place stays fine elsewhere, e.g. Caffe2's LR multipliers).")
-    register_op(f"{_name}Gradient", inputs=4 if _div else 3, outputs=2, gradient_of=_name,
-                kernel=_binary_grad_kernel(_grads),
-                doc=f"(dA, dB) of {_name}, each summed to its input's shape.")
+    register_gradient(f"{_name}Gradient", _name, _binary_grad_kernel(_grads), inputs=4 if _div else 3, outputs=2,
+                      doc=f"(dA, dB) of {_name}, each summed to its input's shape.")
 
 
 _UNARY = (
-    # name, forward, in place ok, gradient op, what it reads, gradient formula (saved, dY) -> dX
-    ("Sqr", lambda x: x * x, False, "SqrGradient", "X", lambda x, dy: 2 * x * dy),
-    ("Sqrt", torch.sqrt, True, "SqrtGradient", "Y", lambda y, dy: 0.5 * dy / y),
-    ("Exp", torch.exp, True, "ExpGradient", "Y", lambda y, dy: dy * y),
-    ("Log", torch.log, False, "LogGradient", "X", lambda x, dy: dy / x),
-    ("Abs", torch.abs, False, "AbsGradient", "X", lambda x, dy: torch.sign(x) * dy),
+    # name, forward, in place ok, what the gradient reads, gradient formula (saved, dY) -> dX
+    ("Sqr", lambda x: x * x, False, "X", lambda x, dy: 2 * x * dy),
+    ("Sqrt", torch.sqrt, True, "Y", lambda y, dy: 0.5 * dy / y),
+    ("Exp", torch.exp, True, "Y", lambda y, dy: dy * y),
+    ("Log", torch.log, False, "X", lambda x, dy: dy / x),
+    ("Abs", torch.abs, False, "X", lambda x, dy: torch.sign(x) * dy),
 )
-for _name, _fn, _in_place, _grad, _reads, _formula in _UNARY:
+for _name, _fn, _in_place, _reads, _formula in _UNARY:
     register_op(_name, inplace={(0, 0)} if _in_place else (), kernel=(lambda f: lambda _a, _ctx: f)(_fn),
-                gradient=_one_grad(_grad, _reads),
-                doc=f"Y = {_name}(X) element-wise; gradient `{_grad}({_reads}, dY)`.")
-    register_op(_grad, inputs=2, gradient_of=_name, kernel=(lambda f: lambda _a, _ctx: f)(_formula),
-                doc=f"dX of {_name} from {_reads} and dY.")
+                gradient=one_input_gradient(f"{_name}Gradient", _reads),
+                doc=f"Y = {_name}(X) element-wise; gradient `{_name}Gradient({_reads}, dY)`.")
+    elementwise_grad(f"{_name}Gradient", _name, _formula, doc=f"dX of {_name} from {_reads} and dY.")
 
 register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
-            gradient=_one_grad("Negative"), doc="Y = -X; gradient Negative(dY).")
+            gradient=one_input_gradient("Negative"), doc="Y = -X; gradient Negative(dY).")
 register_op("Scale", inplace={(0, 0)}, args={"scale": 1.0},
-            kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=_one_grad("Scale"),
+            kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=one_input_gradient("Scale"),
             doc="Y = scale * X; gradient Scale(dY) with the same scale.")
 register_op("Clip", inplace={(0, 0)}, args={"min": -math.inf, "max": math.inf},
             kernel=lambda a, _ctx: lambda x: torch.clamp(x, a.min, a.max),
-            gradient=_one_grad("ClipGradient", "Y"),
+            gradient=one_input_gradient("ClipGradient", "Y"),
             doc="Y = X clamped to [min, max]; gradient ClipGradient(Y, dY) passes dY where min < Y < max.")
-register_op("ClipGradient", inputs=2, gradient_of="Clip",
-            kernel=lambda a, _ctx: lambda y, dy: torch.where((y > a.min) & (y < a.max), dy, 0),
-            doc="dX of Clip: dY where min < Y < max, else 0 (Caffe2's rule).")
+register_gradient("ClipGradient", "Clip", lambda a, _ctx: lambda y, dy: torch.where((y > a.min) & (y < a.max), dy, 0),
+                  doc="dX of Clip: dY where min < Y < max, else 0 (Caffe2's rule).")
 
 
 # ----------------------------------------------------------------------------------------------- shape
@@ -262,7 +255,7 @@ register_op("FlattenToVec", kernel=lambda _a, _ctx: lambda x: x.reshape(-1), gra
 def _reshape_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     has_input = len(ctx.op.inputs) == 2
     if (a.shape is not None) == has_input:
-        raise ValueError(f"{_where(ctx)}: give the new shape either as the `shape` argument or as a "
+        raise ValueError(f"{op_label(ctx.op)}: give the new shape either as the `shape` argument or as a "
                          f"second input, exactly one of them")
 
     def run(x: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +266,14 @@ def _reshape_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tup
     return run
 
 
+def _reshape_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    """Y is unknown with a shape input (its values decide); the old shape is X's rank in int64."""
+    run = _reshape_kernel(a, ctx)
+    if len(inputs) == 1:
+        return on_meta(run, inputs)
+    return [None, TensorSpec((len(inputs[0].shape),), torch.int64)]
+
+
 def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
     dx = GI(op, 0)
     return ([gradient_op("Reshape", [g[0], op.outputs[1]], [dx, f"_{dx}_dims"])],
@@ -281,8 +282,8 @@ def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 register_op(
     "Reshape", inputs=(1, 2), outputs=2, inplace={(0, 0)}, args={"shape": Arg("ints", None)},
-    kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False,
-    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
+    kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False, infer=_reshape_infer,
+    traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
     doc="Y = X reshaped to `shape` (or the CPU int64 second input); a 0 keeps X's dim at that index, "
         "one -1 is inferred. Output 1 is X's old shape (CPU int64). Gradient Reshape(dY, old_shape).")
 
@@ -292,9 +293,9 @@ def _axis(a: SimpleNamespace, ctx: KernelContext) -> int:
     if not a.order:
         return a.axis
     if "axis" in ctx.op.args:
-        raise ValueError(f"{_where(ctx)}: pass `axis` or `order`, not both")
+        raise ValueError(f"{op_label(ctx.op)}: pass `axis` or `order`, not both")
     if a.order not in ("NCHW", "NHWC"):
-        raise ValueError(f"{_where(ctx)}: order must be 'NCHW' or 'NHWC', got {a.order!r}")
+        raise ValueError(f"{op_label(ctx.op)}: order must be 'NCHW' or 'NHWC', got {a.order!r}")
     return 1 if a.order == "NCHW" else 3
 
 
@@ -323,7 +324,7 @@ register_op(
 
 
 def _split_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
-    axis, n, where = _axis(a, ctx), len(ctx.op.outputs), _where(ctx)
+    axis, n, where = _axis(a, ctx), len(ctx.op.outputs), op_label(ctx.op)
     if a.split and len(ctx.op.inputs) == 2:
         raise ValueError(f"{where}: give the split sizes as the `split` argument or as an input, not both")
 
@@ -345,6 +346,12 @@ def _split_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
     return run
 
 
+def _split_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    """Unknown outputs with a sizes input (its values decide), else the kernel's on meta tensors."""
+    run = _split_kernel(a, ctx)
+    return on_meta(run, inputs) if len(inputs) == 1 else [None] * len(ctx.op.outputs)
+
+
 def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
     zeros = [gradient_op("ConstantFill", [out], [f"_{out}_grad_zeros"], value=0.0)
              for out, dy in zip(op.outputs, g) if dy is None]
@@ -357,8 +364,8 @@ def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 register_op(
     "Split", inputs=(1, 2), outputs=(1, None), args={**_AXIS_ARGS, "split": Arg("ints", ())},
-    kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False,
-    device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
+    kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False, infer=_split_infer,
+    traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
     doc="Outputs = X cut along `axis` into the sizes of `split` (or the CPU second input; default equal "
         "parts); add_axis drops the axis (sizes 1). Gradient Concat(dY...), zeros for missing dY.")
 
@@ -366,7 +373,7 @@ register_op(
 def _permutation(a: SimpleNamespace, ctx: KernelContext) -> tuple[int, ...]:
     axes = tuple(a.axes)
     if sorted(axes) != list(range(len(axes))):
-        raise ValueError(f"{_where(ctx)}: axes {axes} are not a permutation of 0..{len(axes) - 1}")
+        raise ValueError(f"{op_label(ctx.op)}: axes {axes} are not a permutation of 0..{len(axes) - 1}")
     return axes
 
 
@@ -388,22 +395,20 @@ register_op("Transpose", args={"axes": Arg("ints", ())}, kernel=_transpose_kerne
             doc="Y = X with dims permuted by `axes` (default: reversed), contiguous. Gradient: Transpose "
                 "by the inverse permutation.")
 register_op("NHWC2NCHW", kernel=lambda _a, _ctx: lambda x: x.movedim(-1, 1).contiguous(),
-            gradient=_one_grad("NCHW2NHWC"), doc="Y = X[N, H, W, C] as [N, C, H, W] (any spatial rank).")
+            gradient=one_input_gradient("NCHW2NHWC"), doc="Y = X[N, H, W, C] as [N, C, H, W] (any spatial rank).")
 register_op("NCHW2NHWC", kernel=lambda _a, _ctx: lambda x: x.movedim(1, -1).contiguous(),
-            gradient=_one_grad("NHWC2NCHW"), doc="Y = X[N, C, H, W] as [N, H, W, C] (any spatial rank).")
+            gradient=one_input_gradient("NHWC2NCHW"), doc="Y = X[N, C, H, W] as [N, H, W, C] (any spatial rank).")
 
 
 def _cast_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
-    dtype = to_torch_dtype(a.to, _where(ctx))
+    dtype = to_torch_dtype(a.to, op_label(ctx.op))
     return lambda x: x.to(dtype)
 
 
-register_op("Cast", args={"to": Arg("any")}, kernel=_cast_kernel, gradient=_one_grad("CastGradient", "X"),
+register_op("Cast", args={"to": Arg("any")}, kernel=_cast_kernel, gradient=one_input_gradient("CastGradient", "X"),
             doc="Y = X converted to dtype `to` (a Caffe2 code, a name or a torch dtype, see ops.fill). "
                 "Gradient CastGradient(X, dY) casts dY back to X's dtype.")
-register_op("CastGradient", inputs=2, gradient_of="Cast",
-            kernel=lambda _a, _ctx: lambda x, dy: dy.to(x.dtype),
-            doc="dX of Cast: dY in X's dtype.")
+elementwise_grad("CastGradient", "Cast", lambda x, dy: dy.to(x.dtype), doc="dX of Cast: dY in X's dtype.")
 
 
 # ------------------------------------------------------------------------------------------ reductions
@@ -421,16 +426,15 @@ def _mean_or_sum(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Ten
 
 
 register_op("SumElements", args={"average": False}, kernel=_mean_or_sum,
-            gradient=_one_grad("SumElementsGradient", "X"),
+            gradient=one_input_gradient("SumElementsGradient", "X"),
             doc="Y (0-d) = sum of X's elements, or their mean with average=True.")
-register_op("SumElementsGradient", inputs=2, gradient_of="SumElements",
-            kernel=lambda a, _ctx: _expand_grad(a.average),
-            doc="dX of SumElements: dY (divided by numel with average) everywhere.")
+register_gradient("SumElementsGradient", "SumElements", lambda a, _ctx: _expand_grad(a.average),
+                  doc="dX of SumElements: dY (divided by numel with average) everywhere.")
 register_op("AveragedLoss", kernel=lambda _a, _ctx: torch.mean,
-            gradient=_one_grad("AveragedLossGradient", "X"),
+            gradient=one_input_gradient("AveragedLossGradient", "X"),
             doc="Y (0-d) = mean of X's elements.")
-register_op("AveragedLossGradient", inputs=2, gradient_of="AveragedLoss",
-            kernel=lambda _a, _ctx: _expand_grad(True), doc="dX of AveragedLoss: dY / numel everywhere.")
+elementwise_grad("AveragedLossGradient", "AveragedLoss", _expand_grad(True),
+                 doc="dX of AveragedLoss: dY / numel everywhere.")
 
 
 def _sum_sqr(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -438,15 +442,15 @@ def _sum_sqr(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor]
 
 
 register_op("SumSqrElements", args={"average": False}, kernel=_sum_sqr,
-            gradient=_one_grad("SumSqrElementsGradient", "X"),
+            gradient=one_input_gradient("SumSqrElementsGradient", "X"),
             doc="Y (0-d) = sum of X's squared elements, or their mean with average=True.")
-register_op("SumSqrElementsGradient", inputs=2, gradient_of="SumSqrElements",
-            kernel=lambda a, _ctx: lambda x, dy: x * (dy.reshape(()) * (2.0 / x.numel() if a.average else 2)),
-            doc="dX of SumSqrElements: 2 X dY (divided by numel with average).")
+register_gradient("SumSqrElementsGradient", "SumSqrElements",
+                  lambda a, _ctx: lambda x, dy: x * (dy.reshape(()) * (2.0 / x.numel() if a.average else 2)),
+                  doc="dX of SumSqrElements: 2 X dY (divided by numel with average).")
 
 
 def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
-    where = _where(ctx)
+    where = op_label(ctx.op)
     if len(ctx.op.inputs) % 2:
         raise ValueError(f"{where}: WeightedSum takes pairs X0, w0, X1, w1, ...; got "
                          f"{len(ctx.op.inputs)} inputs")
@@ -493,7 +497,6 @@ register_op(
     kernel=_weighted_sum_kernel, gradient=_weighted_sum_maker,
     doc="Y = w0 X0 + w1 X1 + ... (equal shapes; X0's dtype) with 1-element weights; in place into X0 allowed. "
         "Gradient WeightedSumGradient: dXi = wi dY, and dwi = sum(dY Xi) with grad_on_w.")
-register_op(
-    "WeightedSumGradient", inputs=(2, None), outputs=(1, None), gradient_of="WeightedSum",
-    kernel=_weighted_sum_grad_kernel,
+register_gradient(
+    "WeightedSumGradient", "WeightedSum", _weighted_sum_grad_kernel, inputs=(2, None), outputs=(1, None),
     doc="Inputs dY, w0, w1, ... (or dY, X0, w0, ... with grad_on_w) -> dX0, dX1, ... [, dw0, dw1, ...].")

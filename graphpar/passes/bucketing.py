@@ -5,98 +5,55 @@ overhead), so gradients are packed, in the order they are reduced (reverse creat
 layer first), into buckets: the first one small (`first_bucket_bytes`, DDP's 1 MiB, so the first
 collective starts early), the others up to `bucket_bytes`. Per bucket and device the gradients are
 flattened (`FlattenToVec`) and concatenated (`Concat`) into one flat buffer, the buffers are summed
-by the reducer's all-reduce (`passes.reducers`: Sum tree and Copy back, or one `NCCLAllreduce`), and each device cuts its buffer back (`Split`) and restores every gradient's shape
-(`Reshape`) into the gradient blob, so the update ops read what they read without buckets.
+by the reducer's all-reduce (`passes.reducers`: Sum tree and Copy back, or one `NCCLAllreduce`), and
+each device cuts its buffer back (`Split`) and restores every gradient's shape (`Reshape`) into the gradient blob, so the update ops read what they read without buckets.
 
-Sizes come from the op of `param_init_net` that creates each param (a gradient has its param's shape
-and dtype): its `shape` (+ `extra_shape`) argument and its dtype. A param created otherwise (an op with
-inputs, a `Load`, ...) raises `ParallelizeError` naming it, rather than guessing: bucketing is opt-in.
+Sizes come from shape inference (`core.shapes.infer_specs`) on the ops of `param_init_net` that
+create the params (a gradient has its param's shape and dtype), whatever ops they are. A param whose
+size inference cannot tell (no op creates it, or its shape depends on tensor values, such as a fill
+with `input_as_shape`) raises `ParallelizeError` naming it, rather than guessing: bucketing is opt-in.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from numbers import Integral
-
-import torch
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.shapes import BlobSpec, infer_specs
 from graphpar.errors import ParallelizeError
 from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
-from graphpar.ops.fill import to_torch_dtype
 from graphpar.passes.allreduce import checked_group
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer
 from graphpar.passes.state import ParallelState
 
-# Fill ops whose output shape is their `shape` (+ `extra_shape`) argument when they have no input.
-_SHAPED_FILLS = frozenset({"ConstantFill", "UniformFill", "GaussianFill", "XavierFill", "MSRAFill"})
-_GIVEN_FILLS = {"GivenTensorFill": torch.float32, "GivenTensorDoubleFill": torch.float64,
-                "GivenTensorIntFill": torch.int32, "GivenTensorInt64Fill": torch.int64,
-                "GivenTensorBoolFill": torch.bool}
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """The shape and dtype of a gradient (those of its param)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, TensorSpec]:
-    """The shape and dtype of each param as the first op of `init_net` that writes it creates it.
+def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
+    """The shape, dtype and device of each param after `init_net`, inferred from the ops creating it.
 
     Raises:
-        ParallelizeError: naming a param that no op creates, or whose op's output shape is not given by
-            its arguments.
+        ParallelizeError: naming a param that no op creates or whose shape inference cannot tell, or
+            the op whose shape rule failed.
     """
-    creators: dict[str, OperatorDef] = {}
-    for op in init_net.ops:
-        for blob in op.outputs:
-            creators.setdefault(blob, op)
-    return {param: _spec(param, creators.get(param)) for param in params}
-
-
-def _spec(param: str, op: OperatorDef | None) -> TensorSpec:
-    if op is None:
-        raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but no op of "
-                               f"param_init_net creates it; create it there, or use gradient_bucket_bytes=None")
-    where = f"{op.type} op {list(op.inputs)} -> {list(op.outputs)}"
-    if op.inputs or op.args.get("input_as_shape") or (op.type not in _SHAPED_FILLS and op.type not in _GIVEN_FILLS):
-        raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but its {where} in "
-                               f"param_init_net does not give its shape as arguments; create it with a fill "
-                               f"op and a `shape` (e.g. XavierFill(shape=...)), or use gradient_bucket_bytes=None")
-    shape = tuple(int(s) for s in (*op.args.get("shape", ()), *op.args.get("extra_shape", ())))
+    params = list(params)
     try:
-        return TensorSpec(shape, _fill_dtype(op))
+        specs = infer_specs(init_net, wanted=params)
     except ValueError as e:
-        raise ParallelizeError(f"gradient bucketing: param {param!r}: {e}") from None
+        raise ParallelizeError(f"gradient bucketing needs the sizes of the params, but {e}") from None
+    for param in params:
+        if param not in specs:
+            raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but no op of "
+                                   f"param_init_net creates it; create it there, or use "
+                                   f"gradient_bucket_bytes=None")
+        if specs[param] is None:
+            raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but shape inference "
+                                   f"on param_init_net cannot tell it: its shape depends on tensor values (e.g. "
+                                   f"a fill with input_as_shape); give the shape as an argument (e.g. "
+                                   f"XavierFill(shape=...)), or use gradient_bucket_bytes=None")
+    return {param: specs[param] for param in params}
 
 
-def _fill_dtype(op: OperatorDef) -> torch.dtype:
-    """The fill kernels' dtype rule (graphpar.ops.fill), for an op without inputs."""
-    if op.type in _GIVEN_FILLS:
-        return _GIVEN_FILLS[op.type]
-    if op.args.get("dtype") is not None:
-        return to_torch_dtype(op.args["dtype"], f"{op.type} op writing {list(op.outputs)}")
-    value = op.args.get("value", 0.0) if op.type == "ConstantFill" else 0.0
-    if isinstance(value, bool):
-        return torch.bool
-    return torch.int64 if isinstance(value, Integral) else torch.float32
-
-
-def plan_buckets(names: Sequence[str], specs: Mapping[str, TensorSpec], bucket_bytes: int,
+def plan_buckets(names: Sequence[str], specs: Mapping[str, BlobSpec], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
     """Cut `names` (in order) into buckets: the first of at most `first_bucket_bytes`, the others of at
     most `bucket_bytes`. A gradient larger than the limit gets a bucket of its own, and so does an empty
@@ -153,7 +110,7 @@ def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], param
     return ops
 
 
-def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], specs: Mapping[str, TensorSpec],
+def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], specs: Mapping[str, BlobSpec],
                 reducer: Reducer, to_all: bool) -> list[OperatorDef]:
     """Flatten and concatenate on every device, one all-reduce of the buffers, split and reshape back."""
     layout = reducer.layout

@@ -30,7 +30,8 @@ def _rendezvous_op(barrier: threading.Barrier, seen: list) -> None:
             return x + 1
         return run
 
-    register_op("_TestRendezvous", kernel=kernel, doc="Test op: waits for its twin on another thread.")
+    register_op("_TestRendezvous", kernel=kernel, infer=lambda a, ctx, inputs: [inputs[0]],
+                doc="Test op: waits for its twin on another thread.")
 
 
 def test_independent_branches_run_at_the_same_time_on_worker_threads():
@@ -69,14 +70,16 @@ def test_a_failing_kernel_raises_simples_error_and_changes_nothing():
     for net_type in ("simple", "dag"):
         workspace.ResetWorkspace()
         workspace.FeedBlob("x", np.ones(3, np.float32))
-        workspace.FeedBlob("bad", np.ones(4, np.float32))
+        workspace.FeedBlob("bad", np.ones(3, np.float32))
+        workspace.CreateNet(build(net_type))
+        workspace.FeedBlob("bad", np.ones(4, np.float32))  # a shape CreateNet did not see: fails at run
         with pytest.raises(OperatorError) as info:
-            workspace.RunNetOnce(build(net_type))
+            workspace.RunNet(f"fails_{net_type}")
         messages[net_type] = str(info.value).replace(net_type, "T")
         assert workspace.Blobs() == ["bad", "x"]
     assert messages["dag"] == messages["simple"] and "op #2 (Add)" in messages["dag"]
     workspace.FeedBlob("bad", np.ones(3, np.float32))  # the executor is still usable
-    workspace.RunNetOnce(build("dag"))
+    workspace.RunNet("fails_dag")
     np.testing.assert_array_equal(workspace.FetchBlob("z"), [2.0] * 3)
 
 

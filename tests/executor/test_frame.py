@@ -72,8 +72,10 @@ def test_keep_all_keeps_every_blob_for_introspection():
 def test_a_failed_run_changes_nothing_in_the_workspace():
     _feed()
     net = _net()
-    net.ops.insert(4, OperatorDef("Add", ["d", "x"], ["bad"]))  # [4, 3] + [2, 3]: fails after earlier ops ran
+    net.ops.insert(4, OperatorDef("Add", ["d", "z"], ["bad"]))  # [4, 3] + [4, 3]: fine at CreateNet...
+    workspace.FeedBlob("z", np.zeros((4, 3), np.float32))
     workspace.CreateNet(net)
+    workspace.FeedBlob("z", np.zeros((2, 3), np.float32))  # ...then a shape that fails at run, after earlier ops
     before = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
     with pytest.raises(OperatorError, match=r"op #4 \(Add\)"):
         workspace.RunNet(net.name)

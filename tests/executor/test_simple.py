@@ -37,13 +37,14 @@ def test_multi_output_nary_zero_output_and_in_place_ops_run() -> None:
 
 def test_kernel_failure_names_net_op_inputs_and_recording_site() -> None:
     _feed("x", np.ones((4, 3)))
-    _feed("w", np.ones((2, 5)))
+    _feed("w", np.ones((2, 3)))
     _feed("b", np.zeros(2))
     net = core.Net("mlp")
     net.Relu("x", "h")
     line = inspect.currentframe().f_lineno + 1
     net.FC(["h", "w", "b"], "y")
     workspace.CreateNet(net)
+    _feed("w", np.ones((2, 5)))  # after CreateNet, whose shape inference would have refused it
     with pytest.raises(OperatorError) as info:
         workspace.RunNet(net)
     message = str(info.value)

@@ -1,6 +1,8 @@
 """Test-only operators (prefixed `_Test`) that exercise executor paths real ops rarely take.
 
-`registered()` registers them for the duration of a block (tests use it through a fixture).
+`registered()` registers them for the duration of a block (tests use it through a fixture). Ops whose
+kernels record their builds or fail declare shape rules, so that shape inference at CreateNet (which
+would otherwise build and run their kernels on meta tensors) leaves those paths to the executor.
 """
 
 from __future__ import annotations
@@ -45,16 +47,25 @@ def _bad_factory(a: Any, ctx: KernelContext) -> Any:
     raise ValueError("this op cannot be built")
 
 
+def _like_input(a: Any, ctx: KernelContext, inputs: list) -> list:
+    return [inputs[0]]
+
+
+def _unknown(a: Any, ctx: KernelContext, inputs: list) -> list:
+    """Outputs unknown until the op runs, so its failure shows at RunNet."""
+    return [None] * len(ctx.op.outputs)
+
+
 _OPS: dict[str, dict[str, Any]] = {
-    "_TestCounted": dict(kernel=_counted, args={"step": 1.0}),
-    "_TestDevice": dict(kernel=_device),
+    "_TestCounted": dict(kernel=_counted, args={"step": 1.0}, infer=_like_input),
+    "_TestDevice": dict(kernel=_device, infer=_like_input),
     "_TestTwoOut": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x + 1, x * 2)),
     "_TestSum3": dict(inputs=3, kernel=lambda a, ctx: lambda x, y, z: x + y + z),
     "_TestSink": dict(outputs=0, kernel=lambda a, ctx: SUNK.append),
-    "_TestFail": dict(outputs=(1, 2), kernel=_fail, args={"message": "boom"}),
-    "_TestWrongCount": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x,)),
-    "_TestKeyError": dict(kernel=_lookup),
-    "_TestBadFactory": dict(kernel=_bad_factory),
+    "_TestFail": dict(outputs=(1, 2), kernel=_fail, args={"message": "boom"}, infer=_unknown),
+    "_TestWrongCount": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x,), infer=_unknown),
+    "_TestKeyError": dict(kernel=_lookup, infer=_unknown),
+    "_TestBadFactory": dict(kernel=_bad_factory, infer=_unknown),
 }
 
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from graphpar import workspace
-from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import validate_net
+from graphpar.core.shapes import BlobSpec
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
-from graphpar.passes.bucketing import TensorSpec, allreduce_buckets, param_specs, plan_buckets
+from graphpar.passes.bucketing import allreduce_buckets, param_specs, plan_buckets
 from graphpar.passes.finish import chain_collectives
 from tests.passes.helpers import cpu, fill, gpu, layout, reducer, summary
 
@@ -146,8 +147,12 @@ def test_every_copy_holds_the_sum_with_its_shape(count, gpu_):
 # ---- planning -----------------------------------------------------------------------------------
 
 
+def _spec(shape, dtype=torch.float32):
+    return BlobSpec(shape, dtype, DeviceOption())
+
+
 def _specs(**sizes):
-    return {n: TensorSpec((s,), torch.float32) for n, s in sizes.items()}
+    return {n: _spec((s,)) for n, s in sizes.items()}
 
 
 def test_first_bucket_then_buckets_of_at_most_the_limit():
@@ -158,7 +163,7 @@ def test_first_bucket_then_buckets_of_at_most_the_limit():
 
 def test_big_and_empty_gradients_get_their_own_bucket_and_a_bucket_has_one_dtype():
     specs = {**_specs(a=1, big=100, b=1, empty=0, c=1),
-             "half": TensorSpec((2,), torch.float16), "d": TensorSpec((1,), torch.float32)}
+             "half": _spec((2,), torch.float16), "d": _spec((1,))}
     names = ["a", "big", "b", "empty", "c", "half", "d"]
     assert plan_buckets(names, specs, 64, 64) == [["a"], ["big"], ["b"], ["empty"], ["c"], ["half"], ["d"]]
     assert plan_buckets(["a", "b", "c"], specs, 64, 64) == [["a", "b", "c"]]
@@ -170,22 +175,52 @@ def test_param_spec_follows_the_fill_ops_dtype_rules():
         OperatorDef("ConstantFill", [], ["i"], {"shape": [2], "value": 1}),
         OperatorDef("ConstantFill", [], ["h"], {"shape": [2], "extra_shape": [5], "dtype": "float16"}),
         OperatorDef("GivenTensorDoubleFill", [], ["g"], {"shape": [], "values": [1.0]}),
-        OperatorDef("Scale", ["w"], ["w"], {"scale": 2.0}),  # later writers do not matter
+        OperatorDef("Scale", ["w"], ["w"], {"scale": 2.0}),  # a later writer that keeps the spec
     ])
     assert param_specs(init, ["w", "i", "h", "g"]) == {
-        "w": TensorSpec((3, 2), torch.float32), "i": TensorSpec((2,), torch.int64),
-        "h": TensorSpec((2, 5), torch.float16), "g": TensorSpec((), torch.float64)}
+        "w": _spec((3, 2)), "i": _spec((2,), torch.int64), "h": _spec((2, 5), torch.float16),
+        "g": _spec((), torch.float64)}
     assert param_specs(init, ["w"])["w"].nbytes == 24
+
+
+def test_params_created_by_any_op_whose_shape_is_inferable_are_sized():
+    """Not only fills: a param copied from, or computed out of, other blobs of param_init_net."""
+    init = NetDef("init", [
+        OperatorDef("GaussianFill", [], ["base"], {"shape": [4, 3]}),
+        OperatorDef("Copy", ["base"], ["copied"], {}),
+        OperatorDef("Transpose", ["base"], ["flipped"], {}),
+        OperatorDef("ConstantFill", ["flipped"], ["like"], {"value": 1, "extra_shape": [2]}),
+        OperatorDef("ConstantFill", [], ["unused"], {"shape": [1], "dtype": "complex"}),  # not needed: not inferred
+    ], device_option=DeviceOption(1, 3))
+    gpu3 = DeviceOption(1, 3)
+    assert param_specs(init, ["copied", "flipped", "like"]) == {
+        "copied": BlobSpec((4, 3), torch.float32, gpu3), "flipped": BlobSpec((3, 4), torch.float32, gpu3),
+        "like": BlobSpec((3, 4, 2), torch.int64, gpu3)}
+
+
+def test_a_param_created_by_a_non_fill_op_is_bucketed_as_a_filled_one():
+    lay = layout([0, 1])
+    _, expected = _bucketed(lay)
+    init, net = _nets(lay)
+    k = next(i for i, op in enumerate(init.ops) if op.outputs == ["cpu_0/a"])
+    init.ops[k:k + 1] = [fill("cpu_0/a_src", cpu(0), 0.0, SHAPES["a"]),
+                         OperatorDef("Copy", ["cpu_0/a_src"], ["cpu_0/a"], {}, cpu(0))]
+    grouped = {f"{p}_grad": lay.group(f"{p}_grad") for p in SHAPES}
+    params = {f"{p}_grad": lay.scoped(lay.master, p) for p in SHAPES}
+    ops = allreduce_buckets(net, init, ORDER, params, grouped, reducer(lay), 40, 12)
+    assert _summary(ops) == _summary(expected)
 
 
 def test_params_of_unknown_size_are_named_in_the_error():
     init = NetDef("init", [
         OperatorDef("GivenTensorInt64Fill", [], ["s"], {"shape": [1], "values": [3]}),
         OperatorDef("ConstantFill", ["s"], ["w"], {"input_as_shape": True}),
-        OperatorDef("Copy", ["s"], ["v"], {}),
+        OperatorDef("Relu", ["w"], ["v"], {}),
         OperatorDef("ConstantFill", [], ["bad"], {"shape": [1], "dtype": "complex"}),
     ])
-    for param, message in (("w", "'w', but its ConstantFill op"), ("v", "'v', but its Copy op"),
-                           ("nothing", "'nothing', but no op"), ("bad", "'bad': .*unsupported dtype")):
+    for param, message in (("w", "'w', but shape inference .* depends on tensor values"),
+                           ("v", "'v', but shape inference .* depends on tensor values"),
+                           ("nothing", "'nothing', but no op of param_init_net creates it"),
+                           ("bad", r"op #3 \(ConstantFill\).*-> bad\): unsupported dtype 'complex'")):
         with pytest.raises(ParallelizeError, match=message):
             param_specs(init, [param])
