@@ -12,7 +12,9 @@ concurrency a plan has asked for (no threads are created per run); ready steps s
 order. A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
 `num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
-then raises the error "simple" would raise for that op, and the workspace is unchanged.
+then raises the error "simple" would raise for that op, and the workspace is unchanged. Under
+dynamic memory management a value is freed once every step that uses it has finished, whatever
+their order (`executor.frame`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Run:
     def __init__(self, plan: Plan, frame: list, schedule: Schedule) -> None:
         self.plan, self.frame, self.schedule = plan, frame, schedule
         self.pending = list(schedule.indegree)
+        self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.left = len(plan.steps)  # steps not finished (run, or skipped after a failure)
         self.running = 0
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
@@ -127,6 +130,15 @@ class DagExecutor:
             state.running += 1
             self._tasks.put((state, heapq.heappop(state.backlog)))
 
+    @staticmethod
+    def _free(state: _Run, index: int) -> None:
+        """Free the versions whose last user was step `index` (before any successor may rewrite them)."""
+        layout = state.plan.frame
+        for v in layout.releases[index]:
+            state.users_left[v] -= 1
+            if state.users_left[v] == 0:
+                state.frame[layout.version_slots[v]] = None
+
     def _work(self) -> None:
         threads = torch.get_num_threads()
         while True:
@@ -147,6 +159,7 @@ class DagExecutor:
                 if error is not None and state.failure is None:
                     state.failure = (index, error)
                 if state.failure is None:
+                    self._free(state, index)
                     ready = []
                     for j in state.schedule.successors[index]:
                         state.pending[j] -= 1

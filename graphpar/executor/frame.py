@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphpar.core.graph import blob_lifetimes
 from graphpar.core.ir import NetDef
 from graphpar.executor.failure import missing_at_run
 from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
@@ -43,20 +42,30 @@ class Load:
 
 @dataclass(frozen=True)
 class FrameLayout:
-    """How a net's blobs map to frame slots and what a run loads, frees, stores and drops."""
+    """How a net's blobs map to frame slots and what a run loads, frees, stores and drops.
+
+    Freeing works on *versions*: each write of a blob starts one, read by the ops up to the next
+    write. A transient version can be freed once every op that uses it has run; in program order
+    that is after its last user (`frees`, for "simple"), in any order once its user count drops to
+    zero (`releases` and `version_slots`/`version_users`, for concurrent executors). A version whose
+    user writes the next version in place is not freed: the rebinding releases it.
+    """
 
     names: tuple[str, ...]  # the blob of each slot
     slot: Mapping[str, int]
     loads: tuple[Load, ...]
     stores: tuple[tuple[int, str], ...]  # (slot, name) written back when the run succeeds
     drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
-    frees: tuple[tuple[int, ...], ...]  # per step: transient slots to free after it (all empty by default)
+    frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in program order
+    releases: tuple[tuple[int, ...], ...]  # per step: the freeable versions it uses
+    version_slots: tuple[int, ...]  # per freeable version: its slot
+    version_users: tuple[int, ...]  # per freeable version: how many steps use it
     persistent: frozenset[str]
 
     @property
     def frees_memory(self) -> bool:
         """Whether an executor should free slots during the run."""
-        return any(self.frees)
+        return bool(self.version_slots)
 
 
 def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
@@ -75,15 +84,39 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
     keep = netdef.args.get(KEEP_ARG) or ()
     persistent = frozenset(load.name for load in loads) | set(netdef.external_outputs) | set(keep)
     freeing = bool(netdef.args.get(DYNAMIC_MEMORY_ARG)) and not keep_all
+    versions = _transient_versions(netdef, persistent) if freeing else []
     frees: list[list[int]] = [[] for _ in netdef.ops]
-    if freeing:
-        for blob, (_, last) in blob_lifetimes(netdef).items():
-            if blob in slot and blob not in persistent:
-                frees[last].append(slot[blob])
+    releases: list[list[int]] = [[] for _ in netdef.ops]
+    for v, (blob, users) in enumerate(versions):
+        frees[max(users)].append(slot[blob])
+        for user in users:
+            releases[user].append(v)
     stored = [b for b in written if not freeing or b in persistent]
     drops = tuple(b for b in written if freeing and b not in persistent)
     return FrameLayout(tuple(slot), slot, tuple(loads), tuple((slot[b], b) for b in stored), drops,
-                       tuple(tuple(f) for f in frees), persistent)
+                       tuple(map(tuple, frees)), tuple(map(tuple, releases)),
+                       tuple(slot[blob] for blob, _ in versions), tuple(len(users) for _, users in versions),
+                       persistent)
+
+
+def _transient_versions(netdef: NetDef, persistent: frozenset[str]) -> list[tuple[str, set[int]]]:
+    """(blob, the steps using it) for every version of a transient blob that may be freed."""
+    versions: list[tuple[str, set[int]]] = []
+    current: dict[str, int] = {}
+    replaced_in_place: set[int] = set()
+    for index, op in enumerate(netdef.ops):
+        for blob in op.inputs:
+            if blob in current:
+                versions[current[blob]][1].add(index)
+        for blob in op.outputs:
+            if blob in persistent:
+                continue
+            previous = current.get(blob)
+            if previous is not None and index in versions[previous][1]:
+                replaced_in_place.add(previous)
+            current[blob] = len(versions)
+            versions.append((blob, {index}))
+    return [version for v, version in enumerate(versions) if v not in replaced_in_place]
 
 
 def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption
-from graphpar.core.schema import NOT_DIFFERENTIABLE, Arg, KernelContext, TensorSpec, Trait, register_op
+from graphpar.core.schema import (
+    NOT_DIFFERENTIABLE,
+    Arg,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    register_op,
+    same_index,
+)
 from graphpar.core.shapes import on_meta
 from graphpar.ops.common import op_label
 
@@ -217,13 +225,13 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tupl
         def nesterov(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
             m_new = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu)
             step = torch.add(m_new * (1.0 + mu), m, alpha=-mu)
-            return step, m_new, p - step
+            return step, m.copy_(m_new), p.sub_(step)
 
         return nesterov
 
     def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-        step = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu)
-        return step, step, p - step
+        step = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu, out=m)
+        return step, step, p.sub_(step)
 
     return plain
 
@@ -232,10 +240,11 @@ register_op(
     "MomentumSGDUpdate", inputs=4, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE,),
-    doc="[grad, mom, lr, param] -> [grad, mom, param] in place; lr is positive (the op subtracts). "
-        "Plain: a = lr g + momentum m; mom = a; param -= a; grad = a. Nesterov: m' = momentum m + lr g; "
-        "a = (1 + momentum) m' - momentum m; param -= a; grad = a. Equals torch.optim.SGD "
-        "(dampening 0) with mom = lr * its buffer. Without nesterov, grad and mom share one tensor.")
+    doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
+        "storage); lr is positive (the op subtracts). Plain: a = lr g + momentum m; mom = a; param -= a; "
+        "grad = a. Nesterov: m' = momentum m + lr g; a = (1 + momentum) m' - momentum m; param -= a; "
+        "grad = a. Equals torch.optim.SGD (dampening 0) with mom = lr * its buffer. Without nesterov, "
+        "grad and mom share one tensor.")
 
 
 def _adam_step(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
@@ -248,16 +257,32 @@ def _adam_step(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.
     return torch.addcdiv(p, step, denom), m1, m2
 
 
+def _adam_step_inplace(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
+                       lr: torch.Tensor, t: int) -> tuple:
+    """`_adam_step` writing param and moments into their storage, with the same roundings."""
+    beta1, beta2 = a.beta1, a.beta2
+    m1.lerp_(g, 1.0 - beta1)
+    m2.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(a.epsilon)
+    step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
+    return p.addcdiv_(step, denom), m1, m2
+
+
+def _iteration(it: torch.Tensor, where: str) -> int:
+    t = int(it.item())
+    if t < 1:
+        raise ValueError(f"{where}: the iteration counter is {t}; Adam needs t >= 1 (increment it "
+                         f"with Iter/AtomicIter before the update)")
+    return t
+
+
 def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
-    where = op_label(ctx.op)
+    where, op = op_label(ctx.op), ctx.op
+    step = _adam_step_inplace if op.outputs == op.inputs[:3] else _adam_step
 
     def run(p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor, lr: torch.Tensor,
             it: torch.Tensor) -> tuple:
-        t = int(it.item())
-        if t < 1:
-            raise ValueError(f"{where}: the iteration counter is {t}; Adam needs t >= 1 (increment it "
-                             f"with Iter/AtomicIter before the update)")
-        return _adam_step(a, p, m1, m2, g, lr, t)
+        return step(a, p, m1, m2, g, lr, _iteration(it, where))
 
     return run
 
@@ -274,10 +299,98 @@ register_op(
     traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer,
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
-        "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter. "
-        "This matches torch.optim.Adam: t = iter because the counter is incremented before the update "
-        "(step 1 sees iter 1), and epsilon is added after the bias correction. Caffe2 used t = iter + 1 "
-        "and added epsilon to sqrt(m2) before correcting.")
+        "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter; "
+        "written into the inputs' storage when the outputs name them. This matches torch.optim.Adam: "
+        "t = iter because the counter is incremented before the update (step 1 sees iter 1), and "
+        "epsilon is added after the bias correction. Caffe2 used t = iter + 1 and added epsilon to "
+        "sqrt(m2) before correcting.")
+
+
+# ------------------------------------------------------------------------------ multi-tensor updates
+
+
+def _params_count(ctx: KernelContext, blocks: int, shared: int, updated: int) -> int:
+    """k, for a multi-tensor update reading `blocks` blocks of k blobs and `shared` blobs, and writing
+    the first `updated` blocks."""
+    n = len(ctx.op.inputs) - shared
+    k = n // blocks
+    if n < blocks or n % blocks or len(ctx.op.outputs) != updated * k:
+        raise ValueError(f"{op_label(ctx.op)}: takes {blocks} blocks of one blob per param, then {shared} "
+                         f"shared blob(s), and writes the first {updated} blocks; got {len(ctx.op.inputs)} "
+                         f"inputs and {len(ctx.op.outputs)} outputs")
+    return k
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` grouped by dtype (a multi-tensor kernel takes one dtype at a time)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _multi_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    k, mu = _params_count(ctx, 3, 1, 3), a.momentum
+
+    def run(*xs: torch.Tensor) -> tuple:
+        gs, ms, ps, lr = xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k]
+        steps: list = [None] * k
+        for idx in _by_dtype(list(gs)):
+            g, m, p = [gs[i] for i in idx], [ms[i] for i in idx], [ps[i] for i in idx]
+            new = torch._foreach_mul(g, lr.reshape(()).to(g[0].dtype))
+            torch._foreach_add_(new, m, alpha=mu)  # m' = lr g + mu m, rounded as MomentumSGDUpdate's
+            if a.nesterov:
+                step = torch._foreach_mul(new, 1.0 + mu)
+                torch._foreach_add_(step, m, alpha=-mu)
+            else:
+                step = new
+            torch._foreach_copy_(m, new)
+            torch._foreach_sub_(p, step)
+            for i, t in zip(idx, step):
+                steps[i] = t
+        return (*steps, *ms, *ps)
+
+    return run
+
+
+register_op(
+    "MultiTensorMomentumSGDUpdate", inputs=(4, None), outputs=(3, None), enforce_inplace=same_index,
+    args={"momentum": 0.0, "nesterov": False}, kernel=_multi_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
+    traits=(Trait.INPLACE_UPDATE,),
+    doc="[grad_1..k, mom_1..k, param_1..k, lr] -> [grad_1..k, mom_1..k, param_1..k] in place: "
+        "MomentumSGDUpdate of k params at once with multi-tensor (torch._foreach_*) kernels, with the "
+        "same results bit for bit. The fuse_updates pass builds it from a device's MomentumSGDUpdates.")
+
+
+def _multi_adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    k, where, beta1, beta2 = _params_count(ctx, 4, 2, 3), op_label(ctx.op), a.beta1, a.beta2
+
+    def run(*xs: torch.Tensor) -> tuple:
+        ps, m1s, m2s, gs, lr, it = xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k:4 * k], xs[4 * k], xs[4 * k + 1]
+        t = _iteration(it, where)
+        for idx in _by_dtype(list(gs)):
+            p, m1, m2, g = ([blobs[i] for i in idx] for blobs in (ps, m1s, m2s, gs))
+            torch._foreach_lerp_(m1, g, 1.0 - beta1)
+            torch._foreach_mul_(m2, beta2)
+            torch._foreach_addcmul_(m2, g, g, value=1.0 - beta2)
+            denom = torch._foreach_sqrt(m2)
+            torch._foreach_div_(denom, math.sqrt(1.0 - beta2 ** t))
+            torch._foreach_add_(denom, a.epsilon)
+            step = torch._foreach_mul(m1, lr.reshape(()).to(g[0].dtype) / (1.0 - beta1 ** t))
+            torch._foreach_addcdiv_(p, step, denom)
+        return (*ps, *m1s, *m2s)
+
+    return run
+
+
+register_op(
+    "MultiTensorAdam", inputs=(6, None), outputs=(3, None), enforce_inplace=same_index,
+    args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_multi_adam, gradient=NOT_DIFFERENTIABLE,
+    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=lambda a, ctx, inputs: inputs[:len(ctx.op.outputs)],
+    device_inference=lambda op, d: ([d] * (len(op.inputs) - 1) + [_HOST], [d] * len(op.outputs)),
+    doc="[param_1..k, m1_1..k, m2_1..k, grad_1..k, lr, iter] -> [param_1..k, m1_1..k, m2_1..k] in "
+        "place: Adam of k params at once with multi-tensor (torch._foreach_*) kernels, with the same "
+        "results bit for bit. The fuse_updates pass builds it from a device's in-place Adam ops.")
 
 
 def _clip_by_scaling(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., torch.Tensor]:

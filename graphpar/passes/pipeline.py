@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphpar.core.ir import CUDA
 from graphpar.core.schema import validate_net
 from graphpar.passes import (
     allreduce,
@@ -24,6 +25,7 @@ from graphpar.passes import (
     bucketing,
     builders,
     finish,
+    fuse_updates,
     group_by_device,
     inter_device_bn,
     interleave,
@@ -100,6 +102,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("allreduce_gradient_buckets", bucketing.allreduce_gradient_buckets, lambda s: s.training and _buckets(s)),
     Pass("prune_shared_params", shared_model.prune_shared_params, _option("shared_model")),
     Pass("build_updates", builders.build_updates, training),
+    Pass("fuse_updates", fuse_updates.fuse_updates, lambda s: s.training and s.layout.device_type == CUDA),
     Pass("compute_sync_blobs", sync.compute_sync_blobs, training),
     Pass("infer_devices_after_updates", analyze.infer_devices, training),
     Pass("analyze", analyze.analyze, training),

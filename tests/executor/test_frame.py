@@ -89,3 +89,19 @@ def test_copy_never_aliases_its_input_even_on_the_same_device():
     workspace.RunOperatorOnce(OperatorDef("Copy", ["x"], ["y"]))
     x, y = workspace.FetchTensor("x"), workspace.FetchTensor("y")
     assert torch.equal(x, y) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_each_version_of_a_reused_name_is_freed_after_its_own_users():
+    net = NetDef("versions", [
+        OperatorDef("Relu", ["x"], ["t"]),                 # 0: t version 0
+        OperatorDef("Scale", ["t"], ["a"], {"scale": 2.0}),  # 1: last user of t v0
+        OperatorDef("Relu", ["a"], ["t"]),                 # 2: t version 1 (not in place: frees v0 at 1)
+        OperatorDef("Relu", ["t"], ["t"]),                 # 3: in place: v1 is replaced, not freed
+        OperatorDef("Add", ["t", "a"], ["y"]),             # 4: last user of t v2 and of a
+    ], external_outputs=["y"], args={"dynamic_memory_management": 1})
+    layout = layout_frame(net)
+    t, a = layout.slot["t"], layout.slot["a"]
+    assert layout.frees == ((), (t,), (), (), (a, t))
+    versions = list(zip(layout.version_slots, layout.version_users))
+    assert versions == [(t, 2), (a, 3), (t, 2)]  # t v0 (ops 0, 1), a (1, 2, 4), t v2 (ops 3, 4)
+    assert [list(r) for r in layout.releases] == [[0], [0, 1], [1], [2], [1, 2]]

@@ -122,12 +122,12 @@ def test_learning_rate_argument_errors(args: dict, match: str) -> None:
 def momentum_sgd(param: torch.Tensor, grads: list[torch.Tensor], lr: float, mu: float,
                  nesterov: bool) -> list[torch.Tensor]:
     """graphpar's MomentumSGDUpdate over a few steps; returns the params after each step."""
-    mom, out = torch.zeros_like(param), []
+    mom, out, param = torch.zeros_like(param), [], param.clone()  # the kernel updates them in place
     lr_blob = torch.tensor([lr], dtype=torch.float32)
     for g in grads:
         g_out, mom, param = run_kernel("MomentumSGDUpdate", [g, mom, lr_blob, param], momentum=mu,
                                        nesterov=nesterov)
-        out.append(param)
+        out.append(param.clone())
         assert g_out.dtype == g.dtype
     return out
 
@@ -153,12 +153,16 @@ def test_momentum_sgd_matches_torch(nesterov: bool, shape: tuple, dtype: torch.d
 def test_momentum_sgd_outputs_and_in_place_rule() -> None:
     g, m, p = randn((3,), seed=1), randn((3,), seed=2), randn((3,), seed=3)
     lr = torch.tensor([0.5], dtype=torch.float32)
-    g_out, m_out, p_out = run_kernel("MomentumSGDUpdate", [g, m, lr, p], momentum=0.9)
+    mom, param = m.clone(), p.clone()
+    g_out, m_out, p_out = run_kernel("MomentumSGDUpdate", [g, mom, lr, param], momentum=0.9)
     step = 0.5 * g + 0.9 * m
     assert rel_err(g_out, step) < 1e-12 and rel_err(m_out, step) < 1e-12 and rel_err(p_out, p - step) < 1e-12
-    g_out, m_out, p_out = run_kernel("MomentumSGDUpdate", [g, m, lr, p], momentum=0.9, nesterov=1)
+    assert m_out is mom and p_out is param  # momentum and param are updated in their own storage
+    mom, param = m.clone(), p.clone()
+    g_out, m_out, p_out = run_kernel("MomentumSGDUpdate", [g, mom, lr, param], momentum=0.9, nesterov=1)
     m_new = 0.9 * m + 0.5 * g
     assert rel_err(m_out, m_new) < 1e-12 and rel_err(p_out, p - (1.9 * m_new - 0.9 * m)) < 1e-12
+    assert m_out is mom and p_out is param
     with pytest.raises(ValueError, match="in place"):
         check_operator(OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "p"], ["g", "m", "p2"]))
 
