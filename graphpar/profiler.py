@@ -1,6 +1,6 @@
 """Per-op profiles of a net: which ops take the time of a run.
 
-`profile_net(net)` wraps each step of a compiled plan with a timer and runs the wrapped plan on the
+`profile_net(net)` wraps each kernel of a compiled plan with a timer and runs the wrapped plan on the
 net's own executor, so the RunNet hot path carries no timing code and the kernels, their order and
 their blob bindings are those of a normal run: the workspace ends up exactly as after `RunNet`.
 CUDA kernels launch asynchronously: on plans that touch CUDA devices every device is synchronised
@@ -137,15 +137,16 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
     elapsed_ns = [0] * len(plan.steps)
 
     def timed(step: Step) -> Step:
-        run, index = step.run, step.index
+        kernel, index = step.kernel, step.index
 
-        def run_timed(frame: list) -> None:
+        def timed_kernel(*inputs: Any) -> Any:
             began = clock()
-            run(frame)
+            out = kernel(*inputs)
             sync()
             elapsed_ns[index] += clock() - began
+            return out
 
-        return step._replace(run=run_timed)
+        return step.with_kernel(timed_kernel)
 
     timed_plan = plan.with_steps(tuple(map(timed, plan.steps)))
     executor = get_executor(plan.type)

@@ -54,7 +54,8 @@ class FrameLayout:
     names: tuple[str, ...]  # the blob of each slot
     slot: Mapping[str, int]
     loads: tuple[Load, ...]
-    stores: tuple[tuple[int, str], ...]  # (slot, name) written back when the run succeeds
+    store_slots: tuple[int, ...]  # the slots written back when the run succeeds...
+    store_names: tuple[str, ...]  # ...under these names
     drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
     frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in program order
     releases: tuple[tuple[int, ...], ...]  # per step: the freeable versions it uses
@@ -93,7 +94,7 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
             releases[user].append(v)
     stored = [b for b in written if not freeing or b in persistent]
     drops = tuple(b for b in written if freeing and b not in persistent)
-    return FrameLayout(tuple(slot), slot, tuple(loads), tuple((slot[b], b) for b in stored), drops,
+    return FrameLayout(tuple(slot), slot, tuple(loads), tuple(slot[b] for b in stored), tuple(stored), drops,
                        tuple(map(tuple, frees)), tuple(map(tuple, releases)),
                        tuple(slot[blob] for blob, _ in versions), tuple(len(users) for _, users in versions),
                        persistent)
@@ -135,7 +136,7 @@ def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
 
 def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:
     """Write a successful run's results back to the workspace (and drop freed transients)."""
-    for slot, name in plan.frame.stores:
-        blobs[name] = frame[slot]
-    for name in plan.frame.drops:
+    layout = plan.frame
+    blobs.update(zip(layout.store_names, map(frame.__getitem__, layout.store_slots)))  # a loop in C
+    for name in layout.drops:
         blobs.pop(name, None)

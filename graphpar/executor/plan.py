@@ -27,6 +27,7 @@ from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, layout_frame
+from graphpar.executor.program import make_run
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
 
@@ -36,11 +37,16 @@ RandomStream = Callable[[torch.device], torch.Generator]
 class Step(NamedTuple):
     """One op, ready to run: `run(frame)` executes it; the rest describes it for executors."""
 
-    run: Callable[[list], None]
+    kernel: Callable[..., Any]  # kernel(*inputs) -> the output, or a tuple of them
+    run: Callable[[list], None]  # reads the input slots, calls the kernel, writes the output slots
     index: int
     inputs: tuple[int, ...]  # frame slots read (data inputs)
     outputs: tuple[int, ...]  # frame slots written
     device: torch.device
+
+    def with_kernel(self, kernel: Callable[..., Any]) -> Step:
+        """The same step calling `kernel` instead (e.g. a timed wrapper of its own)."""
+        return self._replace(kernel=kernel, run=make_run(kernel, self.inputs, self.outputs))
 
 
 class BlobStore(Protocol):
@@ -172,47 +178,4 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
                             f"{recorded_at(op)}") from exc
     inputs = tuple(slot[b] for b in op.inputs)
     outputs = tuple(slot[b] for b in op.outputs)
-    return Step(make_run(fn, inputs, outputs), index, inputs, outputs, device)
-
-
-def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable[[list], None]:
-    """The step function: read `ins` from the frame, call `fn`, write its result(s) to `outs`.
-
-    Specialised by arity so that the common one- and two-input ops build no argument lists.
-    """
-    if len(outs) == 1:
-        (o,) = outs
-        if len(ins) == 1:
-            (i,) = ins
-
-            def unary(frame: list) -> None:
-                frame[o] = fn(frame[i])
-
-            return unary
-        if len(ins) == 2:
-            i, j = ins
-
-            def binary(frame: list) -> None:
-                frame[o] = fn(frame[i], frame[j])
-
-            return binary
-
-        def nary(frame: list) -> None:
-            frame[o] = fn(*[frame[i] for i in ins])
-
-        return nary
-
-    def multi(frame: list) -> None:
-        _store_all(frame, outs, fn(*[frame[i] for i in ins]))
-
-    return multi
-
-
-def _store_all(frame: list, outs: tuple[int, ...], results: Any) -> None:
-    if not outs:
-        return
-    if not isinstance(results, (tuple, list)) or len(results) != len(outs):
-        got = f"{len(results)} outputs" if isinstance(results, (tuple, list)) else type(results).__name__
-        raise ValueError(f"the kernel returned {got}, expected a tuple of {len(outs)} tensors")
-    for slot, value in zip(outs, results):
-        frame[slot] = value
+    return Step(fn, make_run(fn, inputs, outputs), index, inputs, outputs, device)

@@ -9,8 +9,10 @@ is the number of distinct CPU devices its ops run on, and the concurrent executo
 Every executor runs a plan with the same intra-op thread count, so their results are bit-identical
 (reductions split across a different number of threads round differently).
 
-The budget is the number of cores this process may run on (`os.sched_getaffinity`), or
-`GRAPHPAR_NUM_THREADS` when set.
+The budget is PyTorch's intra-op thread count in the thread that creates the net
+(`torch.get_num_threads()`: the core count unless you change it with `torch.set_num_threads`), capped
+at the number of cores this process may run on (`os.sched_getaffinity`); `GRAPHPAR_NUM_THREADS`
+replaces it when set.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ def thread_budget() -> int:
         if budget < 1:
             raise ValueError(f"{BUDGET_ENV} must be a positive int, got {configured!r}")
         return budget
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 def intra_op_threads(cpu_replicas: int) -> int:

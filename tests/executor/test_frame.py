@@ -36,14 +36,14 @@ def test_persistent_blobs_are_those_read_first_outputs_and_kept_ones():
     assert layout.persistent == {"x", "w", "b", "it", "y", "g"}
     assert [load.name for load in layout.loads] == ["x", "w", "b", "it"]
     assert not layout.frees_memory and layout.drops == ()
-    assert [name for _, name in layout.stores] == ["h", "g", "y", "d", "w", "it"]
+    assert list(layout.store_names) == ["h", "g", "y", "d", "w", "it"]
 
 
 def test_dynamic_memory_management_frees_each_transient_after_its_last_use():
     layout = layout_frame(_net(dynamic_memory_management=1))
     names = layout.names
     assert [[names[s] for s in step] for step in layout.frees] == [[], ["h"], ["g"], [], ["d"], []]
-    assert [name for _, name in layout.stores] == ["y", "w", "it"] and set(layout.drops) == {"h", "g", "d"}
+    assert list(layout.store_names) == ["y", "w", "it"] and set(layout.drops) == {"h", "g", "d"}
     assert layout_frame(_net(dynamic_memory_management=1), keep_all=True).frees_memory is False
 
 

@@ -69,7 +69,7 @@ def test_steps_read_and_write_frame_slots() -> None:
     assert [[names[i] for i in s.inputs] for s in plan.steps] == [["a"], ["a", "b"], ["a", "b", "c"], ["a"], ["a"]]
     assert [[names[o] for o in s.outputs] for s in plan.steps] == [["r"], ["s"], ["t"], ["u", "v"], []]
     assert [(load.name, load.reader) for load in plan.frame.loads] == [("a", 0), ("b", 1), ("c", 2)]
-    assert [name for _, name in plan.frame.stores] == ["r", "s", "t", "u", "v"]
+    assert list(plan.frame.store_names) == ["r", "s", "t", "u", "v"]
     assert plan.dependencies == ((), (), (), (), ())
     assert plan.name == net.Name() and plan.workspace_name == "default"
 
