@@ -14,7 +14,8 @@ order. A plan runs at most
 `num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
 then raises the error "simple" would raise for that op, and the workspace is unchanged. Under
 dynamic memory management a value is freed once every step that uses it has finished, whatever
-their order (`executor.frame`).
+their order (`executor.frame`). On GPUs each worker launches on CUDA streams of its own, ordered by
+events (`executor.streams`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphpar.executor.failure import op_failure
 from graphpar.executor.frame import commit, open_frame
+from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams
 from graphpar.executor.threads import thread_budget
 
 if TYPE_CHECKING:
@@ -73,8 +75,8 @@ def make_schedule(plan: Plan) -> Schedule:
 class _Run:
     """The state of one run: pending counts, the frame, the first failure, and who is waiting."""
 
-    def __init__(self, plan: Plan, frame: list, schedule: Schedule) -> None:
-        self.plan, self.frame, self.schedule = plan, frame, schedule
+    def __init__(self, plan: Plan, frame: list, schedule: Schedule, streams: RunStreams | None) -> None:
+        self.plan, self.frame, self.schedule, self.streams = plan, frame, schedule, streams
         self.pending = list(schedule.indegree)
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.left = len(plan.steps)  # steps not finished (run, or skipped after a failure)
@@ -101,10 +103,14 @@ class DagExecutor:
             if schedule is None:
                 schedule = self._schedules[plan] = make_schedule(plan)
             self._ensure_workers(schedule.concurrency)
-            state = _Run(plan, frame, schedule)
+            backend = current_streams()
+            streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
+            state = _Run(plan, frame, schedule, streams)
             with state.lock:
                 self._release(state, list(schedule.roots))
             state.finished.wait()
+            if streams is not None:
+                streams.finish()
             if state.failure is not None:
                 index, exc = state.failure
                 raise op_failure(plan, frame, index, exc) from exc
@@ -141,6 +147,7 @@ class DagExecutor:
 
     def _work(self) -> None:
         threads = torch.get_num_threads()
+        worker_streams: dict[int, dict[Any, Any]] = {}  # per stream backend (by id): its streams by device
         while True:
             state, index = self._tasks.get()
             plan = state.plan
@@ -150,7 +157,10 @@ class DagExecutor:
             error = None
             if state.failure is None:
                 try:
-                    plan.runs[index](state.frame)
+                    if state.streams is None:
+                        plan.runs[index](state.frame)
+                    else:
+                        state.streams.run(index, worker_streams.setdefault(id(state.streams.backend), {}))
                 except Exception as exc:  # reported by the thread that called run()
                     error = exc
             with state.lock:

@@ -43,6 +43,7 @@ class Step(NamedTuple):
     inputs: tuple[int, ...]  # frame slots read (data inputs)
     outputs: tuple[int, ...]  # frame slots written
     device: torch.device
+    option: DeviceOption  # the logical device (a CUDA op placed on the CPU still says CUDA)
 
     def with_kernel(self, kernel: Callable[..., Any]) -> Step:
         """The same step calling `kernel` instead (e.g. a timed wrapper of its own)."""
@@ -178,4 +179,4 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
                             f"{recorded_at(op)}") from exc
     inputs = tuple(slot[b] for b in op.inputs)
     outputs = tuple(slot[b] for b in op.outputs)
-    return Step(fn, make_run(fn, inputs, outputs), index, inputs, outputs, device)
+    return Step(fn, make_run(fn, inputs, outputs), index, inputs, outputs, device, netdef.op_device(op))

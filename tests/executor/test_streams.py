@@ -1,0 +1,131 @@
+"""CUDA streams in the dag executor, checked through a recording stand-in for torch.cuda streams."""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import workspace
+from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
+from graphpar.devices import cuda_on_cpu
+from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams, stream_backend
+
+
+class FakeStreams:
+    """Records what is asked of streams, in order; streams and events are named strings."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.names = itertools.count(1)
+        self.device_of: dict[str, str] = {}
+
+    def active(self, device: torch.device) -> bool:
+        return True  # logical CUDA devices placed on the CPU count as stream devices here
+
+    def new_stream(self, device: torch.device) -> str:
+        return f"s{next(self.names)}"
+
+    @contextmanager
+    def use(self, stream: str):  # noqa: ANN201
+        self.log.append(("run on", stream))
+        yield
+
+    def record(self, stream: str) -> str:
+        event = f"e{next(self.names)}"
+        self.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream: str, event: str) -> None:
+        self.log.append(("wait", stream, event))
+
+    def default_event(self, device: torch.device) -> str:
+        event = f"start{next(self.names)}"
+        self.log.append(("start", event))
+        return event
+
+    def join_default(self, device: torch.device, event: str) -> None:
+        self.log.append(("join", event))
+
+    def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
+        self.log.append(("keep alive on", stream))
+
+    def synchronize(self, event: str) -> None:
+        self.log.append(("host waits", event))
+
+
+def _net(net_type: str = "dag") -> NetDef:
+    gpu0, gpu1 = DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
+    return NetDef(f"streams_{net_type}", [
+        OperatorDef("Relu", ["gpu_0/x"], ["gpu_0/a"], device_option=gpu0),               # 0
+        OperatorDef("Relu", ["gpu_1/x"], ["gpu_1/b"], device_option=gpu1),               # 1
+        OperatorDef("Copy", ["gpu_0/a"], ["gpu_1/a"], {"input_device_ids": [0]}, gpu1),  # 2: after 0
+        OperatorDef("Add", ["gpu_1/a", "gpu_1/b"], ["gpu_1/c"], device_option=gpu1),     # 3: after 1, 2
+        OperatorDef("CopyGPUToCPU", ["gpu_1/c"], ["c_host"], device_option=gpu1),        # 4: after 3
+        OperatorDef("Relu", ["c_host"], ["d_host"], device_option=DeviceOption(CPU, 0)),  # 5: host step
+    ], type=net_type, num_workers=4)
+
+
+def _feed() -> None:
+    for name in ("gpu_0/x", "gpu_1/x"):
+        workspace.FeedBlob(name, np.ones(3, np.float32))
+
+
+def _plan_and_frame():  # noqa: ANN202
+    _feed()
+    plan = workspace.get_workspace().create_net(_net())
+    frame: list = [None] * len(plan.frame.names)
+    for load in plan.frame.loads:
+        frame[load.slot] = workspace.FetchTensor(load.name)
+    return plan, frame
+
+
+def test_the_wiring_of_one_run_step_by_step():
+    """Two workers: A runs steps 0, 2, 3, 4 and the host step 5; B runs step 1."""
+    fake = FakeStreams()
+    with cuda_on_cpu():
+        plan, frame = _plan_and_frame()
+        streams = RunStreams(fake, plan, frame)
+        worker_a: dict = {}
+        worker_b: dict = {}
+        for index, worker in ((0, worker_a), (1, worker_b), (2, worker_a), (3, worker_a), (4, worker_a),
+                              (5, worker_a)):
+            streams.run(index, worker)
+        streams.finish()
+    gpu0, gpu1 = DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
+    assert worker_a == {gpu0: "s1", gpu1: "s7"} and worker_b == {gpu1: "s4"}
+    assert fake.log == [
+        ("start", "start2"), ("wait", "s1", "start2"), ("keep alive on", "s1"), ("run on", "s1"),
+        ("record", "s1", "e3"),
+        ("start", "start5"), ("wait", "s4", "start5"), ("keep alive on", "s4"), ("run on", "s4"),
+        ("record", "s4", "e6"),
+        # step 2 (a copy from device 0) on A's stream for device 1: waits for device 1's start and step 0
+        ("wait", "s7", "start5"), ("wait", "s7", "e3"), ("keep alive on", "s7"), ("run on", "s7"),
+        ("record", "s7", "e8"),
+        # step 3 reads step 1 (B's stream) and step 2 (its own stream): one wait
+        ("wait", "s7", "e6"), ("keep alive on", "s7"), ("keep alive on", "s7"), ("run on", "s7"),
+        ("record", "s7", "e9"),
+        ("keep alive on", "s7"), ("run on", "s7"), ("record", "s7", "e10"),
+        ("host waits", "e10"),  # the host step reads what step 4 copied to the CPU
+        ("record", "s1", "e11"), ("join", "e11"), ("record", "s4", "e12"), ("join", "e12"),
+        ("record", "s7", "e13"), ("join", "e13"),
+    ]
+    np.testing.assert_array_equal(frame[plan.frame.slot["d_host"]], [2.0] * 3)
+
+
+def test_the_dag_executor_runs_through_the_injected_backend(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    fake = FakeStreams()
+    with cuda_on_cpu(), stream_backend(fake):
+        assert current_streams() is fake
+        _feed()
+        workspace.RunNetOnce(_net("dag"))
+    assert current_streams() is NO_STREAMS
+    np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
+    actions = [entry[0] for entry in fake.log]
+    assert actions.count("run on") == 5 and actions.count("host waits") == 1
+    streams_used = sum(1 for entry in fake.log if entry[0] == "wait" and entry[2].startswith("start"))
+    assert actions.count("join") == streams_used >= 2  # every stream used is joined back at the end
