@@ -4,8 +4,9 @@ graphpar runs a ModelHelper built with brew + `optimizer.build_sgd(momentum=0.9)
 `workspace.RunNet`; eager PyTorch runs the same model as an `nn.Module` with `torch.optim.SGD`
 (momentum 0.9), starting from graphpar's initial weights. Both train on one fixed batch, alternated in
 one process, after warm-up; the table gives the median step times and their ratio (target <= 1.25).
-Models: an overhead-bound MLP (batch 32, 64-128-10), a compute-bound MLP (batch 256, 512-1024-10) and
-a small CNN (batch 32, 3x32x32: conv-bn-relu-pool twice, then fc).
+Models: an overhead-bound MLP (batch 32, 64-128-10), a compute-bound MLP (batch 256, 512-1024-10), a
+small CNN (batch 32, 3x32x32: conv-bn-relu-pool twice, then fc) and the zoo's ResNet-18 (width 32,
+batch 16, 3x64x64; the eager copy starts from its own weights, so only its time is compared).
 
     python -m benchmarks.step_time [--repeats 30] [--warmup 5] [--threads 1]
 """
@@ -21,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import eager_models
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import brew, optimizer, workspace
+from graphpar import brew, models, optimizer, workspace
 from graphpar.model_helper import ModelHelper
 
 LR, MOMENTUM = 0.01, 0.9
@@ -83,6 +85,12 @@ def _linear_blobs(*names: str) -> dict[str, str]:
     return {f"{n}_{p}": f"{n}.{k}" for n in names for p, k in (("w", "weight"), ("b", "bias"))}
 
 
+def resnet18_forward(model: ModelHelper) -> str:
+    """The zoo's ResNet-18 (width 32, 10 classes) up to its `pred` blob."""
+    models.resnet18(model, 1.0, num_classes=10, in_channels=3, width=32)
+    return "pred"
+
+
 CASES = [
     Case("MLP 64-128-10, batch 32 (overhead-bound)", 32, (64,), mlp_forward((64, 128, 10)),
          lambda: MLP((64, 128, 10)), _linear_blobs("fc1", "pred")),
@@ -91,6 +99,8 @@ CASES = [
     Case("CNN conv-bn-relu-pool x2 + fc, batch 32, 3x32x32", 32, (3, 32, 32), cnn_forward, CNN,
          {**_linear_blobs("conv1", "conv2", "pred"),
           **{f"bn{i}_{p}": f"bn{i}.{k}" for i in (1, 2) for p, k in (("s", "weight"), ("b", "bias"))}}),
+    Case("ResNet-18 width 32, batch 16, 3x64x64 (own initial weights)", 16, (3, 64, 64), resnet18_forward,
+         lambda: eager_models.resnet18(3, 32, 10), {}),
 ]
 
 
@@ -98,7 +108,9 @@ def graphpar_step(case: Case, x: np.ndarray, y: np.ndarray) -> Callable[[], obje
     """Build, initialise and create the graphpar train net; return one RunNet call."""
     workspace.ResetWorkspace()
     model = ModelHelper(name="step_time")
-    _, loss = model.net.SoftmaxWithLoss([case.forward(model), "label"], ["softmax", "loss"])
+    pred = case.forward(model)
+    loss = "loss" if model.net.BlobIsDefined("loss") else model.net.SoftmaxWithLoss([pred, "label"],
+                                                                                    ["softmax", "loss"])[1]
     model.AddGradientOperators([loss])
     optimizer.build_sgd(model, LR, momentum=MOMENTUM)
     workspace.RunNetOnce(model.param_init_net)
