@@ -2,7 +2,9 @@
 
 At a fixed global batch, the samples per second of momentum-SGD training of an MLP on:
 - eager PyTorch on the whole batch in one process (torch's default threads: the machine's cores);
-- graphpar with N = 1, 2, 4 CPU devices, net type "dag" (replicas run side by side) and "simple";
+- graphpar with N = 1, 2, 4 CPU devices, net type "dag" (replicas run side by side) and "simple",
+  and "dag" with `shared_model` (Caffe2's CPU option: the replicas read one copy of the params, so
+  it is updated once instead of N times);
 - PyTorch DDP with N gloo processes (N = 2, 4), each on batch / N with cores / N threads.
 graphpar and eager alternate in one process after warm-up (medians over repeats); DDP runs in its own
 processes and reports the median over its timed steps. Ratios are against eager.
@@ -39,10 +41,12 @@ def mlp_module(dims: list[int]) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(dims[-2], dims[-1]))
 
 
-def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y: np.ndarray):  # noqa: ANN201
+def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y: np.ndarray,  # noqa: ANN201
+                  shared_model: bool = False):
     """A function running one graphpar training step on `devices` CPU replicas (built and initialised)."""
-    workspace.SwitchWorkspace(f"dp_{net_type}_{devices}", True)  # one workspace per candidate
-    model = model_helper.ModelHelper(name=f"dp_{net_type}_{devices}")
+    name = f"dp_{net_type}_{devices}_{shared_model}"
+    workspace.SwitchWorkspace(name, True)  # one workspace per candidate
+    model = model_helper.ModelHelper(name=name)
 
     def forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
         h = "data"
@@ -55,7 +59,7 @@ def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y
 
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
-                    devices=list(range(devices)), cpu_device=True, net_type=net_type)
+                    devices=list(range(devices)), cpu_device=True, net_type=net_type, shared_model=shared_model)
     chunk = len(x) // devices
     for d in range(devices):
         workspace.FeedBlob(f"cpu_{d}/data", x[d * chunk:(d + 1) * chunk])
@@ -133,6 +137,8 @@ def main() -> None:
     for n in (1, 2, 4):
         for net_type in ("dag", "simple"):
             candidates[f"graphpar {net_type}, {n} devices"] = graphpar_step(dims, n, net_type, x, y)
+        if n > 1:
+            candidates[f"graphpar dag, {n} devices, shared model"] = graphpar_step(dims, n, "dag", x, y, True)
     torch.set_num_threads(default_threads)
     times = compare(candidates, repeats=args.repeats, warmup=args.warmup)
     seconds = {name: median(ts) for name, ts in times.items()}

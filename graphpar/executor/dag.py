@@ -9,7 +9,8 @@ every kernel runs with the plan's intra-op thread count, so results are bit-iden
 
 Workers are a pool of daemon threads, shared by every run of the executor, that grows to the largest
 concurrency a plan has asked for (no threads are created per run); ready steps start in program
-order. A plan runs at most
+order. A plan that may run only one step at a time (one CPU device, or a budget of one thread per
+kernel) runs in program order in the calling thread, as "simple" does. A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
 `num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
 then raises the error "simple" would raise for that op, and the workspace is unchanged. Under
@@ -31,6 +32,7 @@ import torch
 
 from graphpar.executor.failure import op_failure
 from graphpar.executor.frame import commit, open_frame
+from graphpar.executor.simple import SimpleExecutor
 from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams
 from graphpar.executor.threads import thread_budget
 
@@ -95,15 +97,19 @@ class DagExecutor:
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
         self._schedules: weakref.WeakKeyDictionary[Plan, Schedule] = weakref.WeakKeyDictionary()
+        self._serial = SimpleExecutor()
 
     def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+        schedule = self._schedules.get(plan)
+        if schedule is None:
+            schedule = self._schedules[plan] = make_schedule(plan)
+        backend = current_streams()
+        if schedule.concurrency == 1 and backend is NO_STREAMS:  # nothing to overlap: program order
+            self._serial.run(plan, blobs)
+            return
         frame = open_frame(plan, blobs)
         if plan.steps:
-            schedule = self._schedules.get(plan)
-            if schedule is None:
-                schedule = self._schedules[plan] = make_schedule(plan)
             self._ensure_workers(schedule.concurrency)
-            backend = current_streams()
             streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
             state = _Run(plan, frame, schedule, streams)
             with state.lock:
