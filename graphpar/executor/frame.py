@@ -2,7 +2,10 @@
 
 A run reads its inputs from the workspace into a frame (a list indexed by slot), executes its steps
 on the frame, and writes its outputs back to the workspace only when every step has succeeded, so a
-failed run leaves the workspace as it was.
+failed run leaves the workspace's persistent blobs (below) as they were. Once a net has run, its
+transient blobs belong to it: their previous values leave the workspace when its next run starts and
+are released as the run rewrites them (keeping them alive through the run would double the memory its
+intermediates take), so after a failed run they are absent rather than stale.
 
 *Persistent* blobs outlive a run: those the net reads before writing them (params, optimizer state,
 fed inputs, counters), its external outputs, and the names in the net's `blobs_to_keep` argument.
@@ -15,6 +18,7 @@ executor frees each transient slot right after its last use and the run keeps on
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +60,7 @@ class FrameLayout:
     loads: tuple[Load, ...]
     store_slots: tuple[int, ...]  # the slots written back when the run succeeds...
     store_names: tuple[str, ...]  # ...under these names
+    stale: tuple[tuple[int, str], ...]  # (slot, name) of the transient blobs the net writes
     drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
     frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in program order
     releases: tuple[tuple[int, ...], ...]  # per step: the freeable versions it uses
@@ -94,7 +99,8 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
             releases[user].append(v)
     stored = [b for b in written if not freeing or b in persistent]
     drops = tuple(b for b in written if freeing and b not in persistent)
-    return FrameLayout(tuple(slot), slot, tuple(loads), tuple(slot[b] for b in stored), tuple(stored), drops,
+    stale = tuple((slot[b], b) for b in written if b not in persistent)
+    return FrameLayout(tuple(slot), slot, tuple(loads), tuple(slot[b] for b in stored), tuple(stored), stale, drops,
                        tuple(map(tuple, frees)), tuple(map(tuple, releases)),
                        tuple(slot[blob] for blob, _ in versions), tuple(len(users) for _, users in versions),
                        persistent)
@@ -120,17 +126,26 @@ def _transient_versions(netdef: NetDef, persistent: frozenset[str]) -> list[tupl
     return [version for v, version in enumerate(versions) if v not in replaced_in_place]
 
 
-def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
-    """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace.
+_committed: weakref.WeakSet[Plan] = weakref.WeakSet()  # plans that have run to completion
 
-    Raises MissingBlobError (naming the op that needs it) for a blob removed since CreateNet.
+
+def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
+    """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace (whose stale
+    transient blobs it removes).
+
+    Raises MissingBlobError (naming the op that needs it) for a blob removed since CreateNet; the
+    workspace is then unchanged.
     """
-    frame: list = [None] * len(plan.frame.names)
+    layout = plan.frame
+    frame: list = [None] * len(layout.names)
     try:
-        for load in plan.frame.loads:
+        for load in layout.loads:
             frame[load.slot] = blobs[load.name]
     except KeyError as exc:
         raise missing_at_run(plan, exc.args[0]) from None
+    if plan in _committed:  # the previous values move into the frame: each dies when its op rewrites it
+        for slot, name in layout.stale:
+            frame[slot] = blobs.pop(name, None)
     return frame
 
 
@@ -140,3 +155,4 @@ def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:
     blobs.update(zip(layout.store_names, map(frame.__getitem__, layout.store_slots)))  # a loop in C
     for name in layout.drops:
         blobs.pop(name, None)
+    _committed.add(plan)
