@@ -248,8 +248,8 @@ def max_pool(model: ModelHelper, blob_in: str, blob_out: str, is_test: bool = Fa
              **kwargs: Any) -> BlobReference:
     """MaxPool; `kernel`, `stride`, `pad`, `global_pooling` go to the op.
 
-    Training (the default) also records the arg-max indices into `<out>_index`, which MaxPoolGradient
-    reads instead of pooling again; `is_test=True` records Y only.
+    Training (the default) also records the arg-max indices into `<out>_index`, which the gradient
+    (MaxPoolWithIndexGradient) reads instead of pooling again; `is_test=True` records Y only.
     """
     if is_test:
         return model.net.MaxPool(blob_in, blob_out, **kwargs)

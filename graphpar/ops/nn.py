@@ -363,27 +363,41 @@ def _max_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor]
 def _max_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     planner = _pool_planner(a, ctx)
 
-    def max_pool_grad(
-        x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, indices: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def max_pool_grad(x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         p = planner(x)
-        if indices is None:
-            xp = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
-            _, indices = aten.max_pool2d_with_indices(xp, p.kernel, p.stride, p.padding)
-        else:
-            xp = x if p.geo is None else _padded_empty(x, p.geo)
-        dx = aten.max_pool2d_with_indices_backward(
-            dy, xp, p.kernel, p.stride, p.padding, (1, 1), False, indices
-        )
-        return dx if p.geo is None else _crop(dx, x, p.geo)
+        xp = x if p.geo is None else F.pad(x, p.geo.f_pad, value=-math.inf)
+        _, indices = aten.max_pool2d_with_indices(xp, p.kernel, p.stride, p.padding)
+        return _route_to_indices(p, x, xp, dy, indices)
 
     return max_pool_grad
 
 
+def _max_pool_with_index_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    planner = _pool_planner(a, ctx)
+
+    def max_pool_with_index_grad(x: torch.Tensor, dy: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        p = planner(x)
+        return _route_to_indices(p, x, x if p.geo is None else _padded_empty(x, p.geo), dy, indices)
+
+    return max_pool_with_index_grad
+
+
+def _route_to_indices(
+    p: _PoolPlan, x: torch.Tensor, xp: torch.Tensor, dy: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """dX: each dY element added at its window's arg-max `indices` (within the padded plane `xp`)."""
+    dx = aten.max_pool2d_with_indices_backward(dy, xp, p.kernel, p.stride, p.padding, (1, 1), False, indices)
+    return dx if p.geo is None else _crop(dx, x, p.geo)
+
+
 def _max_pool_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
-    """MaxPoolGradient(X, Y, dY[, indices]): the indices MaxPool recorded, when it has that output."""
-    inputs = [op.inputs[0], op.outputs[0], g[0], *op.outputs[1:]]
-    return [gradient_op("MaxPoolGradient", inputs, [GI(op, 0)])], [GI(op, 0)]
+    """MaxPoolGradient(X, Y, dY); with recorded indices MaxPoolWithIndexGradient(X, dY, indices), which
+    keeps Y out of the backward pass so it can be freed after its last forward consumer's gradient."""
+    if len(op.outputs) == 2:
+        grad = gradient_op("MaxPoolWithIndexGradient", [op.inputs[0], g[0], op.outputs[1]], [GI(op, 0)])
+    else:
+        grad = gradient_op("MaxPoolGradient", [op.inputs[0], op.outputs[0], g[0]], [GI(op, 0)])
+    return [grad], [GI(op, 0)]
 
 
 def _pad_counts(x: torch.Tensor, p: _PoolPlan) -> torch.Tensor:
@@ -442,11 +456,16 @@ register_op(
 )
 
 register_gradient(
-    "MaxPoolGradient", "MaxPool", _max_pool_grad, inputs=(3, 4),
-    doc="MaxPoolGradient(X, Y, dY[, indices]) -> dX via aten.max_pool2d_with_indices_backward, with "
-    "MaxPool's recorded indices or, without them, indices recomputed from X. Ties: dY goes to ONE "
-    "arg-max per window (PyTorch's first in scan order), whereas Caffe2's CPU kernel gave it to every "
-    "element equal to the max; they differ only on exact ties.",
+    "MaxPoolGradient", "MaxPool", _max_pool_grad, inputs=3,
+    doc="MaxPoolGradient(X, Y, dY) -> dX via aten.max_pool2d_with_indices_backward, with the arg-max "
+    "recomputed from X. Ties: dY goes to ONE arg-max per window (PyTorch's first in scan order), whereas "
+    "Caffe2's CPU kernel gave it to every element equal to the max; they differ only on exact ties.",
+)
+
+register_gradient(
+    "MaxPoolWithIndexGradient", "MaxPool", _max_pool_with_index_grad, inputs=3,
+    doc="MaxPoolWithIndexGradient(X, dY, indices) -> dX (Caffe2's name and inputs): dY routed to the "
+    "arg-max indices MaxPool recorded as its second output; X gives only the shape.",
 )
 
 register_op(

@@ -815,6 +815,6 @@ def test_cnn_without_input_gradients_matches_autograd(bias):
     params = [n for n in feeds if n != "x"]
     _run_and_compare(net, ["loss"], feeds, reference, params, no_gradient_to=["x", "label"])
     grads = [(o.type, o.inputs, o.outputs) for o in net.Proto().ops if o.is_gradient_op]
-    assert ("MaxPoolGradient", ["c", "p", "p_grad", "p_index"], ["c_grad"]) in grads
+    assert ("MaxPoolWithIndexGradient", ["c", "p_grad", "p_index"], ["c_grad"]) in grads
     assert grads[-1] == ("ConvGradient", ["x", "k", "c_grad"], ["k_grad", "kb_grad"] if bias else ["k_grad"])
     assert not workspace.HasBlob("x_grad")
