@@ -46,6 +46,7 @@ from graphpar.errors import ParallelizeError
 from graphpar.executor import net_types
 from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
+from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
@@ -64,8 +65,8 @@ from graphpar.passes.sync import (
 __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
     "FinalizeAfterCheckpoint", "GetCheckpointParams", "GetDevices", "GetLearningRateBlobNames",
-    "OptimizeGradientMemory", "Parallelize", "Parallelize_BMUF", "Parallelize_CPU", "Parallelize_GPU",
-    "RunInitNet", "RunNet", "stripBlobName",
+    "OptimizeGradientMemory", "Parallelize", "Parallelize_BMUF", "Parallelize_CPU", "Parallelize_CPU_BMUF",
+    "Parallelize_GPU", "Parallelize_GPU_BMUF", "RunInitNet", "RunNet", "RunWarmup", "stripBlobName",
 ]
 
 log = logging.getLogger(__name__)
@@ -201,14 +202,100 @@ def Parallelize_GPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
     Parallelize(*args, **{**kwargs, "cpu_device": False})
 
 
-def Parallelize_BMUF(*args: Any, **kwargs: Any) -> NoReturn:  # noqa: N802
-    """Block-momentum model averaging (Caffe2's `Parallelize_BMUF`): not supported yet.
+def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
+    model_helper_obj: ModelHelper,
+    input_builder_fun: Builder,
+    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
+    param_update_builder_fun: Builder,
+    block_learning_rate: float = 1.0,
+    block_momentum: float | None = None,
+    devices: Iterable[int] | None = None,
+    rendezvous: dict | None = None,
+    net_type: str = "dag",
+    master_device: int | None = None,
+    use_nccl: bool = False,
+    nesterov: bool = False,
+    optimize_gradient_memory: bool = False,
+    reset_momentum_sgd: bool = False,
+    warmup_iterations: int | None = None,
+    max_concurrent_distributed_ops: int = 4,
+    add_blobs_to_sync: Iterable[str] | None = None,
+    num_threads_per_device: int = 4,
+    cpu_device: bool = False,
+    barrier_net_timeout_sec: int = 300,
+    max_gradient_norm: float | None = None,
+) -> None:
+    """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
+
+    Each replica trains alone with `param_update_builder_fun` (per device, scoped; no gradient
+    all-reduce). `RunNet(model, n)` runs `n` local steps, then `model._global_model_param_updates_net`
+    once: on `master_device` it averages the replicas' params into the block gradient avg - g,
+    updates the block momentum `{p}_v` and the global model `{p}_g`, and broadcasts g to every
+    replica. `RunInitNet` runs `param_init_net` (ending, beyond Caffe2, with a broadcast of every
+    replica's init state from the first device, so replicas start identical) and
+    `model._global_model_init_net` (v = 0, g = p, prev = 0). `RunWarmup(model)` runs
+    `warmup_iterations` local steps, then broadcasts the master's params (and sets g to them).
+
+    Args (the others are Parallelize's):
+        block_learning_rate: the block gradient's weight in v.
+        block_momentum: default 1 - 1/len(devices), in [0, 1).
+        nesterov: Nesterov block momentum, g += v - block_momentum (v - prev) with `{p}_prev`.
+        master_device: the device (one of `devices`, default the first) holding v and g.
+        reset_momentum_sgd: zero every local MomentumSGDUpdate's momentum after each global update.
+        warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
+        add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
+        max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
+        max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted; multi-host only.
 
     Raises:
-        NotImplementedError: always; use `Parallelize` (synchronous data parallelism).
+        ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
+        NotImplementedError: a rendezvous (multi-host is not supported yet).
     """
-    raise NotImplementedError("Parallelize_BMUF (block-momentum model averaging) is not supported yet; "
-                              "use data_parallel_model.Parallelize")
+    _check_no_device_scope("Parallelize_BMUF")
+    _refuse_unsupported(rendezvous=rendezvous is not None)
+    model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
+    if not callable(param_update_builder_fun):
+        raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
+                        f"{type(param_update_builder_fun).__name__}")
+    _check_options(cpu_device, param_update_builder_fun, None, False, net_type, num_threads_per_device)
+    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    options = ParallelizeOptions(input_builder_fun, forward_pass_builder_fun, param_update_builder_fun,
+                                 net_type=net_type, num_threads_per_device=num_threads_per_device,
+                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory)
+    blob_to_device: dict[str, DeviceOption] = {}
+    bmuf = bmuf_options(layout, make_reducer, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
+                        block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
+                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm)
+    with _gc_paused(), _unchanged_on_error(model):
+        reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout))
+        model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
+                                        non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+
+
+def Parallelize_CPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
+    """`Parallelize_BMUF` with `cpu_device=True`; same arguments and errors."""
+    Parallelize_BMUF(*args, **{**kwargs, "cpu_device": True})
+
+
+def Parallelize_GPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
+    """`Parallelize_BMUF` with `cpu_device=False`; same arguments and errors."""
+    Parallelize_BMUF(*args, **{**kwargs, "cpu_device": False})
+
+
+def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
+    """BMUF: run the train net `warmup_iterations` times, then the warmup broadcast net once.
+
+    Raises:
+        ParallelizeError: the model was not parallelized with Parallelize_BMUF(warmup_iterations=...).
+    """
+    _state_of(model)
+    warmup = getattr(model, "_warmup_broadcast", None)
+    if warmup is None:
+        raise ParallelizeError(f"model {model.name!r} has no warmup: pass warmup_iterations to "
+                               f"Parallelize_BMUF")
+    workspace.RunNet(model.net, model._warmup_iterations)
+    workspace.RunNetOnce(warmup)
 
 
 def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> NoReturn:  # noqa: N802

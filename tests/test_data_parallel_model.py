@@ -703,8 +703,6 @@ def test_helpers_of_models_that_were_not_parallelized_raise():
 
 def test_not_yet_supported_entry_points_raise():
     model = model_helper.ModelHelper(name="later")
-    with pytest.raises(NotImplementedError, match="BMUF"):
-        dpm.Parallelize_BMUF(model, lambda m: None, MLP, lambda m: None)
     with pytest.raises(NotImplementedError, match="rendezvous"):
         dpm.AddDistributedBlobSync(model, ["x"])
 
