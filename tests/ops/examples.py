@@ -185,3 +185,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "XavierFill": [ex(shape=[3, 4]), ex(f(5, 2, dtype=torch.float64), dtype="float64"),
                    ex(ints(2, 3), input_as_shape=1, unknown=(0,))],
 }
+
+from tests.ops.sparse_examples import SPARSE_EXAMPLES  # noqa: E402 - it builds on the helpers above
+
+EXAMPLES.update(SPARSE_EXAMPLES)
