@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
+from graphpar.core.ir import CUDA, DeviceOption, GradientSlice, OperatorDef
 from graphpar.core.schema import (
     NO_GRADIENT,
     NOT_DIFFERENTIABLE,
@@ -77,7 +77,8 @@ def gradient_ops(op: OperatorDef, grad_outputs: Sequence[str | None]) -> tuple[l
 
 def run_gradient(op: OperatorDef, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                  grad_outputs: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
-    """Run the gradient ops of `op` given output gradients {output index: dY}; one entry per input."""
+    """Run the gradient ops of `op` given output gradients {output index: dY}; one entry per input
+    (a sparse GradientSlice gradient densified)."""
     names = [grad_name(o) if i in grad_outputs else None for i, o in enumerate(op.outputs)]
     grad_ops, grad_inputs = gradient_ops(op, names)
     blobs: dict[str, torch.Tensor] = dict(zip(op.inputs, inputs))
@@ -85,7 +86,16 @@ def run_gradient(op: OperatorDef, inputs: Sequence[torch.Tensor], outputs: Seque
     blobs.update({grad_name(op.outputs[i]): g for i, g in grad_outputs.items()})
     for gop in grad_ops:
         blobs.update(zip(gop.outputs, run_op(gop, [blobs[name] for name in gop.inputs])))
-    return [None if g is None else blobs[g] for g in grad_inputs]
+    return [None if g is None else _dense(g, blobs, x) for g, x in zip(grad_inputs, inputs)]
+
+
+def _dense(gradient: str | GradientSlice, blobs: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A gradient's tensor; a GradientSlice is summed into zeros shaped like its input (duplicates add)."""
+    if not isinstance(gradient, GradientSlice):
+        return blobs[gradient]
+    indices = blobs[gradient.indices].reshape(-1).long()
+    values = blobs[gradient.values].reshape(indices.numel(), *like.shape[1:])
+    return torch.zeros_like(like).index_add_(0, indices, values)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

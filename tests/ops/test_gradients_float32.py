@@ -17,6 +17,9 @@ from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, get_schema, re
 from tests.ops.helpers import check_gradient, randn, run_kernel
 
 F32 = torch.float32
+_IDX = torch.tensor([4, 1, 4, 0, 2], dtype=torch.int32)
+_LENGTHS = torch.tensor([2, 0, 3], dtype=torch.int32)
+_OFFSETS = torch.tensor([0, 2, 2])
 
 
 def _x(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -31,6 +34,24 @@ def _probabilities(n: int, d: int) -> torch.Tensor:
     return torch.softmax(_x(n, d, seed=7), 1)
 
 
+def _bag(mode: str) -> Callable[..., torch.Tensor]:
+    return lambda d, i, _lengths: F.embedding_bag(i.long(), d, _OFFSETS, mode=mode)
+
+
+def _sparse_cases() -> dict[str, tuple]:
+    return {
+        "Gather": ([_x(5, 3), _IDX], lambda d, i: F.embedding(i.long(), d), {}),
+        "SparseLengthsSum": ([_x(5, 3), _IDX, _LENGTHS], _bag("sum"), {}),
+        "SparseLengthsMean": ([_x(5, 3), _IDX, _LENGTHS], _bag("mean"), {}),
+        "SparseLengthsWeightedSum": (
+            [_x(5, 3), _x(5, seed=1), _IDX, _LENGTHS],
+            lambda d, w, i, _lengths: F.embedding_bag(i.long(), d, _OFFSETS, mode="sum", per_sample_weights=w),
+            {"wrt": (0, 1), "grad_on_weights": 1}),
+        "SparseToDense": ([_IDX, _x(5, 3), _x(6, 2)],
+                          lambda i, v, _like: torch.zeros(6, 3).index_add(0, i.long(), v), {"wrt": (1,)}),
+    }
+
+
 def _bn_reference(x, scale, bias, rm, rv):  # noqa: ANN001, ANN202 - torch's training batch norm
     rm, rv = rm.detach().clone(), rv.detach().clone()
     y = F.batch_norm(x, rm, rv, scale, bias, True, 0.1, 1e-5)
@@ -42,6 +63,7 @@ LABELS = torch.tensor([0, 2, 1, 2], dtype=torch.int32)
 _DROPOUT_MASK = run_kernel("Dropout", [_x(4, 5)], n_outputs=2, ratio=0.3)[1]  # check_gradient's seed
 
 # op type -> (inputs, reference, check_gradient keyword arguments)
+SPARSE_CASES = _sparse_cases()
 CASES: dict[str, tuple[list[torch.Tensor], Callable, dict]] = {
     "Abs": ([_x(3, 4)], torch.abs, {}),
     "Add": ([_x(3, 4), _x(4, seed=1)], torch.add, {"wrt": (0, 1)}),
@@ -100,6 +122,7 @@ CASES: dict[str, tuple[list[torch.Tensor], Callable, dict]] = {
     "SumElements": ([_x(3, 4)], torch.sum, {}),
     "SumSqrElements": ([_x(3, 4)], lambda x: x.square().sum(), {}),
     "Tanh": ([_x(3, 4)], torch.tanh, {}),
+    **SPARSE_CASES,
     "Transpose": ([_x(2, 3, 4)], lambda x: x.permute(1, 2, 0), {"axes": [1, 2, 0]}),
     "WeightedSum": ([_x(3, 4), _x(1, seed=1), _x(3, 4, seed=2), _x(1, seed=3)],
                     lambda a, wa, b, wb: a * wa + b * wb, {"wrt": (0, 2)}),
