@@ -1,6 +1,6 @@
 """Optimizers that record their parameter updates into a model's nets (Caffe2's `optimizer.py`).
 
-`build_sgd` / `build_adam` add, for every trainable param that has a gradient:
+`build_sgd` / `build_adam` / `build_adagrad` add, for every trainable param that has a gradient:
 
 - one unscoped CPU iteration counter `optimizer_iteration` per model (a `ConstantFill` of int64 [1] = 0 in
   `param_init_net`, one `Iter` in `net`), advanced before the first `LearningRate`, so step 1 sees iter 1;
@@ -13,6 +13,10 @@
 Sign of the learning rate (Caffe2's scheme): the LR blob feeding `WeightedSum` and `Adam` holds
 -base_learning_rate·factor(iter), because those ops add lr·step to the param; `MomentumSGDUpdate`
 subtracts its step, so its LR blob holds +base_learning_rate·factor(iter).
+
+A sparse gradient (a GradientSlice from an embedding lookup) updates only the rows it names, with the
+sparse ops of `graphpar.ops.sparse_optim` (`ScatterWeightedSum`, `SparseMomentumSGDUpdate`, `SparseAdam`,
+`SparseAdagrad`, `RowWiseSparseAdagrad`), which sum duplicate rows first.
 
 Momentum follows Caffe2: `MomentumSGDUpdate` keeps m = μ·m + lr·g and applies param -= m. With a
 constant learning rate this is exactly `torch.optim.SGD(momentum=μ)` (m = lr·buf); when the rate changes
@@ -35,6 +39,7 @@ from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
 from graphpar.core.schema import get_schema, parse_args
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
+from graphpar.core.shapes import infer_specs
 from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
 from graphpar.ops.optim import learning_rate_schedule
 
@@ -130,13 +135,30 @@ class Optimizer:
                 injection = net.CopyCPUToGPU([injection], BlobReference(self.blob_name("lr_injection", device)))
             return net.Mul([lr, injection], BlobReference(self.blob_name("scaled_lr", device)))
 
-    def __call__(self, net: Net, init_net: Net, param: str, grad: str) -> None:
-        """Record the update of `param` from its dense gradient `grad` on the current DeviceScope's device."""
+    def __call__(self, net: Net, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        """Record the update of `param` from its gradient `grad` (dense, or a GradientSlice: the sparse
+        update of the rows it names) on the current DeviceScope's device."""
         device = CurrentDeviceScope() or DeviceOption()
-        self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
+        if isinstance(grad, GradientSlice):
+            sparse = GradientSlice(BlobReference(grad.indices), BlobReference(grad.values))
+            self._sparse_update(net, init_net, BlobReference(param), sparse, device)
+        else:
+            self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
+
+    def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        """Raise, before anything is recorded, if this optimizer cannot update `param` from `grad`."""
+        if isinstance(grad, GradientSlice) and not self.supports_sparse:
+            raise NotImplementedError(f"{type(self).__name__} has no sparse update; param {str(param)!r} has a "
+                                      f"sparse gradient (GradientSlice)")
+
+    supports_sparse = False  # whether `_sparse_update` exists
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
+        raise NotImplementedError
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
         raise NotImplementedError
 
 
@@ -169,6 +191,25 @@ class SgdOptimizer(Optimizer):
         net.MomentumSGDUpdate([grad, mom, lr, param], [grad, mom, param], momentum=self.momentum,
                               nesterov=self.nesterov)
 
+    supports_sparse = True
+
+    def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        if isinstance(grad, GradientSlice) and self.weight_decay > 0:
+            raise NotImplementedError(f"build_sgd: weight_decay with the sparse gradient of {str(param)!r} is "
+                                      f"not supported (it would touch every row); use weight_decay=0")
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        """Only the rows in the slice: ScatterWeightedSum (plain) or SparseMomentumSGDUpdate."""
+        lr = self.build_lr(net, init_net, device)
+        if self.momentum == 0:
+            net.ScatterWeightedSum([param, _one(init_net, device), grad.indices, grad.values, lr], param)
+            return
+        mom = BlobReference(momentum_name(param))
+        init_net.ConstantFill([param], mom, value=0.0)
+        net.SparseMomentumSGDUpdate([grad.values, mom, lr, param, grad.indices], [grad.values, mom, param],
+                                    momentum=self.momentum, nesterov=self.nesterov)
+
 
 class AdamOptimizer(Optimizer):
     """Adam (torch.optim.Adam's update) with `<param>_first_moment` / `_second_moment` state."""
@@ -189,6 +230,71 @@ class AdamOptimizer(Optimizer):
         init_net.ConstantFill([param], m2, value=0.0)
         net.Adam([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
                  beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+
+    supports_sparse = True
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        """SparseAdam: the rows in the slice only (torch.optim.SparseAdam)."""
+        lr = self.build_lr(net, init_net, device)
+        m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
+        init_net.ConstantFill([param], m1, value=0.0)
+        init_net.ConstantFill([param], m2, value=0.0)
+        net.SparseAdam([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
+                       [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+
+
+class AdagradOptimizer(Optimizer):
+    """Adagrad (Caffe2's AdagradOptimizer): `<param>_squared_sum` state; `rowWise` keeps one value per row
+    (`<param>_avg_squared_sum`) for sparse gradients."""
+
+    def __init__(self, base_learning_rate: float = 0.01, epsilon: float = 1e-4, decay: float = 1.0,
+                 policy: str = "fixed", rowWise: bool = False, **policy_args: Any) -> None:  # noqa: N803
+        _check_number("epsilon", epsilon, low=0.0)
+        _check_number("decay", decay, low=0.0)
+        if epsilon == 0 or decay == 0 or decay > 1:
+            raise ValueError(f"build_adagrad: needs epsilon > 0 and 0 < decay <= 1, got epsilon={epsilon}, "
+                             f"decay={decay}")
+        super().__init__(base_learning_rate, policy, -1.0, **policy_args)
+        self.epsilon, self.decay, self.row_wise = float(epsilon), float(decay), bool(rowWise)
+
+    supports_sparse = True
+
+    def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        if not self.row_wise:
+            return
+        if not isinstance(grad, GradientSlice):
+            raise NotImplementedError(f"build_adagrad: rowWise Adagrad is for sparse gradients, but param "
+                                      f"{str(param)!r} has a dense one (as in Caffe2)")
+        _rows(init_net, BlobReference(param))
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        moment = BlobReference(f"{param}_squared_sum")
+        init_net.ConstantFill([param], moment, value=0.0)
+        net.Adagrad([param, moment, grad, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        if self.row_wise:
+            moment = BlobReference(f"{param}_avg_squared_sum")
+            init_net.ConstantFill([], moment, shape=[_rows(init_net, param)], value=0.0)
+        else:
+            moment = BlobReference(f"{param}_squared_sum")
+            init_net.ConstantFill([param], moment, value=0.0)
+        op = net.RowWiseSparseAdagrad if self.row_wise else net.SparseAdagrad
+        op([param, moment, grad.indices, grad.values, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
+
+
+def _rows(init_net: Net, param: BlobReference) -> int:
+    """The first dimension of `param`, from shape inference on the init net's ops creating it."""
+    spec = infer_specs(init_net.Proto(), wanted=[str(param)]).get(str(param))
+    if spec is None:
+        raise ValueError(f"build_adagrad(rowWise=True) needs the shape of {str(param)!r}, but param_init_net "
+                         f"does not create it with a known shape")
+    return spec.shape[0]
 
 
 class WeightDecayBuilder(Optimizer):
@@ -222,10 +328,6 @@ def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[B
     weights = set(model.weights)
     params = [(p, model.param_to_grad[p]) for p in model.params
               if p in model.param_to_grad and (not weights_only or p in weights)]
-    sparse = [str(p) for p, grad in params if isinstance(grad, GradientSlice)]
-    if sparse:
-        raise NotImplementedError(f"params {sparse} have sparse gradients (GradientSlice); graphpar's "
-                                  f"optimizers support dense gradients only so far")
     return params
 
 
@@ -248,6 +350,10 @@ def _clip_by_global_norm(model: ModelHelper, optimizer: Optimizer, params: list[
     device holds the same gradients, so it is the global norm and no device reads another's blobs.
     torch divides by norm + 1e-6 instead of norm: a relative difference of 1e-6 / norm.
     """
+    sparse = [str(p) for p, grad in params if isinstance(grad, GradientSlice)]
+    if sparse:
+        raise NotImplementedError(f"max_gradient_norm: params {sparse} have sparse gradients (GradientSlice), "
+                                  f"whose norm clipping is not supported")
     by_device: dict[DeviceOption, list[BlobReference]] = defaultdict(list)
     for param, grad in params:
         by_device[devices[param]].append(BlobReference(grad))
@@ -270,6 +376,8 @@ def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
            max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> Optimizer:
     """Record `optimizer`'s update for each param with a gradient, on the param's device (Caffe2's _build)."""
     params = _optimization_params(model, weights_only)
+    for param, grad in params:
+        optimizer.check(model.param_init_net, param, grad)
     devices = _param_devices(model, params)
     with NameScope(None, reset=True):
         if max_gradient_norm is not None:
@@ -301,7 +409,7 @@ def build_sgd(model: ModelHelper, base_learning_rate: float, policy: str = "fixe
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter, nesterov without momentum, a model without gradients.
-        NotImplementedError: a sparse (GradientSlice) gradient.
+        NotImplementedError: a sparse (GradientSlice) gradient with weight_decay or max_gradient_norm.
     """
     if max_gradient_norm is not None:
         _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
@@ -320,10 +428,30 @@ def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
-        NotImplementedError: a sparse (GradientSlice) gradient.
     """
     optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, **policy_args)
     return _build(model, optimizer)
+
+
+def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float = 1e-4, decay: float = 1.0,
+                  policy: str = "fixed", rowWise: bool = False, max_gradient_norm: float | None = None,  # noqa: N803
+                  allow_lr_injection: bool = False, **policy_args: Any) -> AdagradOptimizer:
+    """Add Adagrad updates for every param of `model` with a gradient (Caffe2's `build_adagrad`).
+
+    Dense gradients: `Adagrad` (moment = decay moment + g^2; param -= lr g / (sqrt(moment) + epsilon));
+    sparse ones (GradientSlice): `SparseAdagrad` on their rows, or `RowWiseSparseAdagrad` (one moment
+    value per row) with `rowWise`, which Caffe2 allows for sparse gradients only. State:
+    `<param>_squared_sum` (`<param>_avg_squared_sum` row-wise), zeros. Equals torch.optim.Adagrad
+    (lr_decay 0, initial_accumulator_value 0, eps=epsilon) with decay 1.
+
+    Raises:
+        ValueError / TypeError: a bad hyper-parameter or a model without gradients.
+        NotImplementedError: rowWise with a dense gradient; max_gradient_norm with a sparse one.
+    """
+    if max_gradient_norm is not None:
+        _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
+    optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, **policy_args)
+    return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
 def add_weight_decay(model: ModelHelper, weight_decay: float) -> WeightDecayBuilder | None:

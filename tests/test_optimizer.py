@@ -278,13 +278,51 @@ def test_bad_adam_arguments_and_models_without_gradients_raise():
         optimizer.build_sgd(model, 0.1)
 
 
-def test_sparse_gradients_are_refused_before_recording():
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda m: optimizer.build_sgd(m, 0.1, weight_decay=0.1), "weight_decay with the sparse gradient"),
+    (lambda m: optimizer.build_sgd(m, 0.1, max_gradient_norm=1.0), "max_gradient_norm"),
+    (lambda m: optimizer.add_weight_decay(m, 0.1), "WeightDecayBuilder has no sparse update"),
+    (lambda m: optimizer.build_adagrad(m, 0.1, rowWise=True), "rowWise Adagrad is for sparse gradients"),
+])
+def test_unsupported_sparse_combinations_are_refused_before_recording(build, match):
     model = _model()
-    model.param_to_grad[model.params[-1]] = GradientSlice("idx", "vals")
-    before = len(model.net.Proto().ops)
-    with pytest.raises(NotImplementedError, match="GradientSlice"):
-        optimizer.build_sgd(model, 0.1)
-    assert len(model.net.Proto().ops) == before
+    model.param_to_grad[model.params[0]] = GradientSlice("idx", "vals")
+    before = len(model.param_init_net.Proto().ops), len(model.net.Proto().ops)
+    with pytest.raises(NotImplementedError, match=match):
+        build(model)
+    assert (len(model.param_init_net.Proto().ops), len(model.net.Proto().ops)) == before
+
+
+@pytest.mark.parametrize(("build", "update"), [
+    (lambda m: optimizer.build_sgd(m, 0.1), ("ScatterWeightedSum", ["fc1_w", "ONE_0_0", "idx", "vals",
+                                                                    "SgdOptimizer_0_lr_cpu"], ["fc1_w"])),
+    (lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9),
+     ("SparseMomentumSGDUpdate", ["vals", "fc1_w_momentum", "SgdOptimizer_0_lr_cpu", "fc1_w", "idx"],
+      ["vals", "fc1_w_momentum", "fc1_w"])),
+    (lambda m: optimizer.build_adam(m, 0.1),
+     ("SparseAdam", ["fc1_w", "fc1_w_first_moment", "fc1_w_second_moment", "idx", "vals",
+                     "AdamOptimizer_0_lr_cpu", "optimizer_iteration"],
+      ["fc1_w", "fc1_w_first_moment", "fc1_w_second_moment"])),
+    (lambda m: optimizer.build_adagrad(m, 0.1),
+     ("SparseAdagrad", ["fc1_w", "fc1_w_squared_sum", "idx", "vals", "AdagradOptimizer_0_lr_cpu"],
+      ["fc1_w", "fc1_w_squared_sum"])),
+])
+def test_sparse_gradients_take_the_sparse_update(build, update):
+    model = _model()
+    model.param_to_grad[model.params[0]] = GradientSlice("idx", "vals")
+    _, net_ops, _ = _new_ops(model, build)
+    assert update in _io(net_ops)
+
+
+def test_row_wise_adagrad_keeps_one_moment_per_row():
+    model = _model()
+    for p in model.params:
+        model.param_to_grad[p] = GradientSlice("idx", f"{p}_vals")
+    init_ops, net_ops, _ = _new_ops(model, lambda m: optimizer.build_adagrad(m, 0.1, rowWise=True))
+    fills = {op.outputs[0]: op.args["shape"] for op in init_ops if op.outputs[0].endswith("_avg_squared_sum")}
+    assert fills == {"fc1_w_avg_squared_sum": [3], "fc1_b_avg_squared_sum": [3], "pred_w_avg_squared_sum": [2],
+                     "pred_b_avg_squared_sum": [2]}
+    assert [op.type for op in net_ops].count("RowWiseSparseAdagrad") == 4
 
 
 # ------------------------------------------------------------------------------------------------

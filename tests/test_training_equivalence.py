@@ -80,6 +80,8 @@ OPTIMIZERS: dict[str, tuple[Callable, Callable, float | None]] = {
                 lambda p: torch.optim.SGD(p, LR, momentum=0.9), 0.5),
     "adam": (lambda m: optimizer.build_adam(m, 0.0625, beta1=0.8, beta2=0.95, epsilon=1e-6),
              lambda p: torch.optim.Adam(p, 0.0625, betas=(0.8, 0.95), eps=1e-6), None),
+    "adagrad": (lambda m: optimizer.build_adagrad(m, 0.0625, epsilon=1e-6),
+                lambda p: torch.optim.Adagrad(p, 0.0625, eps=1e-6), None),
 }
 
 
