@@ -12,6 +12,7 @@ from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.reducers import Reducer
+from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
 from graphpar.passes.state import ParallelState
 
 
@@ -26,7 +27,7 @@ def allreduce_blobs(net: NetDef, names: Iterable[str], grouped: Mapping[str, Map
 
     Raises:
         ParallelizeError: a blob misses a copy on some device.
-        NotImplementedError: a sparse (GradientSlice) gradient.
+        ValueError: a sparse (GradientSlice) gradient.
     """
     if len(reducer.layout.devices) < 2:
         return []
@@ -40,13 +41,19 @@ def allreduce_blobs(net: NetDef, names: Iterable[str], grouped: Mapping[str, Map
 
 
 def allreduce_gradients(state: ParallelState) -> None:
-    """Sum every data-parallel gradient over the replicas, in reverse creation order (one by one).
+    """Sum every data-parallel gradient over the replicas, in reverse creation order (one by one);
+    sparse ones are concatenated instead, at their place in that order (`passes.sparse_allreduce`).
 
     Input: the train net computes every replica's gradients (`state.grad_names` grouped). Guarantees:
-    each replica's gradient holds the sum (the first device's only, for a shared model).
+    each replica's gradient holds the sum (the first device's only, for a shared model); each sparse
+    gradient's `param_to_grad` entry names the combined indices and values.
     """
-    allreduce_blobs(state.model.net.Proto(), reversed(state.grad_names), state.grouped, state.reducer,
-                    to_all=not state.options.shared_model)
+    net, to_all, gathered = state.model.net.Proto(), not state.options.shared_model, {}
+    for name in reversed(state.grad_names):
+        if is_sparse(state.grouped[name]):
+            net.ops.extend(allgather_slices(state, [name], gathered, to_all))
+        else:
+            allreduce_blobs(net, [name], state.grouped, state.reducer, to_all)
 
 
 def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) -> list[str] | None:
@@ -54,7 +61,7 @@ def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) ->
 
     Raises:
         ParallelizeError: a copy is missing on some device.
-        NotImplementedError: a sparse (GradientSlice) gradient.
+        ValueError: a sparse (GradientSlice) gradient (it is concatenated, not summed).
     """
     if len(copies) == 1:
         return None
@@ -63,6 +70,6 @@ def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) ->
         raise ParallelizeError(f"gradient {name!r} has no copy on device(s) {missing}; every replica must "
                                f"compute it (each device should have a copy)")
     if any(isinstance(copies[d], GradientSlice) for d in layout.devices):
-        raise NotImplementedError(f"gradient {name!r} is sparse (GradientSlice); all-reducing sparse "
-                                  f"gradients is not supported yet")
+        raise ValueError(f"gradient {name!r} is sparse (GradientSlice): it cannot be summed; "
+                         f"passes.sparse_allreduce concatenates sparse gradients")
     return [str(copies[d]) for d in layout.devices]

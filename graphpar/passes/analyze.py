@@ -21,8 +21,8 @@ def is_cross_device_op(op: OperatorDef) -> bool:
 def analyze_operators(nets: Iterable[NetDef], layout: DeviceLayout) -> None:
     """Check that every other op stays inside one replica.
 
-    Input: the model's nets. Guarantees on return: each op that is not a collective, a copy or a
-    `dpm` Sum touches (reads, writes or waits on) blobs of at most one replica scope, and a CUDA op of
+    Input: the model's nets. Guarantees on return: each op that is not a collective, a copy, a
+    `dpm` Sum or a host op writing only shared (unscoped) blobs touches (reads, writes or waits on) blobs of at most one replica scope, and a CUDA op of
     a GPU model runs on that replica's device. Unscoped blobs (e.g. `optimizer_iteration`) are
     shared on purpose and allowed. Caffe2 checked only GPU ops; graphpar checks CPU replicas too.
 
@@ -31,8 +31,16 @@ def analyze_operators(nets: Iterable[NetDef], layout: DeviceLayout) -> None:
     """
     for net in nets:
         for index, op in enumerate(net.ops):
-            if not is_cross_device_op(op):
+            if not is_cross_device_op(op) and not _into_shared_host_blobs(net, op, layout):
                 _check_op(net, index, op, layout)
+
+
+def _into_shared_host_blobs(net: NetDef, op: OperatorDef, layout: DeviceLayout) -> bool:
+    """A host op writing only blobs outside every replica: it may read every replica, e.g. the gradient
+    of a shared CPU param (an embedding table created before Parallelize) accumulated over the
+    replicas' lookups (Caffe2 exempted every Concat)."""
+    return (bool(op.outputs) and net.op_device(op).device_type != CUDA
+            and all(layout.replica_of(b) is None for b in op.outputs))
 
 
 def _check_op(net: NetDef, index: int, op: OperatorDef, layout: DeviceLayout) -> None:

@@ -25,6 +25,7 @@ from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_n
 from graphpar.passes.allreduce import checked_group
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer
+from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
 from graphpar.passes.state import ParallelState
 
 
@@ -88,7 +89,7 @@ def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], param
 
     Raises:
         ParallelizeError: a gradient misses a copy on some device; a param's size is unknown.
-        NotImplementedError: a sparse (GradientSlice) gradient.
+        ValueError: a sparse (GradientSlice) gradient (`allreduce_gradient_buckets` leaves them out).
     """
     layout = reducer.layout
     if len(layout.devices) < 2:
@@ -135,10 +136,14 @@ def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], spec
 
 
 def allreduce_gradient_buckets(state: ParallelState) -> None:
-    """Like `allreduce.allreduce_gradients`, in buckets of `gradient_bucket_bytes` (see the module doc)."""
+    """Like `allreduce.allreduce_gradients`, in buckets of `gradient_bucket_bytes` (see the module doc).
+    Sparse gradients stay out of buckets: each is concatenated on its own after the buckets."""
     model, layout, options = state.model, state.layout, state.options
     params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
               if layout.replica_of(str(p)) == layout.master}
-    allreduce_buckets(model.net.Proto(), model.param_init_net.Proto(), reversed(state.grad_names), params,
-                      state.grouped, state.reducer, options.gradient_bucket_bytes, options.first_bucket_bytes,
-                      to_all=not options.shared_model)
+    names = list(reversed(state.grad_names))
+    sparse = [name for name in names if is_sparse(state.grouped[name])]
+    allreduce_buckets(model.net.Proto(), model.param_init_net.Proto(), [n for n in names if n not in sparse],
+                      params, state.grouped, state.reducer, options.gradient_bucket_bytes,
+                      options.first_bucket_bytes, to_all=not options.shared_model)
+    model.net.Proto().ops.extend(allgather_slices(state, sparse, {}, to_all=not options.shared_model))

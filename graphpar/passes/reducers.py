@@ -42,6 +42,12 @@ class Reducer(Protocol):
         """Ops after which every copy in `group` ({device id: blob}) holds the first device's value."""
         ...
 
+    def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
+        """Ops after which every `outputs[i]` (one per replica, in device order; only the first with a
+        single output) holds the copies of `group` concatenated along axis 0 in device order. Used for
+        sparse gradients (indices and values), whose rows differ per device; `name` names temporaries."""
+        ...
+
 
 def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
     """The Sum tree over `count` device positions: levels of position tuples, root first in each.
@@ -91,6 +97,9 @@ class TreeReducer:
     def broadcast(self, group: Group) -> list[OperatorDef]:
         return _copies(self.layout, group, self.blob_devices)
 
+    def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
+        return _allgather(self.layout, name, group, outputs, self.blob_devices)
+
 
 class NcclReducer:
     """In-place NCCL collectives over every copy (CUDA replicas); host-side blobs are copied."""
@@ -115,6 +124,11 @@ class NcclReducer:
         return [make_op("NCCLBroadcast", blobs, blobs, layout.option(layout.master), root=0,
                         input_device_ids=list(layout.devices))]
 
+    def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
+        """Copies and a Concat, as the tree reducer (the copies' shapes differ, which NCCL collectives
+        on whole blobs cannot take)."""
+        return _allgather(self.layout, name, group, outputs, self.blob_devices)
+
 
 def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool = False,
                  peer_access: PeerAccess | None = None) -> Reducer:
@@ -122,6 +136,22 @@ def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool
     if use_nccl and layout.device_type == CUDA:
         return NcclReducer(layout, blob_devices)
     return TreeReducer(layout, blob_devices, peer_access)
+
+
+def _allgather(layout: DeviceLayout, name: str, group: Sequence[str], outputs: Sequence[str],
+               blob_devices: Mapping[str, DeviceOption]) -> list[OperatorDef]:
+    """Copy every other device's blob to the first device, Concat them there (axis 0, device order)
+    into outputs[0], and copy the result to the other outputs (Caffe2's sparse GPU all-reduce)."""
+    master = layout.master
+    ops, parts = [], [group[0]]
+    for peer, blob in zip(layout.devices[1:], group[1:]):
+        copy = layout.scoped(master, f"{name}_{layout.prefix}{peer}_copy")
+        ops.append(make_op("Copy", [blob], [copy], layout.option(master), input_device_ids=[peer]))
+        parts.append(copy)
+    ops.append(make_op("Concat", parts, [outputs[0], f"{outputs[0]}_split_info"], layout.option(master), axis=0))
+    if len(outputs) > 1:
+        ops.extend(_copies(layout, dict(zip(layout.devices, outputs)), blob_devices))
+    return ops
 
 
 def _copies(layout: DeviceLayout, group: Group, blob_devices: Mapping[str, DeviceOption]) -> list[OperatorDef]:
