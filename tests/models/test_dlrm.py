@@ -1,0 +1,78 @@
+"""The DLRM model: N devices == 1 device on the whole batch, with sparse embedding updates."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, optimizer, workspace
+from graphpar.core import GradientSlice
+from graphpar.devices import cuda_on_cpu
+from graphpar.models import dlrm
+from graphpar.models.dlrm import split_clicks, synthetic_clicks
+
+MODEL = functools.partial(dlrm, num_dense=3, table_rows=(40, 30), dim=4, bottom=(6,), top=(5,))
+PARAMS = ["emb_0", "emb_1", "bot0_w", "bot1_b", "top0_w", "top1_w", "top1_b"]
+
+
+def _batches(steps: int, batch: int, parts: int) -> list[dict[str, np.ndarray]]:
+    """Click batches; in the first, the last chunk of examples looks nothing up in table 0."""
+    out = []
+    for step in range(steps):
+        feeds = synthetic_clicks(batch, 3, (40, 30), seed=step)
+        if step == 0:
+            owner = np.repeat(np.arange(batch), feeds["lengths_0"])
+            feeds["indices_0"] = feeds["indices_0"][owner < batch - batch // parts]
+            feeds["lengths_0"][batch - batch // parts:] = 0
+        out.append(feeds)
+    return out
+
+
+def _train(devices, build, data, gpu=False):
+    prefix = "gpu" if gpu else "cpu"
+    workspace.ResetWorkspace()
+    optimizer.reset_optimizer_instance_count()
+    model = model_helper.ModelHelper(name=f"dlrm{len(devices)}")
+    with cuda_on_cpu(gpu):
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MODEL,
+                        optimizer_builder_fun=build, devices=devices, cpu_device=not gpu)
+        for step, feeds in enumerate(data):
+            for d, chunk in zip(devices, split_clicks(feeds, len(devices))):
+                for name, value in chunk.items():
+                    workspace.FeedBlob(f"{prefix}_{d}/{name}", value)
+            if step == 0:
+                dpm.RunInitNet(model)
+                initial = {p: workspace.FetchBlob(f"{prefix}_{devices[0]}/{p}").copy() for p in PARAMS}
+            dpm.RunNet(model, 1)
+        final = {p: workspace.FetchBlob(f"{prefix}_{devices[0]}/{p}").copy() for p in PARAMS}
+        for d in devices[1:]:
+            for p in PARAMS:
+                np.testing.assert_array_equal(workspace.FetchBlob(f"{prefix}_{d}/{p}"), final[p], err_msg=p)
+    return model, initial, final
+
+
+BUILDERS = {
+    "momentum": lambda m: optimizer.build_sgd(m, 0.5, momentum=0.9),
+    "adagrad": lambda m: optimizer.build_adagrad(m, 0.2, epsilon=1e-6),
+    "adam": lambda m: optimizer.build_adam(m, 0.05),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", sorted(BUILDERS))
+def test_dlrm_on_n_devices_equals_one_device(opt):
+    data = _batches(4, 12, 3)
+    model, initial, reference = _train([0], BUILDERS[opt], data)
+    sparse = {dpm.stripBlobName(p) for p, g in model.param_to_grad.items() if isinstance(g, GradientSlice)}
+    assert sparse == {"emb_0", "emb_1"}
+    for p in PARAMS:
+        assert np.abs(reference[p] - initial[p]).max() > 1e-4, p
+    untouched = np.setdiff1d(np.arange(40), np.concatenate([f["indices_0"] for f in data]))
+    np.testing.assert_array_equal(reference["emb_0"][untouched], initial["emb_0"][untouched])
+    for devices, gpu in (([0, 1, 2], False), ([1, 2, 3], True)):
+        _, _, final = _train(devices, BUILDERS[opt], data, gpu)
+        for p in PARAMS:
+            np.testing.assert_allclose(final[p], reference[p], rtol=1e-5, atol=1e-6, err_msg=p)  # float32 sums reordered
