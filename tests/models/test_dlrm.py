@@ -31,14 +31,14 @@ def _batches(steps: int, batch: int, parts: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _train(devices, build, data, gpu=False):
+def _train(devices, build, data, gpu=False, **options):
     prefix = "gpu" if gpu else "cpu"
     workspace.ResetWorkspace()
     optimizer.reset_optimizer_instance_count()
     model = model_helper.ModelHelper(name=f"dlrm{len(devices)}")
     with cuda_on_cpu(gpu):
         dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MODEL,
-                        optimizer_builder_fun=build, devices=devices, cpu_device=not gpu)
+                        optimizer_builder_fun=build, devices=devices, cpu_device=not gpu, **options)
         for step, feeds in enumerate(data):
             for d, chunk in zip(devices, split_clicks(feeds, len(devices))):
                 for name, value in chunk.items():
@@ -76,3 +76,13 @@ def test_dlrm_on_n_devices_equals_one_device(opt):
         _, _, final = _train(devices, BUILDERS[opt], data, gpu)
         for p in PARAMS:
             np.testing.assert_allclose(final[p], reference[p], rtol=1e-5, atol=1e-6, err_msg=p)  # float32 sums reordered
+
+
+def test_buckets_leave_sparse_gradients_out():
+    data = _batches(2, 12, 3)
+    _, _, reference = _train([0, 1, 2], BUILDERS["momentum"], data)
+    model, _, final = _train([0, 1, 2], BUILDERS["momentum"], data, gradient_bucket_bytes=256, first_bucket_bytes=64)
+    flattened = {op.inputs[0] for op in model.net.Proto().ops if op.type == "FlattenToVec"}
+    assert flattened and not any("emb" in b or "pooled" in b for b in flattened)
+    for p in PARAMS:
+        np.testing.assert_array_equal(final[p], reference[p], err_msg=p)
