@@ -1,0 +1,83 @@
+"""Train the small DLRM click model data-parallel on synthetic clicks, with sparse embedding updates.
+
+    python -m graphpar.examples.dlrm                      # 4 CPU devices, Adagrad
+    python -m graphpar.examples.dlrm --optimizer momentum --devices 2
+
+The embedding tables get sparse (GradientSlice) gradients: the replicas' lookups and row gradients
+are concatenated across devices, and each replica updates only the rows its global batch looked up.
+It prints the training loss and the accuracy on held-out clicks; the default run (300 steps of 256)
+goes from 0.69 (chance) to a loss below 0.1 and over 95% held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+
+import numpy as np
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, optimizer, workspace
+from graphpar.devices import num_cuda_devices
+from graphpar.models.dlrm import dlrm, split_clicks, synthetic_clicks
+
+TABLES = (1000, 500, 200)
+OPTIMIZERS = {
+    "adagrad": lambda m, lr: optimizer.build_adagrad(m, lr, epsilon=1e-6),
+    "momentum": lambda m, lr: optimizer.build_sgd(m, lr, momentum=0.9),
+    "adam": lambda m, lr: optimizer.build_adam(m, lr),
+}
+
+
+def _feed(model: model_helper.ModelHelper, feeds: dict[str, np.ndarray]) -> None:
+    for device, chunk in zip(model._devices, split_clicks(feeds, len(model._devices))):
+        for name, value in chunk.items():
+            workspace.FeedBlob(f"{model._device_prefix}_{device}/{name}", value)
+
+
+def _accuracy(model: model_helper.ModelHelper, feeds: dict[str, np.ndarray]) -> float:
+    """Accuracy of the forward-only model on `feeds` (each replica scores its chunk)."""
+    _feed(model, feeds)
+    workspace.RunNet(model.net)
+    logits = np.concatenate([workspace.FetchBlob(f"{model._device_prefix}_{d}/top1") for d in model._devices])
+    return float(((logits[:, 0] > 0) == (feeds["label"][:, 0] > 0.5)).mean())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=None, help="devices (default: all GPUs, else 4 CPUs)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=256)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    gpus = num_cuda_devices()
+    count = args.devices or (gpus or 4)
+    forward = functools.partial(dlrm, num_dense=4, table_rows=TABLES, dim=8, bottom=(16,), top=(32,))
+    train = model_helper.ModelHelper(name="dlrm_train")
+    dpm.Parallelize(train, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                    optimizer_builder_fun=lambda m: OPTIMIZERS[args.optimizer](m, args.lr),
+                    devices=list(range(count)), cpu_device=not gpus)
+    test = model_helper.ModelHelper(name="dlrm_test", init_params=False)
+    dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                    devices=list(range(count)), cpu_device=not gpus)
+    held_out = synthetic_clicks(args.batch * 4, 4, TABLES, seed=10**6)
+    losses = []
+    for step in range(args.steps):
+        _feed(train, synthetic_clicks(args.batch, 4, TABLES, seed=step))
+        if step == 0:
+            dpm.RunInitNet(train)
+            dpm.RunInitNet(test)
+        dpm.RunNet(train, 1)
+        losses.append(sum(float(workspace.FetchBlob(f"{train._device_prefix}_{d}/scaled_loss"))
+                          for d in train._devices))
+        if (step + 1) % 100 == 0 or step + 1 == args.steps:
+            print(f"step {step + 1}: loss {np.mean(losses[-50:]):.4f}")
+    print(f"final loss {np.mean(losses[-50:]):.4f}, held-out accuracy {100 * _accuracy(test, held_out):.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
