@@ -9,6 +9,8 @@ from graphpar import brew, model_helper, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
+from graphpar.ops.collective import nccl_backend
+from tests.fake_nccl import FakeNccl
 
 
 def _model(model, loss_scale, init=("ConstantFill", {})):
@@ -198,3 +200,28 @@ def test_bmuf_errors_leave_the_model_unchanged():
     dpm.Parallelize_CPU_BMUF(model, lambda m: None, _model, _sgd_update, devices=[0, 1])
     with pytest.raises(ParallelizeError, match="warmup_iterations"):
         dpm.RunWarmup(model)
+
+
+def _bmuf_run(use_nccl):
+    model = model_helper.ModelHelper(name="bmuf_nccl")
+    with cuda_on_cpu():
+        _feed([0, 1], "gpu", seed=5, batch=12)
+        dpm.Parallelize_GPU_BMUF(model, lambda m: None, _random_model, _sgd_update, devices=[0, 1],
+                                 master_device=1, nesterov=True, use_nccl=use_nccl)
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 2)
+        dpm.RunNet(model, 2)
+        return [_fetch(f"gpu_{d}/fc_w") for d in (0, 1)], model
+
+
+def test_use_nccl_gives_the_same_global_model():
+    fake = FakeNccl()
+    with nccl_backend(fake):
+        (w0, w1), model = _bmuf_run(True)
+    types = [op.type for op in model._global_model_param_updates_net.Proto().ops]
+    assert "NCCLAllreduce" in types and "NCCLBroadcast" in types
+    assert fake.calls["all_reduce"] == 4 and fake.calls["broadcast"] >= 4
+    workspace.ResetWorkspace()
+    (r0, r1), _ = _bmuf_run(False)
+    np.testing.assert_array_equal(w0, w1)
+    np.testing.assert_allclose(w1, r1, rtol=1e-6, atol=1e-7)
