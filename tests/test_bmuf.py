@@ -185,7 +185,7 @@ def test_replicas_start_identical_and_reset_momentum_zeroes_local_momenta():
 
 
 def test_bmuf_errors_leave_the_model_unchanged():
-    model = model_helper.ModelHelper(name="bad")
+    model = model_helper.ModelHelper(name="bmuf_bad_args")
     bad = [({"block_momentum": 1.0}, ParallelizeError, "block_momentum"),
            ({"block_learning_rate": 0}, ParallelizeError, "block_learning_rate"),
            ({"master_device": 5}, ParallelizeError, "master_device 5"),
