@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.net import Net
 from graphpar.errors import ParallelizeError
 from graphpar.passes import analyze, builders, finish, group_by_device, loss_gradients, memonger, sync
@@ -118,11 +118,12 @@ def build_global_init(state: ParallelState, bmuf: BmufOptions) -> Net:
     return net
 
 
-def _block_gradient_clip(params: Sequence[str], device: object, max_norm: float) -> list[OperatorDef]:
+def _block_gradient_clip(params: Sequence[str], device: DeviceOption, max_norm: float) -> list[OperatorDef]:
     """Scale every block gradient (held in the master params) by min(1, max_norm / their global norm)."""
+    if not params:
+        return []
     squares = [make_op("SumSqrElements", [p], [f"{p}_block_sqr_sum"], device) for p in params]
-    total = params[0] + "_block_sqr_total" if params else ""
-    norm = params[0] + "_block_norm" if params else ""
+    total, norm = f"{params[0]}_block_sqr_total", f"{params[0]}_block_norm"
     ops = [*squares, make_op("Sum", [op.outputs[0] for op in squares], [total], device),
            make_op("Sqrt", [total], [norm], device)]
     ops += [make_op("ClipTensorByScaling", [p, norm], [p], device, threshold=float(max_norm)) for p in params]
@@ -154,7 +155,7 @@ def build_global_update(state: ParallelState, bmuf: BmufOptions) -> Net:
     return net
 
 
-def _momentum_step(p: str, device: object, bmuf: BmufOptions) -> list[OperatorDef]:
+def _momentum_step(p: str, device: DeviceOption, bmuf: BmufOptions) -> list[OperatorDef]:
     """v = bm v + blr d (d is held in p); g += v (Nesterov: - bm (v - prev), then prev = v); p = g."""
     v, g, prev = momentum_name(p), global_name(p), previous_name(p)
     ops = [make_op("Scale", [v], [v], device, scale=bmuf.block_momentum),

@@ -78,6 +78,15 @@ def test_dlrm_on_n_devices_equals_one_device(opt):
             np.testing.assert_allclose(final[p], reference[p], rtol=1e-5, atol=1e-6, err_msg=p)  # float32 sums reordered
 
 
+def test_gradient_memory_sharing_keeps_the_results():
+    data = _batches(2, 12, 3)
+    _, _, reference = _train([0, 1], BUILDERS["adagrad"], data)
+    model, _, final = _train([0, 1], BUILDERS["adagrad"], data, optimize_gradient_memory=True)
+    assert any(b.endswith("_shared") for op in model.net.Proto().ops for b in op.outputs)
+    for p in PARAMS:
+        np.testing.assert_array_equal(final[p], reference[p], err_msg=p)
+
+
 def test_buckets_leave_sparse_gradients_out():
     data = _batches(2, 12, 3)
     _, _, reference = _train([0, 1, 2], BUILDERS["momentum"], data)
