@@ -95,3 +95,24 @@ def test_buckets_leave_sparse_gradients_out():
     assert flattened and not any("emb" in b or "pooled" in b for b in flattened)
     for p in PARAMS:
         np.testing.assert_array_equal(final[p], reference[p], err_msg=p)
+
+
+def test_shared_model_updates_the_one_table_from_every_replica():
+    data = _batches(2, 12, 3)
+    _, _, reference = _train([0], BUILDERS["momentum"], data)
+    workspace.ResetWorkspace()
+    optimizer.reset_optimizer_instance_count()
+    model = model_helper.ModelHelper(name="dlrm_shared")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MODEL,
+                    optimizer_builder_fun=BUILDERS["momentum"], devices=[0, 1, 2], cpu_device=True,
+                    shared_model=True)
+    for step, feeds in enumerate(data):
+        for d, chunk in enumerate(split_clicks(feeds, 3)):
+            for name, value in chunk.items():
+                workspace.FeedBlob(f"cpu_{d}/{name}", value)
+        if step == 0:
+            dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+    assert not workspace.HasBlob("cpu_1/emb_0")
+    for p in PARAMS:
+        np.testing.assert_allclose(workspace.FetchBlob(f"cpu_0/{p}"), reference[p], rtol=1e-5, atol=1e-6, err_msg=p)
