@@ -371,15 +371,18 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     """The blobs a checkpoint needs: the first device's replica state and the unscoped iteration counters.
 
     Replica state is every blob `param_init_net` creates in the first device's scope (params,
-    computed params, optimizer state such as `_momentum`); counters are the outputs of counter ops
+    computed params, optimizer state such as `_momentum`), and for BMUF the master's global model
+    (`_g`, `_v`, `_prev`, from `_global_model_init_net`); counters are the outputs of counter ops
     (`Iter`, `AtomicIter`: Trait.COUNTER) outside every replica scope (e.g. `optimizer_iteration`).
 
     Raises:
         ParallelizeError: the model was not parallelized.
     """
-    layout = _state_of(model).layout
+    state = _state_of(model)
+    layout = state.layout
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
+    first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
     counters = {op.outputs[0] for op in model.net.Proto().ops
                 if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None}
     return first | counters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphpar import brew, model_helper, workspace
+from graphpar import brew, checkpoint, model_helper, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError
@@ -225,3 +225,36 @@ def test_use_nccl_gives_the_same_global_model():
     (r0, r1), _ = _bmuf_run(False)
     np.testing.assert_array_equal(w0, w1)
     np.testing.assert_allclose(w1, r1, rtol=1e-6, atol=1e-7)
+
+
+def _bmuf_model(name):
+    model = model_helper.ModelHelper(name=name)
+    dpm.Parallelize_CPU_BMUF(model, lambda m: None, _random_model, _momentum_update, devices=[0, 1],
+                             nesterov=True, reset_momentum_sgd=True)
+    return model
+
+
+def test_resumed_bmuf_equals_uninterrupted(tmp_path):
+    """The checkpoint holds the first replica's state and the master's global model; the local momenta
+    are reset after each global update, so every replica's state equals the first's there."""
+    _feed([0, 1], "cpu", seed=3, batch=12)
+    model = _bmuf_model("bmuf_run")
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 2)
+    names = dpm.GetCheckpointParams(model)
+    assert {"cpu_0/fc_w_g", "cpu_0/fc_w_v", "cpu_0/fc_w_prev", "cpu_0/fc_w_momentum"} <= names
+    checkpoint.save(str(tmp_path / "ckpt"), names)
+    for _ in range(2):
+        dpm.RunNet(model, 2)
+    uninterrupted = {b: _fetch(b) for b in names}
+
+    workspace.ResetWorkspace()
+    _feed([0, 1], "cpu", seed=3, batch=12)
+    resumed = _bmuf_model("bmuf_resumed")
+    dpm.RunInitNet(resumed)
+    checkpoint.load(str(tmp_path / "ckpt"))
+    dpm.FinalizeAfterCheckpoint(resumed)
+    for _ in range(2):
+        dpm.RunNet(resumed, 2)
+    for b, value in uninterrupted.items():
+        np.testing.assert_array_equal(_fetch(b), value, err_msg=b)
