@@ -95,7 +95,7 @@ def _equiv_sparse_run(devices: list[int], cpu_indices: bool, gpu: bool) -> tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("cpu_indices", "gpu"), [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize(("cpu_indices", "gpu"), [(True, False), (True, True), (False, False), (False, True)])
 def test_equiv_sparse(cpu_indices, gpu):
     """1 device == 2 == 4 devices (Caffe2 ran 1, 2, 4, 8 GPUs; indices on the CPU, then on the device)."""
     table, fc_w = _equiv_sparse_run([0], cpu_indices, gpu)
