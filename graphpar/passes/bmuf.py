@@ -2,7 +2,7 @@
 
 Every replica trains on its own for a block of local steps (`param_update_builder_fun` per device,
 no gradient all-reduce); then the global net averages the replicas' params and filters the average
-through block momentum on the first (master) device, in Caffe2's blobs `{p}_g` (global model),
+through block momentum on the master device (default the first), in Caffe2's blobs `{p}_g` (global model),
 `{p}_v` (block momentum) and `{p}_prev` (the previous `v`, Nesterov):
 
     avg = sum_d p_d / N
@@ -57,7 +57,7 @@ def global_name(param: str) -> str:
     return f"{param}_g"
 
 
-def momentum_name(param: str) -> str:
+def block_momentum_name(param: str) -> str:
     """The block momentum of master param `param` (Caffe2's `_v`)."""
     return f"{param}_v"
 
@@ -109,7 +109,7 @@ def build_global_init(state: ParallelState, bmuf: BmufOptions) -> Net:
     device = state.layout.option(bmuf.master_device)
     for name in state.param_names:
         p = _master_param(state, name, bmuf.master_device)
-        ops = [make_op("ConstantFill", [p], [momentum_name(p)], device, value=0.0),
+        ops = [make_op("ConstantFill", [p], [block_momentum_name(p)], device, value=0.0),
                make_op("Copy", [p], [global_name(p)], device)]
         if bmuf.nesterov:
             ops.append(make_op("ConstantFill", [p], [previous_name(p)], device, value=0.0))
@@ -157,7 +157,7 @@ def build_global_update(state: ParallelState, bmuf: BmufOptions) -> Net:
 
 def _momentum_step(p: str, device: DeviceOption, bmuf: BmufOptions) -> list[OperatorDef]:
     """v = bm v + blr d (d is held in p); g += v (Nesterov: - bm (v - prev), then prev = v); p = g."""
-    v, g, prev = momentum_name(p), global_name(p), previous_name(p)
+    v, g, prev = block_momentum_name(p), global_name(p), previous_name(p)
     ops = [make_op("Scale", [v], [v], device, scale=bmuf.block_momentum),
            make_op("Scale", [p], [p], device, scale=bmuf.block_learning_rate),
            make_op("Add", [v, p], [v], device),
