@@ -50,3 +50,16 @@ def test_error_names_net_op_and_source():
 def test_a_cuda_op_must_run_on_its_replica_device():
     with pytest.raises(ParallelizeError, match="belongs to replica gpu_1/ but touches 'gpu_0/y'"):
         analyze_operators([NetDef("n", [_op("Relu", ["gpu_0/x"], ["gpu_0/y"], gpu(1))])], layout([0, 1], gpu=True))
+
+
+def test_host_ops_writing_only_shared_blobs_may_read_every_replica():
+    """The gradient of a shared CPU embedding table accumulates every replica's slice (Caffe2's
+    cpu_indices model); a CUDA op, or one writing a replica's blob, still may not."""
+    lay = layout([0, 1], gpu=True)
+    shared = _op("Concat", ["gpu_0/indices", "gpu_1/indices"], ["cpu/vecs_grad_indices", "cpu/split"], cpu(0))
+    analyze_operators([NetDef("train", [shared])], lay)
+    on_gpu = _op("Concat", ["gpu_0/indices", "gpu_1/indices"], ["cpu/vecs_grad_indices", "cpu/split"], gpu(0))
+    into_replica = _op("Concat", ["gpu_0/indices", "gpu_1/indices"], ["gpu_0/both", "cpu/split"], cpu(0))
+    for op in (on_gpu, into_replica):
+        with pytest.raises(ParallelizeError, match="touches 'gpu_1/indices'"):
+            analyze_operators([NetDef("train", [op])], lay)
