@@ -7,7 +7,7 @@ index (Caffe2's convention). Rows looked up twice appear twice; the sparse updat
 users who want a dense gradient.
 
 Segments (`LENGTHS`) are consecutive: segment s takes the next `LENGTHS[s]` indices, and the lengths
-must sum to the number of indices. Segment ids are built with the number of indices as the known
+must sum to the number of indices (a ValueError naming the op on CPU devices otherwise). Segment ids are built with the number of indices as the known
 output size, so no kernel but `LengthsToSegmentIds` and a `SparseToDense` without its third input
 reads values on the host. Index tensors are int32 or int64, as in Caffe2.
 """
@@ -30,13 +30,18 @@ def _rows(data: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return data.index_select(0, flat).reshape(*indices.shape, *data.shape[1:])
 
 
-def segment_ids(lengths: torch.Tensor, count: int) -> torch.Tensor:
+def segment_ids(lengths: torch.Tensor, count: int, where: str) -> torch.Tensor:
     """The segment of each of `count` indices (int64), without reading `lengths` on the host.
 
-    Raises RuntimeError (torch's) when the lengths do not sum to `count`.
+    Raises ValueError naming the op (`where`) when torch finds that the lengths do not sum to
+    `count` (it checks on the CPU; CUDA does not report it).
     """
     positions = torch.arange(lengths.numel(), device=lengths.device)
-    return torch.repeat_interleave(positions, lengths.reshape(-1).long(), output_size=count)
+    try:
+        return torch.repeat_interleave(positions, lengths.reshape(-1).long(), output_size=count)
+    except RuntimeError:
+        raise ValueError(f"{where}: LENGTHS sum to {int(lengths.sum())} but there are {count} INDICES; "
+                         f"feed one length per segment, summing to the number of indices") from None
 
 
 def _check_index(tensor: torch.Tensor, what: str, where: str) -> None:
@@ -71,10 +76,10 @@ register_op(
 # ------------------------------------------------------------------------------------ SparseLengths{Sum,...}
 
 
-def _pooled(data: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _pooled(data: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, where: str) -> torch.Tensor:
     """Sum `rows` (one per index) into one row per segment."""
     out = data.new_zeros((lengths.numel(), *data.shape[1:]))
-    return out.index_add_(0, segment_ids(lengths, rows.shape[0]), rows)
+    return out.index_add_(0, segment_ids(lengths, rows.shape[0], where), rows)
 
 
 def _mean_scale(lengths: torch.Tensor, dtype: torch.dtype, ndim: int) -> torch.Tensor:
@@ -95,7 +100,7 @@ def _lengths_kernel(kind: str) -> Callable[[SimpleNamespace, KernelContext], Cal
             rows = data.index_select(0, indices.long())
             if weights is not None:
                 rows = rows * weights.to(data.dtype).reshape(-1, *[1] * (data.dim() - 1))
-            out = _pooled(data, rows, lengths)
+            out = _pooled(data, rows, lengths, where)
             return out * _mean_scale(lengths, data.dtype, data.dim()) if kind == "mean" else out
 
         return run
@@ -126,15 +131,17 @@ def _lengths_gradient(kind: str) -> Callable[[OperatorDef, list], tuple[list[Ope
     return maker
 
 
-def _spread(dy: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def _spread(dy: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor, where: str) -> torch.Tensor:
     """dY's row of each index's segment: the values of the DATA gradient of a segment sum."""
-    return dy.index_select(0, segment_ids(lengths, indices.shape[0]))
+    return dy.index_select(0, segment_ids(lengths, indices.shape[0], where))
 
 
-def _weighted_grad(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., torch.Tensor | tuple]:
+def _weighted_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor | tuple]:
+    where = op_label(ctx.op)
+
     def run(weights: torch.Tensor, dy: torch.Tensor, data: torch.Tensor, indices: torch.Tensor,
             lengths: torch.Tensor) -> torch.Tensor | tuple:
-        spread = _spread(dy, lengths, indices)
+        spread = _spread(dy, lengths, indices, where)
         shape = (-1, *[1] * (dy.dim() - 1))
         values = spread * weights.to(dy.dtype).reshape(shape)
         if not a.grad_on_weights:
@@ -160,15 +167,23 @@ register_op(
     gradient=_lengths_gradient("weighted"),
     doc=f"[DATA, WEIGHTS, INDICES, LENGTHS] -> OUTPUT: the WEIGHTS-weighted sum of each segment's rows "
         f"(one weight per index). {_LENGTHS_DOC} With grad_on_weights, WEIGHTS gets a dense gradient.")
+def _sum_grad(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    where = op_label(ctx.op)
+    return lambda dy, lengths, indices: _spread(dy, lengths, indices, where)
+
+
+def _mean_grad(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    where = op_label(ctx.op)
+    return lambda dy, lengths, indices: _spread(dy * _mean_scale(lengths, dy.dtype, dy.dim()), lengths, indices,
+                                                where)
+
+
 register_gradient(
-    "SparseLengthsSumGradient", "SparseLengthsSum", lambda _a, _ctx: _spread, inputs=3,
+    "SparseLengthsSumGradient", "SparseLengthsSum", _sum_grad, inputs=3,
     doc="[dOUTPUT, LENGTHS, INDICES] -> values: dOUTPUT's row of each index's segment (INDICES give "
         "only the count, so nothing is read on the host).")
 register_gradient(
-    "SparseLengthsMeanGradient", "SparseLengthsMean",
-    lambda _a, _ctx: lambda dy, lengths, indices: _spread(dy * _mean_scale(lengths, dy.dtype, dy.dim()),
-                                                          lengths, indices),
-    inputs=3, doc="[dOUTPUT, LENGTHS, INDICES] -> values: dOUTPUT's row of each index's segment / its length.")
+    "SparseLengthsMeanGradient", "SparseLengthsMean", _mean_grad, inputs=3, doc="[dOUTPUT, LENGTHS, INDICES] -> values: dOUTPUT's row of each index's segment / its length.")
 register_gradient(
     "SparseLengthsWeightedSumGradient", "SparseLengthsWeightedSum", _weighted_grad, inputs=5, outputs=(1, 2),
     doc="[WEIGHTS, dOUTPUT, DATA, INDICES, LENGTHS] -> values (weight times dOUTPUT's segment row) "

@@ -76,7 +76,7 @@ def test_sparse_lengths_weighted_sum_matches_embedding_bag(grad_on_weights):
 
 def test_lengths_mismatch_and_bad_index_dtype_raise():
     op = make_op("SparseLengthsSum", 3)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match=r"SparseLengthsSum\(X0, X1, X2 -> Y0\): LENGTHS sum to 2 but there are 7"):
         run_op(op, [randn((5, 3)), INDICES, torch.tensor([1, 1], dtype=torch.int32)])
     with pytest.raises(TypeError, match=r"SparseLengthsSum\(X0, X1, X2 -> Y0\): INDICES must be int32 or int64"):
         run_op(op, [randn((5, 3)), INDICES.float(), LENGTHS])
