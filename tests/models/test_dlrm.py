@@ -78,11 +78,13 @@ def test_dlrm_on_n_devices_equals_one_device(opt):
             np.testing.assert_allclose(final[p], reference[p], rtol=1e-5, atol=1e-6, err_msg=p)  # float32 sums reordered
 
 
-def test_gradient_memory_sharing_keeps_the_results():
+@pytest.mark.parametrize("option", ["optimize_gradient_memory", "dynamic_memory_management"])
+def test_memory_options_keep_the_results(option):
     data = _batches(2, 12, 3)
     _, _, reference = _train([0, 1], BUILDERS["adagrad"], data)
-    model, _, final = _train([0, 1], BUILDERS["adagrad"], data, optimize_gradient_memory=True)
-    assert any(b.endswith("_shared") for op in model.net.Proto().ops for b in op.outputs)
+    model, _, final = _train([0, 1], BUILDERS["adagrad"], data, **{option: True})
+    if option == "optimize_gradient_memory":
+        assert any(b.endswith("_shared") for op in model.net.Proto().ops for b in op.outputs)
     for p in PARAMS:
         np.testing.assert_array_equal(final[p], reference[p], err_msg=p)
 
