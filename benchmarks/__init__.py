@@ -1,1 +1,1 @@
-"""Benchmarks, each runnable as `python -m benchmarks.NAME`; results land in benchmarks/results/."""
+"""Benchmarks, each runnable as `python -m benchmarks.NAME`; with `--save`, results land in benchmarks/results/."""

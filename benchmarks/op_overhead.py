@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--save", action="store_true",
+                        help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -116,11 +118,13 @@ def main() -> None:
     rows = [[case, us[net], us[base], us[net] / us[base]] for case, net, base in cases]
     print(markdown_table(["case", "RunNet µs/op", "eager µs/op", "ratio"], rows))
     ratio = max(rows[0][3], rows[1][3])
-    path = write_json("op_overhead", {
-        "benchmark": "op_overhead", "num_ops": opts.ops, "repeats": opts.repeats, "warmup": opts.warmup,
-        "tensor_shape": [8], "ops": list(CYCLE), "clock": "thread CPU time", "us_per_op_median": us,
-        "ratios": {case: r for case, _, _, r in rows}, "ratio": ratio, "target_ratio": 1.5})
-    print(f"\nRunNet / eager, like for like: {ratio:.3f} (target <= 1.5); wrote {path}")
+    if opts.save:
+        path = write_json("op_overhead", {
+            "benchmark": "op_overhead", "num_ops": opts.ops, "repeats": opts.repeats, "warmup": opts.warmup,
+            "tensor_shape": [8], "ops": list(CYCLE), "clock": "thread CPU time", "us_per_op_median": us,
+            "ratios": {case: r for case, _, _, r in rows}, "ratio": ratio, "target_ratio": 1.5})
+        print(f"wrote {path}")
+    print(f"\nRunNet / eager, like for like: {ratio:.3f} (target <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Each device count builds a fresh ResNet-50 training model (SGD with momentum) `--repeats` times after
 a warm-up, the counts taking turns; the median wall time, the op counts of the train and init nets,
 and the growth from the previous device count (wall time; CPU time is recorded too) go into a
-Markdown table and benchmarks/results/parallelize_time.json.
+Markdown table (and, with --save, benchmarks/results/parallelize_time.json).
 Targets: 16 devices in under 5 s, and 16 devices at most 2.2x the time of 8 (build time linear in
 the op count, which grows 2.06x from 8 to 16 devices).
 
@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="replicas on simulated CUDA devices (gpu_<id>)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="print a cProfile of one build over N devices instead")
+    parser.add_argument("--save", action="store_true",
+                        help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
     if opts.profile is not None:
         profile(opts.profile, opts.gpu)
@@ -104,9 +106,10 @@ def main() -> None:
         targets["min_ratio_16_over_8"] = by_count[16]["min_seconds"] / by_count[8]["min_seconds"]
     print(f"\ntargets: {targets}")
     name = "parallelize_time_gpu" if opts.gpu else "parallelize_time"
-    path = write_json(name, {"model": "resnet50", "devices": "simulated CUDA" if opts.gpu else "CPU",
-                             "repeats": opts.repeats, "results": results, "targets": targets})
-    print(f"wrote {path}")
+    if opts.save:
+        path = write_json(name, {"model": "resnet50", "devices": "simulated CUDA" if opts.gpu else "CPU",
+                                 "repeats": opts.repeats, "results": results, "targets": targets})
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -163,15 +163,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both sides)")
+    parser.add_argument("--save", action="store_true",
+                        help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     results = {case.name: measure(case, opts.repeats, opts.warmup) for case in CASES}
     rows = [(name, r["graphpar_ms"], r["eager_ms"], r["ratio"]) for name, r in results.items()]
     print(markdown_table(["model (one SGD-momentum step, CPU)", "graphpar ms", "eager ms", "ratio"], rows))
-    path = write_json("step_time", {"repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
-                                    "target_ratio": 1.25, "results": results})
-    print(f"\nwrote {path}")
+    if opts.save:
+        path = write_json("step_time", {"repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
+                                        "target_ratio": 1.25, "results": results})
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ devices twice, with and without `combine_spatial_bn`, each in its own workspace;
 each is timed alternately in one process after warm-up (medians). The table also gives, per
 batch-norm layer and device count, the ops the rewrite adds: the local statistics ops
 (ChannelStats, ChannelBackpropStats) and the cross-device ops (Sum / Copy, or NCCLAllreduce), from
-the built nets. Results go to benchmarks/results/sync_bn_cost.json.
+the built nets. With --save, results go to benchmarks/results/sync_bn_cost.json.
 
     python -m benchmarks.sync_bn_cost [--devices 4] [--batch 4] [--repeats 10] [--warmup 2] [--threads 1]
 """
@@ -60,7 +60,7 @@ def op_counts(devices: int, gpu: bool = False, use_nccl: bool = False) -> dict[s
 def stepper(devices: list[int], combine: bool, batch: int) -> Callable[[], None]:
     """Build, feed and initialise a model in its own workspace; return one training step."""
     name = f"sync_bn_cost_{combine}"
-    workspace.SwitchWorkspace(name)
+    workspace.SwitchWorkspace(name, True)
     workspace.ResetWorkspace()
     model = build(devices, combine)
     rng = np.random.default_rng(0)
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--save", action="store_true",
+                        help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     devices = list(range(opts.devices))
@@ -99,12 +101,13 @@ def main() -> None:
                           "ops added / layer"],
                          [[c["devices"], c["engine"], c["bn_layers"], c["cross_device_ops_per_layer"],
                            c["stats_ops_per_layer"], c["ops_added_per_layer"]] for c in counts]))
-    path = write_json("sync_bn_cost", {
-        "model": "resnet18", "image": list(IMAGE), "devices": opts.devices, "batch_per_device": opts.batch,
-        "repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
-        "step_ms": {"per_device_bn": 1e3 * local, "combine_spatial_bn": 1e3 * sync},
-        "relative_step_time": sync / local, "times_s": times, "op_counts": counts})
-    print(f"\nwrote {path}")
+    if opts.save:
+        path = write_json("sync_bn_cost", {
+            "model": "resnet18", "image": list(IMAGE), "devices": opts.devices, "batch_per_device": opts.batch,
+            "repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
+            "step_ms": {"per_device_bn": 1e3 * local, "combine_spatial_bn": 1e3 * sync},
+            "relative_step_time": sync / local, "times_s": times, "op_counts": counts})
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _MODULES = ("core", "workspace", "model_helper", "brew", "optimizer", "data_parallel_model", "checkpoint",
-            "data", "models", "ops", "passes", "errors", "naming", "devices", "visualize", "profiler")
+            "data", "models", "ops", "passes", "errors", "naming", "devices", "visualize", "profiler",
+            "scope", "cnn", "optimizer_context")
 _NAMES = {
     "Parallelize": "data_parallel_model",
     "FinalizeAfterCheckpoint": "data_parallel_model",

@@ -27,6 +27,7 @@ from typing import Any
 
 from graphpar.core.ir import CPU, BlobReference, DeviceOption
 from graphpar.core.scope import DeviceScope
+from graphpar.errors import DuplicateHelperError
 from graphpar.model_helper import Initializer, ModelHelper, ParameterTags
 
 _HELPERS: dict[str, Callable[..., Any]] = {}
@@ -42,11 +43,12 @@ def Register(helper: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802 - 
     """Make `helper(model, ...)` available as `brew.<helper name>` with arg-scope merging; return it.
 
     Raises:
-        ValueError: a helper of that name already exists.
+        DuplicateHelperError: a helper of that name already exists (a ValueError and, as in Caffe2,
+            an AttributeError).
     """
     name = helper.__name__
     if name in _HELPERS:
-        raise ValueError(f"brew helper {name!r} already exists; give your helper another name")
+        raise DuplicateHelperError(f"brew helper {name!r} already exists; give your helper another name")
     signature = inspect.signature(helper)
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
     named = frozenset(signature.parameters)
@@ -77,6 +79,11 @@ def __getattr__(name: str) -> Callable[..., Any]:
     return helper
 
 
+def has_helper(helper: str | Callable[..., Any]) -> bool:
+    """Whether a helper of that name (a str, or a function's `__name__`) is registered (Caffe2's rule)."""
+    return (helper if isinstance(helper, str) else getattr(helper, "__name__", None)) in _HELPERS
+
+
 @contextmanager
 def arg_scope(helpers: Callable[..., Any] | Sequence[Callable[..., Any]], **kwargs: Any) -> Iterator[None]:
     """Within the block, `helpers` (one or a list of brew helpers) get `kwargs` as defaults.
@@ -88,8 +95,9 @@ def arg_scope(helpers: Callable[..., Any] | Sequence[Callable[..., Any]], **kwar
     """
     helpers = [helpers] if callable(helpers) else list(helpers)
     for helper in helpers:
-        if _HELPERS.get(getattr(helper, "__name__", None)) is not helper:
-            raise TypeError(f"brew.arg_scope takes brew helpers (e.g. brew.fc), got {helper!r}")
+        if not callable(helper) or not has_helper(helper):
+            raise TypeError(f"brew.arg_scope takes brew helpers (e.g. brew.fc, or a function given to "
+                            f"brew.Register), got {helper!r}")
     old = _current_arg_scope()
     _scope.helpers = {**old, **{h.__name__: {**old.get(h.__name__, {}), **kwargs} for h in helpers}}
     try:
@@ -162,19 +170,23 @@ def conv(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: 
          **kwargs: Any) -> BlobReference:
     """2-D Conv: `<out>_w` [dim_out, dim_in/group, kh, kw] XavierFill, `<out>_b` [dim_out] unless no_bias.
 
-    `stride`, `pad`, `dilation` and other kwargs go to the Conv op; `group` is passed when not 1.
+    With `order="NHWC"` the filter is [dim_out, kh, kw, dim_in/group], as in Caffe2. `stride`, `pad`,
+    `dilation` and other kwargs go to the Conv op; `group` is passed when not 1. Caffe2's
+    `enable_tensor_core` (cuDNN math mode) is accepted and ignored: PyTorch picks the math mode.
 
     Raises:
-        ValueError: a layout other than NCHW, a bad kernel, or dim_in not divisible by group.
+        ValueError: a layout other than NCHW/NHWC, a bad kernel, or dim_in not divisible by group.
     """
-    if order != "NCHW":
-        raise ValueError(f"brew.conv({blob_out!r}): graphpar supports order='NCHW' only, got {order!r}")
+    kwargs.pop("enable_tensor_core", None)
+    if order not in ("NCHW", "NHWC"):
+        raise ValueError(f"brew.conv({blob_out!r}): order must be 'NCHW' or 'NHWC', got {order!r}")
     if group < 1 or dim_in % group:
         raise ValueError(f"brew.conv({blob_out!r}): dim_in={dim_in} must be divisible by group={group}")
     (kh, kw), kernel_args = _kernel_args(kernel)
     no_bias = bool(kwargs.pop("no_bias", False))
     inputs = [blob_in, model.create_param(
-        _suffixed(blob_out, "_w"), [dim_out, dim_in // group, kh, kw],
+        _suffixed(blob_out, "_w"),
+        [dim_out, dim_in // group, kh, kw] if order == "NCHW" else [dim_out, kh, kw, dim_in // group],
         _initializer(WeightInitializer, weight_init, ("XavierFill", {})), ParameterTags.WEIGHT)]
     if not no_bias:
         inputs.append(model.create_param(_suffixed(blob_out, "_b"), [dim_out],
@@ -326,3 +338,24 @@ def iter(model: ModelHelper, blob_out: str) -> BlobReference:
     with DeviceScope(DeviceOption(CPU, 0)):
         model.param_init_net.ConstantFill([], blob_out, shape=[1], value=0, dtype="int64")
         return model.net.Iter(blob_out, blob_out)
+
+
+@Register
+def transpose(model: ModelHelper, blob_in: str, blob_out: str, use_cudnn: bool = False,
+              **kwargs: Any) -> BlobReference:
+    """Transpose (`axes` as the op takes them); Caffe2's `use_cudnn` is accepted and ignored."""
+    return model.net.Transpose(blob_in, blob_out, **kwargs)
+
+
+@Register
+def depth_concat(model: ModelHelper, blobs_in: Sequence[str], blob_out: str, **kwargs: Any) -> BlobReference:
+    """Caffe2's older name of `concat` along the channel axis."""
+    return concat(model, blobs_in, blob_out, **kwargs)
+
+
+@Register
+def add_weight_decay(model: ModelHelper, weight_decay: float) -> Any:
+    """optimizer.add_weight_decay(model, weight_decay): weight_decay·w added to each weight's gradient."""
+    from graphpar.optimizer import add_weight_decay as add
+
+    return add(model, weight_decay)

@@ -66,7 +66,8 @@ __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
     "FinalizeAfterCheckpoint", "GetCheckpointParams", "GetDevices", "GetLearningRateBlobNames",
     "OptimizeGradientMemory", "Parallelize", "Parallelize_BMUF", "Parallelize_CPU", "Parallelize_CPU_BMUF",
-    "Parallelize_GPU", "Parallelize_GPU_BMUF", "RunInitNet", "RunNet", "RunWarmup", "stripBlobName",
+    "Parallelize_GPU", "Parallelize_GPU_BMUF", "Parallelize_iDeep", "RunInitNet", "RunNet", "RunWarmup",
+    "Synchronize", "stripBlobName",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     use_nccl: bool = False,
     max_concurrent_distributed_ops: int = 16,
     cpu_device: bool = False,
+    ideep: bool = False,
     num_threads_per_device: int = 4,
     shared_model: bool = False,
     combine_spatial_bn: bool = False,
@@ -137,6 +139,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             first collective can start early; used only with gradient_bucket_bytes.
         use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
         cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
+        ideep: Caffe2's MKL-DNN CPU devices; here the same as `cpu_device=True` (torch's CPU kernels
+            use oneDNN themselves), replicas named `cpu_<id>`.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
             (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
@@ -168,6 +172,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
+    cpu_device = cpu_device or bool(ideep)
     _refuse_unsupported(rendezvous=rendezvous is not None)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
@@ -200,6 +205,11 @@ def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
 def Parallelize_GPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
     """`Parallelize` with `cpu_device=False` (replicas `gpu_<id>` on CUDA); same arguments and errors."""
     Parallelize(*args, **{**kwargs, "cpu_device": False})
+
+
+def Parallelize_iDeep(*args: Any, **kwargs: Any) -> None:  # noqa: N802
+    """Caffe2's MKL-DNN variant: `Parallelize` with `ideep=True` (CPU replicas); same arguments and errors."""
+    Parallelize(*args, **{**kwargs, "ideep": True})
 
 
 def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
@@ -296,6 +306,12 @@ def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
                                f"Parallelize_BMUF")
     workspace.RunNet(model.net, model._warmup_iterations)
     workspace.RunNetOnce(warmup)
+
+
+def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N802
+    """Caffe2's cross-host barrier. Training is single-host here (no `rendezvous`), where Caffe2's
+    Synchronize returns at once: so does this."""
+    _state_of(model)
 
 
 def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> NoReturn:  # noqa: N802

@@ -11,11 +11,18 @@ class UnknownOperatorError(AttributeError, GraphparError):
     """An operator type that is not registered (an AttributeError, as in Caffe2)."""
 
 
-class MissingBlobError(KeyError, GraphparError):
-    """A blob an operator or a caller needs does not exist in the workspace."""
+class MissingBlobError(KeyError, RuntimeError, GraphparError):
+    """A blob an operator or a caller needs does not exist in the workspace.
+
+    A KeyError (a missing name) and a RuntimeError, which is what Caffe2 raised.
+    """
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class DuplicateHelperError(ValueError, AttributeError, GraphparError):
+    """A brew helper registered under a name that is taken (an AttributeError, as in Caffe2)."""
 
 
 class OperatorError(RuntimeError, GraphparError):

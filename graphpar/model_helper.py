@@ -15,13 +15,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphpar.core.ir import BlobReference, GradientSlice
+from graphpar.core.ir import BlobReference, GradientSlice, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import get_schema
 from graphpar.core.scope import CurrentNameScope
+from graphpar.optimizer_context import OptimizerContext
 
 if TYPE_CHECKING:
     from graphpar.passes.state import ParallelState
+
+
+_INIT_NET_TAG = "/param_init_net"  # marks init ops in GetCompleteNet's debug_info, as Caffe2 did
 
 
 class ParameterTags:
@@ -63,6 +67,23 @@ class ExternalInitializer:
         return "ExternalInitializer()"
 
 
+def fp32_master_name(param: str) -> str:
+    """The float32 master copy of a float16 parameter (PseudoFP16Initializer; Caffe2's name)."""
+    return f"{param}_fp32"
+
+
+class PseudoFP16Initializer(Initializer):
+    """A float16 parameter with a float32 master copy: the fill writes `<param>_fp32` and `FloatToHalf`
+    makes the parameter from it. `optimizer.build_multi_precision_sgd` updates the master and casts
+    it back each step (Caffe2's mixed-precision recipe)."""
+
+    def create_param(self, param_name: BlobReference, init_net: Net, shape: Sequence[int]) -> BlobReference:
+        """Record the float32 fill of the master copy, then its float16 cast into `param_name`."""
+        master = getattr(init_net, self.op_name)([], BlobReference(fp32_master_name(param_name)),
+                                                 shape=list(shape), **self.kwargs)
+        return init_net.FloatToHalf([master], param_name)
+
+
 @dataclass
 class ParameterInfo:
     """What the model knows about one parameter; `grad` is set by AddGradientOperators."""
@@ -73,6 +94,7 @@ class ParameterInfo:
     initializer: Initializer | ExternalInitializer | None = None
     tags: tuple[str, ...] = ()
     grad: str | GradientSlice | None = None
+    optimizer: Any = None  # from an active optimizer_context.UseOptimizer block, else None
 
 
 def _normalize_tags(tags: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -126,19 +148,27 @@ class ModelHelper:
         name: the train net's name; the init net is `<name>_init` (Net names are made unique).
         init_params: False for eval/predict models: parameters get no init ops (ExternalInitializer).
         arg_scope: defaults that brew helpers receive (merged over `{"order": "NCHW"}`).
+        param_model: another ModelHelper whose init net and parameters this one shares (Caffe2's
+            step models): parameters created through either are known to both.
+        allow_not_known_ops, skip_sparse_optim: Caffe2's flags, accepted; every registered op is
+            known here, and sparse gradients are always optimized.
     """
 
-    def __init__(self, name: str = "model", init_params: bool = True,
+    def __init__(self, name: str = "model", init_params: bool = True, allow_not_known_ops: bool = True,
+                 skip_sparse_optim: bool = False, param_model: ModelHelper | None = None,
                  arg_scope: dict[str, Any] | None = None) -> None:
         self.name = name or "model"
         self.net = Net(self.name)
-        self.param_init_net = Net(self.name + "_init")
         self.init_params = init_params
-        self.params: list[BlobReference] = []
-        self._computed_params: list[BlobReference] = []
-        self.weights: list[BlobReference] = []
-        self.biases: list[BlobReference] = []
-        self._parameters_info: dict[str, ParameterInfo] = {}
+        if param_model is not None and not isinstance(param_model, ModelHelper):
+            raise TypeError(f"param_model must be a ModelHelper, got {type(param_model).__name__}")
+        shared = param_model or self
+        self.param_init_net = Net(self.name + "_init") if param_model is None else param_model.param_init_net
+        self.params: list[BlobReference] = [] if param_model is None else shared.params
+        self._computed_params: list[BlobReference] = [] if param_model is None else shared._computed_params
+        self.weights: list[BlobReference] = [] if param_model is None else shared.weights
+        self.biases: list[BlobReference] = [] if param_model is None else shared.biases
+        self._parameters_info: dict[str, ParameterInfo] = {} if param_model is None else shared._parameters_info
         self.param_to_grad: dict[BlobReference, str | GradientSlice] = {}
         self.grad_map: dict[BlobReference, str | GradientSlice] = {}
         self.gradient_ops_added = False
@@ -215,7 +245,8 @@ class ModelHelper:
             raise TypeError(f"create_param({name!r}): initializer must be an Initializer or "
                             f"ExternalInitializer, got {initializer!r}")
         blob = BlobReference(initializer.create_param(BlobReference(name), self.param_init_net, dims))
-        self._parameters_info[name] = ParameterInfo(name, blob, dims, initializer, tag_tuple)
+        self._parameters_info[name] = ParameterInfo(name, blob, dims, initializer, tag_tuple,
+                                                    optimizer=OptimizerContext.current().for_tags(tag_tuple))
         self.AddParameter(blob, tag_tuple)
         return blob
 
@@ -234,8 +265,9 @@ class ModelHelper:
         if ParameterTags.BIAS in tags:
             self.biases.append(param)
 
-    def GetParams(self, namescope: str | None = None) -> list[BlobReference]:  # noqa: N802
-        """Trainable params in `namescope` (default: the current name scope; '' = all)."""
+    def GetParams(self, namescope: str | None = None, top_scope: bool = False) -> list[BlobReference]:  # noqa: N802
+        """Trainable params in `namescope` (default: the current name scope; '' = all) or a scope
+        below it. `top_scope` is Caffe2's flag for that same rule (accepted, no other effect)."""
         return _in_scope(self.params, namescope)
 
     def GetComputedParams(self, namescope: str | None = None) -> list[BlobReference]:  # noqa: N802
@@ -261,6 +293,52 @@ class ModelHelper:
             raise ValueError(f"model {self.name!r}: Duplicate entries in params: {dupes}. Each parameter "
                              f"must be created once (create_param returns the existing blob when a name "
                              f"is reused)")
+
+    def _Validate(self) -> list[str]:  # noqa: N802 - Caffe2 name
+        """The trainable params registered more than once, sorted (Caffe2's check; [] when none)."""
+        counts = Counter(str(p) for p in self.params)
+        return sorted(p for p, n in counts.items() if n > 1)
+
+    def Proto(self) -> NetDef:  # noqa: N802
+        """`net`'s live NetDef."""
+        return self.net.Proto()
+
+    def InitProto(self) -> NetDef:  # noqa: N802
+        """`param_init_net`'s live NetDef."""
+        return self.param_init_net.Proto()
+
+    def RunAllOnGPU(self, gpu_id: int = 0) -> None:  # noqa: N802
+        """Place both nets on CUDA device `gpu_id` (ops without their own device option)."""
+        self.param_init_net.RunAllOnGPU(gpu_id)
+        self.net.RunAllOnGPU(gpu_id)
+
+    def get_param_info(self, param: str) -> ParameterInfo | None:
+        """The ParameterInfo of `param` (a created parameter), else None."""
+        return self._parameters_info.get(str(param))
+
+    def get_param_to_grad(self, params: Iterable[str]) -> dict[BlobReference, str | GradientSlice]:
+        """{param: gradient} for `params` that have one (after AddGradientOperators)."""
+        wanted = {str(p) for p in params}
+        return {p: g for p, g in self.param_to_grad.items() if str(p) in wanted}
+
+    def GetCompleteNet(self) -> Net:  # noqa: N802
+        """One net: `param_init_net`'s ops (tagged `/param_init_net` in their debug_info) then
+        `net`'s, with `net`'s type; `ConstructInitTrainNetfromNet` splits it again."""
+        complete = self.param_init_net.Clone(self.name + "_complete_net")
+        for op in complete.Proto().ops:
+            op.debug_info += _INIT_NET_TAG
+        complete.AppendNet(self.net)
+        complete.Proto().type = self.net.Proto().type
+        return complete
+
+    def ConstructInitTrainNetfromNet(self, net: Net) -> None:  # noqa: N802
+        """Set `param_init_net` and `net` from a `GetCompleteNet()` net (ops tagged as init ops go
+        to the init net); both keep the complete net's type and get recomputed external inputs."""
+        init_ids = [i for i, op in enumerate(net.Proto().ops) if op.debug_info.endswith(_INIT_NET_TAG)]
+        train_ids = [i for i in range(len(net.Proto().ops)) if i not in set(init_ids)]
+        self.param_init_net = net.Clone(net.Name() + "/generated_param_init_net", op_id_mask=init_ids,
+                                        update_external_list=True)
+        self.net = net.Clone(net.Name() + "/generated_net", op_id_mask=train_ids, update_external_list=True)
 
     def AddGradientOperators(self, ys: list | dict,  # noqa: N802
                              input_gradients: bool = False) -> dict[BlobReference, str | GradientSlice]:
@@ -301,3 +379,20 @@ class ModelHelper:
                                f"Parallelize to run it on several devices")
         return self._devices
 
+
+
+def ExtractPredictorNet(net_proto: NetDef, input_blobs: Sequence[str], output_blobs: Sequence[str],  # noqa: N802
+                        device: Any = None, renames: dict[str, str] | None = None,
+                        disabled_inputs: Sequence[str] | None = None) -> tuple[Net, list[str]]:
+    """Caffe2's model_helper.ExtractPredictorNet: the forward ops of `net_proto` from `input_blobs` to
+    `output_blobs` as a Net (blobs renamed through `renames`, placed on `device` if given), and the
+    blobs to export with it (those it reads besides the inputs). `disabled_inputs` are left out of
+    the export list. For a parallelized model use `data_parallel_model.ExtractPredictorNet`.
+
+    Raises ValueError as `passes.predictor.extract_predictor_net`.
+    """
+    from graphpar.passes.predictor import extract_predictor_net
+
+    predictor, export = extract_predictor_net(net_proto, input_blobs, output_blobs, device, renames)
+    disabled = {str(b) for b in disabled_inputs or ()}
+    return Net(predictor), [b for b in export if b not in disabled]

@@ -31,15 +31,18 @@ difference of at most 6e-8 from torch.optim, which keeps them as Python floats).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, namedtuple
 from itertools import groupby
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
 from graphpar.core.schema import get_schema, parse_args
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.core.shapes import infer_specs
+from graphpar.model_helper import fp32_master_name
 from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
 from graphpar.ops.optim import learning_rate_schedule
 
@@ -79,6 +82,9 @@ def _iteration_counter(net: Net, init_net: Net) -> BlobReference:
     return iteration
 
 
+AuxOptimizerParams = namedtuple("AuxOptimizerParams", ["local", "shared"])
+
+
 class Optimizer:
     """Base class: instance numbering, per-device blob names, the learning rate, and `__call__`.
 
@@ -99,6 +105,7 @@ class Optimizer:
         self.policy_args = policy_args
         self._lr_sign = lr_sign
         self.lr_injection: BlobReference | None = None
+        self._created: list[tuple[str, list]] = []  # (param, the init ops its update created)
 
     def get_cpu_blob_name(self, name: str) -> str:
         """The name of this optimizer's CPU blob `name`, e.g. 'SgdOptimizer_0_lr_cpu'."""
@@ -139,11 +146,14 @@ class Optimizer:
         """Record the update of `param` from its gradient `grad` (dense, or a GradientSlice: the sparse
         update of the rows it names) on the current DeviceScope's device."""
         device = CurrentDeviceScope() or DeviceOption()
+        init_ops = init_net._net.ops  # the live list, read without marking the net's tables stale
+        start = len(init_ops)
         if isinstance(grad, GradientSlice):
             sparse = GradientSlice(BlobReference(grad.indices), BlobReference(grad.values))
             self._sparse_update(net, init_net, BlobReference(param), sparse, device)
         else:
             self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
+        self._created.append((str(param), init_ops[start:]))
 
     def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
         """Raise, before anything is recorded, if this optimizer cannot update `param` from `grad`."""
@@ -152,6 +162,15 @@ class Optimizer:
                                       f"sparse gradient (GradientSlice)")
 
     supports_sparse = False  # whether `_sparse_update` exists
+
+    def get_auxiliary_parameters(self) -> AuxOptimizerParams:
+        """The blobs this optimizer created in the init net: `local` (per-param state such as
+        `<param>_momentum`) and `shared` (ONE, weight decay, the iteration counter)."""
+        aux = AuxOptimizerParams(local=[], shared=[])
+        for param, ops in self._created:  # Caffe2's split: state named after its param is local
+            for blob in (b for op in ops for b in op.outputs):
+                (aux.local if blob.startswith(param + "_") else aux.shared).append(BlobReference(blob))
+        return aux
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -209,6 +228,38 @@ class SgdOptimizer(Optimizer):
         init_net.ConstantFill([param], mom, value=0.0)
         net.SparseMomentumSGDUpdate([grad.values, mom, lr, param, grad.indices], [grad.values, mom, param],
                                     momentum=self.momentum, nesterov=self.nesterov)
+
+
+class MultiPrecisionSgdOptimizer(SgdOptimizer):
+    """Caffe2's SGD with float32 master copies: a param made by PseudoFP16Initializer (a float16 param
+    with `<param>_fp32` in the init net) gets its float16 gradient cast to float32 (and divided by
+    `loss_scale`, the factor the loss was multiplied by), the update applied to the master, and the
+    master cast back into the param. Other params get plain SGD, as in Caffe2."""
+
+    def __init__(self, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0, loss_scale: float = 1.0,
+                 **policy_args: Any) -> None:
+        _check_number("loss_scale", loss_scale, low=0.0)
+        if loss_scale == 0:
+            raise ValueError("build_multi_precision_sgd: loss_scale must be > 0")
+        super().__init__(base_learning_rate, policy, momentum, nesterov, weight_decay, **policy_args)
+        self.loss_scale = float(loss_scale)
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        master = BlobReference(fp32_master_name(param))
+        if not init_net.BlobIsDefined(master):
+            super()._update(net, init_net, param, grad, device)
+            return
+        grad32 = net.HalfToFloat([grad], BlobReference(f"{grad}_fp32"))
+        if self.loss_scale != 1.0:
+            net.Scale([grad32], grad32, scale=1.0 / self.loss_scale)
+        super()._update(net, init_net, master, grad32, device)
+        net.FloatToHalf([master], param)
+
+
+class FP16SgdOptimizer(MultiPrecisionSgdOptimizer):
+    """Caffe2's SGD for float16 params: here the update runs on the float32 master copy."""
 
 
 class AdamOptimizer(Optimizer):
@@ -307,7 +358,7 @@ class WeightDecayBuilder(Optimizer):
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
-        wd = _constant(init_net, self.blob_name("wd", device), self.weight_decay, device)
+        wd = _constant(init_net, f"wd_{int(device.device_type)}_{device.device_id}", self.weight_decay, device)
         net.WeightedSum([grad, _one(init_net, device), param, wd], grad)
 
 
@@ -393,7 +444,7 @@ def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
 
 def build_sgd(model: ModelHelper, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
               nesterov: bool = False, weight_decay: float = 0.0, max_gradient_norm: float | None = None,
-              allow_lr_injection: bool = False, **policy_args: Any) -> SgdOptimizer:
+              allow_lr_injection: bool = False, lars: float | None = None, **policy_args: Any) -> SgdOptimizer:
     """Add SGD updates for every param of `model` that has a gradient; return the optimizer.
 
     Args:
@@ -406,30 +457,63 @@ def build_sgd(model: ModelHelper, base_learning_rate: float, policy: str = "fixe
             torch.optim.SGD does; use `add_weight_decay` for Caffe2's weights-only decay.
         max_gradient_norm: clip the gradients by their global L2 norm first (torch clip_grad_norm_).
         allow_lr_injection: multiply every LR by the CPU blob `lr_injection` (1.0 until the user feeds it).
+        lars: Caffe2's layer-wise rate scaling; accepted as None only (not implemented).
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter, nesterov without momentum, a model without gradients.
-        NotImplementedError: a sparse (GradientSlice) gradient with weight_decay or max_gradient_norm.
+        NotImplementedError: a sparse (GradientSlice) gradient with weight_decay or max_gradient_norm, or `lars`.
     """
-    if max_gradient_norm is not None:
-        _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
-        if max_gradient_norm == 0:
-            raise ValueError("build_sgd: max_gradient_norm must be > 0 (None disables clipping)")
+    _not_implemented("build_sgd", lars=lars)
+    _check_clip_norm(max_gradient_norm)
     optimizer = SgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
 def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
-               epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> AdamOptimizer:
+               epsilon: float = 1e-8, policy: str = "fixed", max_gradient_norm: float | None = None,
+               allow_lr_injection: bool = False, use_smart_decay: bool = False, enableRAdam: bool = False,  # noqa: N803
+               **policy_args: Any) -> AdamOptimizer:
     """Add Adam updates (torch.optim.Adam's rule) for every param of `model` with a gradient.
 
     Args are those of `build_sgd` plus Adam's betas and epsilon; the state blobs are
     `<param>_first_moment` and `<param>_second_moment` (zeros), and the step count is `optimizer_iteration`.
+    `max_gradient_norm` clips the gradients as in `build_sgd` (torch's rule; Caffe2 scaled the
+    learning rate instead, which for Adam is not the same). Caffe2's `use_smart_decay` and
+    `enableRAdam` are accepted as False only.
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
+        NotImplementedError: use_smart_decay or enableRAdam.
     """
+    _not_implemented("build_adam", use_smart_decay=use_smart_decay, enableRAdam=enableRAdam)
+    _check_clip_norm(max_gradient_norm)
     optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, **policy_args)
+    return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
+
+
+def _not_implemented(builder: str, **options: Any) -> None:
+    """NotImplementedError naming the Caffe2 options of `builder` that were set (None/False = unset)."""
+    used = sorted(name for name, value in options.items() if value not in (None, False))
+    if used:
+        raise NotImplementedError(f"{builder}: Caffe2's {', '.join(used)} is not implemented in graphpar; "
+                                  f"see docs/caffe2_migration.md")
+
+
+def _check_clip_norm(max_gradient_norm: float | None) -> None:
+    if max_gradient_norm is not None:
+        _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
+        if max_gradient_norm == 0:
+            raise ValueError("max_gradient_norm must be > 0 (None disables clipping)")
+
+
+def build_multi_precision_sgd(model: ModelHelper, base_learning_rate: float, momentum: float = 0.0,
+                              policy: str = "fixed", nesterov: bool = False, weight_decay: float = 0.0,
+                              loss_scale: float = 1.0, **policy_args: Any) -> MultiPrecisionSgdOptimizer:
+    """SGD that keeps float32 master copies of float16 params (`MultiPrecisionSgdOptimizer`); float32
+    params get plain SGD. `loss_scale`: the factor the loss was multiplied by (static loss scaling);
+    gradients are divided by it in float32 before the update."""
+    optimizer = MultiPrecisionSgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay,
+                                           loss_scale, **policy_args)
     return _build(model, optimizer)
 
 
@@ -452,6 +536,27 @@ def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float 
         _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
     optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
+
+
+def build_fp16_sgd(model: ModelHelper, base_learning_rate: float, momentum: float = 0.0,
+                   policy: str = "fixed", nesterov: bool = False, **kwargs: Any) -> MultiPrecisionSgdOptimizer:
+    """Caffe2's SGD for float16 params: here `build_multi_precision_sgd` (the update runs on the
+    float32 master copy, which is at least as accurate)."""
+    return build_multi_precision_sgd(model, base_learning_rate, momentum, policy, nesterov, **kwargs)
+
+
+def get_lr_injection() -> np.ndarray:
+    """The current `lr_injection` multiplier (a [1] float32 array) of the current workspace."""
+    from graphpar import workspace
+
+    return workspace.FetchBlob(LR_INJECTION)
+
+
+def set_lr_injection(lr_injection_value: float) -> None:
+    """Feed the `lr_injection` multiplier (models built with `allow_lr_injection=True`)."""
+    from graphpar import workspace
+
+    workspace.FeedBlob(LR_INJECTION, np.array([float(lr_injection_value)], dtype=np.float32))
 
 
 def add_weight_decay(model: ModelHelper, weight_decay: float) -> WeightDecayBuilder | None:

@@ -26,6 +26,7 @@ dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.ir import DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
@@ -202,7 +203,10 @@ class Workspace:
         get_executor(plan.type).run(plan, self.blobs)
 
     def run_operator_once(self, op: OperatorDef) -> None:
-        """Compile and run a single operator once; TypeError if `op` is not an OperatorDef."""
+        """Compile and run a single operator once; TypeError if `op` is not an OperatorDef (graphpar's,
+        Caffe2's protobuf message, or its serialized bytes)."""
+        if isinstance(op, (bytes, bytearray)) or hasattr(op, "DESCRIPTOR"):
+            op = _from_caffe2(op, "OperatorDef")
         if not isinstance(op, OperatorDef):
             raise TypeError(f"RunOperatorOnce needs an OperatorDef, got {type(op).__name__}")
         self.run_net_once(NetDef(name=f"RunOperatorOnce({op.type})", ops=[op]))
@@ -239,7 +243,16 @@ def _as_netdef(net: Any) -> NetDef:
         return net
     if hasattr(net, "Proto"):
         return net.Proto()
+    if isinstance(net, (bytes, bytearray)) or hasattr(net, "DESCRIPTOR"):
+        return _from_caffe2(net, "NetDef")  # a caffe2_pb2.NetDef or its serialized bytes
     raise TypeError(f"expected a Net or a NetDef, got {type(net).__name__}: {net!r}")
+
+
+def _from_caffe2(message: Any, kind: str) -> Any:
+    """A graphpar NetDef/OperatorDef from a caffe2_pb2 message or its bytes (needs protobuf)."""
+    from graphpar.proto.convert import from_proto
+
+    return from_proto(message, kind)
 
 
 def _feed_device_option(name: str, device_option: DeviceOption | None) -> DeviceOption:
@@ -353,16 +366,32 @@ def RunOperatorOnce(op: OperatorDef) -> bool:  # noqa: N802
     return True
 
 
-def ResetWorkspace() -> bool:  # noqa: N802
-    """Remove every blob and net of the current workspace and restart its random streams; returns True."""
+def ResetWorkspace(root_folder: str | None = None) -> bool:  # noqa: N802
+    """Remove every blob and net of the current workspace and restart its random streams; returns True.
+
+    `root_folder` (Caffe2's; created if missing) becomes what `RootFolder()` returns; None keeps it.
+    """
     get_workspace().reset()
+    if root_folder is not None:
+        os.makedirs(root_folder, exist_ok=True)
+        _root_folders[_current] = root_folder
     return True
 
 
-def SwitchWorkspace(name: str, create_if_missing: bool = True) -> None:  # noqa: N802
-    """Make workspace `name` current, creating it (seed 0) if needed.
+def RootFolder() -> str:  # noqa: N802
+    """The current workspace's root folder (Caffe2's; "." unless ResetWorkspace set one). Nothing in
+    graphpar reads files relative to it."""
+    return _root_folders.get(_current, ".")
 
-    Raises RuntimeError if it does not exist and `create_if_missing` is False; TypeError for a bad name.
+
+_root_folders: dict[str, str] = {}
+
+
+def SwitchWorkspace(name: str, create_if_missing: bool = False) -> None:  # noqa: N802
+    """Make workspace `name` current; with `create_if_missing=True`, create it (seed 0) if needed.
+
+    Raises RuntimeError if it does not exist and `create_if_missing` is False (Caffe2's default);
+    TypeError for a bad name.
     """
     global _current
     if not isinstance(name, str) or not name:
@@ -390,6 +419,105 @@ def NumCudaDevices() -> int:  # noqa: N802
     return num_cuda_devices()
 
 
+# ---- Caffe2 names kept for scripts written against Caffe2's workspace module ---------------------
+
+GpuDeviceType = DeviceType.CUDA  # Caffe2's GPU device type (HIP builds are not supported)
+has_gpu_support = has_cuda_support = torch.cuda.is_available()
+has_hip_support = False
+
+
+def NumGpuDevices() -> int:  # noqa: N802
+    """Caffe2's name for NumCudaDevices."""
+    return num_cuda_devices()
+
+
+def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802
+    """Whether `device_type` is the GPU type (CUDA)."""
+    return device_type == GpuDeviceType
+
+
+def GetGpuPeerAccessPattern() -> np.ndarray:  # noqa: N802
+    """A [n, n] bool matrix: whether GPU i can access GPU j's memory directly (empty without GPUs)."""
+    n = num_cuda_devices()
+    return np.array([[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)],
+                    dtype=bool).reshape(n, n)
+
+
+GetCudaPeerAccessPattern = GetGpuPeerAccessPattern
+
+
+def GetBlobSizeBytes(name: str) -> int:  # noqa: N802
+    """The bytes blob `name`'s data takes. Raises MissingBlobError if there is none."""
+    tensor = get_workspace().fetch_tensor(name)
+    return tensor.numel() * tensor.element_size()
+
+
+def FetchTorch(name: str) -> torch.Tensor:  # noqa: N802
+    """Caffe2's name for FetchTensor: the live torch tensor of blob `name`."""
+    return get_workspace().fetch_tensor(name)
+
+
+def FetchBlobs(names: list[str]) -> list[np.ndarray]:  # noqa: N802
+    """FetchBlob for each name, in order."""
+    return [FetchBlob(name) for name in names]
+
+
+def CreateBlob(name: str) -> bool:  # noqa: N802
+    """Create blob `name` as an empty float tensor if it does not exist; returns True."""
+    if not HasBlob(name):
+        FeedBlob(name, np.zeros(0, dtype=np.float32))
+    return True
+
+
+def RunOperatorsOnce(ops: list[OperatorDef]) -> bool:  # noqa: N802
+    """RunOperatorOnce for each op, in order; returns True."""
+    for op in ops:
+        RunOperatorOnce(op)
+    return True
+
+
+def StringifyBlobName(name: str) -> str:  # noqa: N802
+    """The blob name as a str (BlobReference or str)."""
+    return str(name)
+
+
+def StringifyNetName(net: Any) -> str:  # noqa: N802
+    """The name of a Net, NetDef or str."""
+    return net if isinstance(net, str) else _as_netdef(net).name
+
+
+def GetNameScope() -> str:  # noqa: N802
+    """The current NameScope ('gpu_0/' inside NameScope('gpu_0'))."""
+    from graphpar.core.scope import CurrentNameScope
+
+    return CurrentNameScope()
+
+
+def StringifyProto(obj: Any) -> str:  # noqa: N802
+    """A str as is; a Net, NetDef or OperatorDef in Caffe2's protobuf text format (needs protobuf)."""
+    if isinstance(obj, str):
+        return obj
+    from google.protobuf import text_format
+
+    from graphpar.proto.convert import to_proto
+
+    return text_format.MessageToString(obj if hasattr(obj, "DESCRIPTOR") else to_proto(obj))
+
+
+def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802
+    """Run one OperatorDef `num_runs` times; returns True."""
+    for _ in range(num_runs):
+        RunOperatorOnce(op)
+    return True
+
+
+def GlobalInit(args: list[str]) -> bool:  # noqa: N802
+    """Accept Caffe2's process flags (`--caffe2_log_level=...`); graphpar has none, so they are logged."""
+    if args[1:]:
+        logging.getLogger(__name__).info("GlobalInit: Caffe2 flags have no effect here: %s", args[1:])
+    return True
+
+
 def SetSeed(seed: int) -> None:  # noqa: N802
     """Re-seed the current workspace's random streams (fills, dropout) with `seed`."""
     get_workspace().set_seed(seed)
@@ -401,6 +529,7 @@ def reset_all(seed: int = 0) -> None:
     _workspaces.clear()
     _workspaces["default"] = Workspace("default", seed)
     _current = "default"
+    _root_folders.clear()
 
 
 class _BlobsView(MutableMapping):

@@ -114,7 +114,7 @@ def test_conv_and_fc_accept_numpy_integer_sizes():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"order": "NHWC"}, "order='NCHW' only"),
+    ({"order": "CHWN"}, "order must be 'NCHW' or 'NHWC'"),
     ({"group": 3}, "divisible by group=3"),
     ({"kernel": [1, 2, 3]}, "2-D only"),
 ])

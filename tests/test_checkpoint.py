@@ -78,7 +78,7 @@ def test_iteration_is_none_without_the_counter(tmp_path, blobs):
 def test_save_and_load_use_the_named_workspace(tmp_path, blobs):
     path = tmp_path / "ckpt.safetensors"
     checkpoint.save(path, ["cpu_0/fc_w"], workspace="default")
-    workspace.SwitchWorkspace("other")
+    workspace.SwitchWorkspace("other", True)
     try:
         assert not workspace.HasBlob("cpu_0/fc_w")
         checkpoint.load(path, workspace=workspace.get_workspace("default"))

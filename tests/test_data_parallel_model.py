@@ -367,12 +367,12 @@ def test_checkpoint_resume_on_another_device_count_equals_the_uninterrupted_run(
     lr_schedule = sgd(lr=0.2, policy="step", stepsize=2, gamma=0.5)
     _, _, uninterrupted = train(MLP, MLP_PARAMS, [0, 1], data, optimizer_builder_fun=lr_schedule)
 
-    workspace.SwitchWorkspace("first_half")
+    workspace.SwitchWorkspace("first_half", True)
     first, _, _ = train(MLP, MLP_PARAMS, [0, 1], data[:3], optimizer_builder_fun=lr_schedule)
     path = tmp_path / "ckpt.safetensors"
     checkpoint.save(path, dpm.GetCheckpointParams(first))
 
-    workspace.SwitchWorkspace("second_half")
+    workspace.SwitchWorkspace("second_half", True)
     resumed = model_helper.ModelHelper(name="resumed")
     dpm.Parallelize(resumed, input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP,
                     optimizer_builder_fun=lr_schedule, devices=[0, 1, 2], cpu_device=True)

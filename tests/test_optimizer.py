@@ -105,7 +105,7 @@ def test_weight_decay_adds_wd_times_param_to_every_gradient_before_the_update():
 def test_add_weight_decay_touches_weights_only():
     model = _model()
     init, net, helper = _new_ops(model, lambda m: optimizer.add_weight_decay(m, 1e-4))
-    wd = helper.get_cpu_blob_name("wd")
+    wd = "wd_0_0"  # Caffe2's name: wd_<device type>_<device id>
     assert _io(init) == [_fill(wd), _fill("ONE_0_0")]
     assert _io(net) == [("WeightedSum", [f"{p}_grad", "ONE_0_0", p, wd], [f"{p}_grad"])
                         for p in ("fc1_w", "pred_w")]

@@ -81,4 +81,4 @@ def test_caffe2_signatures() -> None:
     assert _parameters(workspace.FeedBlob) == [("name", empty), ("value", empty), ("device_option", None)]
     assert _parameters(workspace.CreateNet) == [("net", empty), ("overwrite", False)]
     assert _parameters(workspace.RunNet) == [("net_or_name", empty), ("num_iter", 1)]
-    assert _parameters(workspace.SwitchWorkspace) == [("name", empty), ("create_if_missing", True)]
+    assert _parameters(workspace.SwitchWorkspace) == [("name", empty), ("create_if_missing", False)]

@@ -192,7 +192,7 @@ def test_num_cuda_devices_matches_torch() -> None:
 def test_switch_workspace_keeps_blobs_apart() -> None:
     workspace.FeedBlob("x", 1.0)
     assert workspace.CurrentWorkspace() == "default"
-    workspace.SwitchWorkspace("other")
+    workspace.SwitchWorkspace("other", create_if_missing=True)
     assert workspace.CurrentWorkspace() == "other" and workspace.Blobs() == []
     workspace.FeedBlob("y", 2.0)
     workspace.SwitchWorkspace("default", create_if_missing=False)
@@ -215,7 +215,7 @@ def test_reset_workspace_clears_blobs_and_nets_of_the_current_workspace_only() -
     net = core.Net("reset_me")
     net.ConstantFill([], "c", shape=[2], value=1.0)
     workspace.CreateNet(net)
-    workspace.SwitchWorkspace("other")
+    workspace.SwitchWorkspace("other", True)
     workspace.FeedBlob("kept", 1.0)
     workspace.SwitchWorkspace("default")
     workspace.RunNet(net)
@@ -322,12 +322,12 @@ def test_fills_are_reproducible_per_workspace_seed() -> None:
     assert not np.array_equal(first[0], second[0])  # another compile, other draws
     workspace.ResetWorkspace()
     np.testing.assert_array_equal(_fill_values()[0], first[0])  # reset restarts it
-    workspace.SwitchWorkspace("twin")
+    workspace.SwitchWorkspace("twin", True)
     np.testing.assert_array_equal(_fill_values()[1], first[1])  # same seed, same values
     workspace.SetSeed(7)
     seven = _fill_values()
     assert not np.array_equal(seven[0], first[0])
-    workspace.SwitchWorkspace("seven")
+    workspace.SwitchWorkspace("seven", True)
     workspace.SetSeed(7)
     np.testing.assert_array_equal(_fill_values()[0], seven[0])
 

@@ -1,8 +1,11 @@
 """The IR, scopes, the Net builder, graph views and autodiff (Caffe2's `core`)."""
 
+from typing import Any
+
 from graphpar.core.ir import (
     CPU,
     CUDA,
+    Argument,
     BlobReference,
     DeviceOption,
     DeviceType,
@@ -11,6 +14,7 @@ from graphpar.core.ir import (
     OperatorDef,
     device_option_equal,
 )
+from graphpar.core.ir import same_device as device_equal
 from graphpar.core.net import CreateOperator, Net
 from graphpar.core.scope import (
     CurrentDeviceScope,
@@ -22,7 +26,59 @@ from graphpar.core.scope import (
 )
 
 __all__ = [
-    "CPU", "CUDA", "BlobReference", "CreateOperator", "CurrentDeviceScope", "CurrentNameScope",
+    "CPU", "CUDA", "Argument", "BlobReference", "DataType", "InferBlobDevices", "IsGPUDeviceType", "IsOperator",
+    "IsOperatorWithEngine", "device_equal", "get_net_name", "output_to_list", "CreateOperator", "CurrentDeviceScope", "CurrentNameScope",
     "DeviceOption", "DeviceScope", "DeviceType", "GradientSlice", "NameScope", "Net", "NetDef",
     "OperatorDef", "ScopedBlobReference", "ScopedName", "device_option_equal",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`core.DataType` (Caffe2's TensorProto codes) lives with the fill ops, which import core."""
+    if name == "DataType":
+        from graphpar.ops.fill import DataType
+
+        return DataType
+    raise AttributeError(f"module 'graphpar.core' has no attribute {name!r}")
+
+
+def IsOperator(op_type: str) -> bool:  # noqa: N802 - Caffe2 name
+    """Whether `op_type` is a registered operator."""
+    from graphpar.core.schema import get_schema
+
+    try:
+        get_schema(op_type)
+    except AttributeError:
+        return False
+    return True
+
+
+def IsOperatorWithEngine(op_type: str, engine: str) -> bool:  # noqa: N802 - Caffe2 name
+    """Whether `op_type` is registered; engines (CUDNN, ...) are hints graphpar accepts for every op."""
+    return IsOperator(op_type)
+
+
+def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802 - Caffe2 name
+    """Whether `device_type` is the GPU type (CUDA; graphpar has no HIP devices)."""
+    return device_type == CUDA
+
+
+def InferBlobDevices(net: Net | NetDef) -> dict[str, DeviceOption]:  # noqa: N802 - Caffe2 name
+    """{blob: its device}: that of the first op reading or writing it (`core.graph.blob_devices`)."""
+    from graphpar.core.graph import blob_devices
+
+    return blob_devices(net.Proto() if isinstance(net, Net) else net)
+
+
+def get_net_name(netlike: Any) -> str:
+    """The name of a Net, NetDef or str."""
+    if isinstance(netlike, str):
+        return netlike
+    return netlike.Name() if isinstance(netlike, Net) else netlike.name
+
+
+def output_to_list(op_output: Any) -> list:
+    """A recorded op's return value (None, one BlobReference or a tuple) as a list."""
+    if op_output is None:
+        return []
+    return list(op_output) if isinstance(op_output, (list, tuple)) else [op_output]

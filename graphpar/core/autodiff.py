@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, OperatorDef, device_option_equal
+from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, OperatorDef, same_device
 from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema
 from graphpar.errors import GradientError
 from graphpar.naming import autosplit_grad_name, grad_name
@@ -572,7 +572,7 @@ class _BackwardPass:
             raise GradientError(f"{blob!r} (read by {self._describe(index)} and later ops) gets both dense "
                                 f"and sparse gradients; summing a mix is not supported")
         devices = [g.device for g in generators]
-        if not all(device_option_equal(d, devices[0]) for d in devices[1:]):
+        if not all(same_device(d, devices[0]) for d in devices[1:]):
             raise GradientError(f"the partial gradients of {blob!r} (read by {self._describe(index)} and "
                                 f"later ops) are on different devices {devices}; copy {blob!r} to each "
                                 f"device explicitly so each copy has its own gradient")

@@ -35,6 +35,7 @@ class DeviceOption:
 
     device_type: DeviceType = CPU
     device_id: int = 0
+    node_name: str = field(default="", compare=False)  # Caffe2's field; placement ignores it
 
     def __post_init__(self) -> None:
         if (not isinstance(self.device_type, int) or isinstance(self.device_type, bool)
@@ -45,12 +46,38 @@ class DeviceOption:
         object.__setattr__(self, "device_type", DeviceType(self.device_type))
 
     def __repr__(self) -> str:
-        return f"DeviceOption({self.device_type.name}, {self.device_id})"
+        node = f", node_name={self.node_name!r}" if self.node_name else ""
+        return f"DeviceOption({self.device_type.name}, {self.device_id}{node})"
+
+    @property
+    def cuda_gpu_id(self) -> int:
+        """Caffe2's older name of `device_id`."""
+        return self.device_id
 
 
-def device_option_equal(a: DeviceOption | None, b: DeviceOption | None) -> bool:
-    """Caffe2's comparison: an unset option means CPU 0."""
+def as_device_option(option: Any) -> Any:
+    """A caffe2_pb2.DeviceOption (a protobuf message) as a DeviceOption; anything else unchanged."""
+    if not hasattr(option, "DESCRIPTOR"):
+        return option
+    device_id = option.device_id if hasattr(option, "device_id") else option.cuda_gpu_id
+    return DeviceOption(option.device_type, device_id, node_name=option.node_name)
+
+
+def same_device(a: DeviceOption | None, b: DeviceOption | None) -> bool:
+    """Whether two ops run on the same device (an unset option means CPU 0; CPU ids count)."""
     return (a or DeviceOption()) == (b or DeviceOption())
+
+
+def device_option_equal(a: DeviceOption | None, b: DeviceOption | None, ignore_node_name: bool = True,
+                        ignore_random_seed: bool = True) -> bool:
+    """Caffe2's comparison: an unset option means CPU; CPU options are all equal whatever their id;
+    node names count only with `ignore_node_name=False`. (graphpar's options have no random seed.)"""
+    a, b = a or DeviceOption(), b or DeviceOption()
+    if not ignore_node_name and a.node_name != b.node_name:
+        return False
+    if a.device_type == CPU or b.device_type == CPU:
+        return a.device_type == b.device_type
+    return a.device_id == b.device_id
 
 
 GradientSlice = namedtuple("GradientSlice", ["indices", "values"])
@@ -122,9 +149,56 @@ def _copy_arg(value: Any) -> Any:
     return copy.deepcopy(value) if isinstance(value, NetDef) else value
 
 
+@dataclass(frozen=True)
+class Argument:
+    """A read-only view of one op argument under Caffe2's `Argument` field names (`op.arg`)."""
+
+    name: str
+    value: Any
+
+    def _typed(self, kinds: tuple[type, ...], many: bool) -> Any:
+        items = self.value if isinstance(self.value, (list, tuple)) else None
+        if many:
+            return list(items) if items is not None and all(isinstance(v, kinds) for v in items) else []
+        return self.value if items is None and isinstance(self.value, kinds) else None
+
+    f = property(lambda self: self._typed((float,), False), doc="The float value, else None.")
+    i = property(lambda self: self._typed((int,), False), doc="The int (or bool) value, else None.")
+    s = property(lambda self: _as_bytes(self._typed((str, bytes), False)),
+                 doc="The string value as bytes (as Caffe2's protobuf field), else None.")
+    n = property(lambda self: self._typed((NetDef,), False), doc="The NetDef value, else None.")
+    floats = property(lambda self: self._typed((float,), True), doc="A list of floats, else [].")
+    ints = property(lambda self: self._typed((int,), True), doc="A list of ints, else [].")
+    strings = property(lambda self: [_as_bytes(v) for v in self._typed((str, bytes), True)],
+                       doc="A list of strings as bytes, else [].")
+    nets = property(lambda self: self._typed((NetDef,), True), doc="A list of NetDefs, else [].")
+
+    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
+        """Whether the singular field `field_name` ('f', 'i', 's', 'n') holds the value."""
+        return getattr(self, field_name) is not None
+
+
+def _as_bytes(value: str | bytes | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _arguments(args: dict[str, Any]) -> list[Argument]:
+    return [Argument(name, value) for name, value in args.items()]
+
+
+_OP_FIELDS = ("type", "inputs", "outputs", "args", "device_option", "name", "engine", "control_inputs",
+              "is_gradient_op")
+
+
 @dataclass(eq=False)
 class OperatorDef:
-    """One recorded operator. `source` is where it was recorded (file:line), for error messages."""
+    """One recorded operator. `source` is where it was recorded (file:line), for error messages.
+
+    Ops compare by value, as Caffe2's protobuf messages do (`source` excepted: it is where an op was
+    recorded, not what it does), and so are unhashable. Caffe2's field names read the same data:
+    `input`, `output` and `control_input` are the live lists, `arg` a list of `Argument` views,
+    `debug_info` is `source`.
+    """
 
     type: str
     inputs: list[str] = field(default_factory=list)
@@ -144,15 +218,60 @@ class OperatorDef:
         return OperatorDef(self.type, list(self.inputs), list(self.outputs), args, self.device_option,
                            self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source)
 
+    __hash__ = None  # mutable and compared by value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, OperatorDef):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _OP_FIELDS)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
+        """Caffe2's wire format of this op (a caffe2_pb2.OperatorDef; needs protobuf)."""
+        from graphpar.proto.convert import to_proto
+
+        return to_proto(self).SerializeToString()
+
+    def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
+        """Replace this op's contents with a serialized caffe2_pb2.OperatorDef (needs protobuf)."""
+        from graphpar.proto.convert import from_proto
+
+        self.__dict__.update(from_proto(data, "OperatorDef").__dict__)
+
+    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
+        """Whether the optional field `field_name` (device_option, name, engine, ...) is set."""
+        return getattr(self, field_name) not in (None, "", False)
+
+    input = property(lambda self: self.inputs, doc="Caffe2's name of `inputs`.")
+    output = property(lambda self: self.outputs, doc="Caffe2's name of `outputs`.")
+    control_input = property(lambda self: self.control_inputs, doc="Caffe2's name of `control_inputs`.")
+    arg = property(lambda self: _arguments(self.args), doc="The arguments as Caffe2 `Argument` views.")
+
+    @property
+    def debug_info(self) -> str:
+        """Caffe2's name of `source`."""
+        return self.source
+
+    @debug_info.setter
+    def debug_info(self, value: str) -> None:
+        self.source = value
+
     def __repr__(self) -> str:
         extra = f", args={self.args}" if self.args else ""
         dev = f", device={self.device_option}" if self.device_option is not None else ""
         return f"{self.type}({self.inputs} -> {self.outputs}{extra}{dev})"
 
 
+_NET_FIELDS = ("name", "ops", "external_inputs", "external_outputs", "type", "num_workers", "device_option",
+               "args")
+
+
 @dataclass(eq=False)
 class NetDef:
-    """An ordered list of operators (program order is the semantics) plus the net's metadata."""
+    """An ordered list of operators (program order is the semantics) plus the net's metadata.
+
+    Compared by value (so unhashable), like Caffe2's message; `op`, `external_input`,
+    `external_output` and `arg` are Caffe2's names of the same data.
+    """
 
     name: str = ""
     ops: list[OperatorDef] = field(default_factory=list)
@@ -204,6 +323,34 @@ class NetDef:
         if missing:
             raise ValueError(f"net {self.name!r}: external outputs {missing} are produced by no op")
         return self
+
+    __hash__ = None  # mutable and compared by value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NetDef):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _NET_FIELDS)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
+        """Caffe2's wire format of this net (a caffe2_pb2.NetDef; needs protobuf)."""
+        from graphpar.proto.convert import to_proto
+
+        return to_proto(self).SerializeToString()
+
+    def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
+        """Replace this net's contents with a serialized caffe2_pb2.NetDef (needs protobuf)."""
+        from graphpar.proto.convert import from_proto
+
+        self.__dict__.update(from_proto(data, "NetDef").__dict__)
+
+    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
+        """Whether the optional field `field_name` (device_option, name, type, ...) is set."""
+        return getattr(self, field_name) not in (None, "", False)
+
+    op = property(lambda self: self.ops, doc="Caffe2's name of `ops`.")
+    external_input = property(lambda self: self.external_inputs, doc="Caffe2's name of `external_inputs`.")
+    external_output = property(lambda self: self.external_outputs, doc="Caffe2's name of `external_outputs`.")
+    arg = property(lambda self: _arguments(self.args), doc="The arguments as Caffe2 `Argument` views.")
 
     def __repr__(self) -> str:
         body = "\n".join(f"  {i}: {op!r}" for i, op in enumerate(self.ops))

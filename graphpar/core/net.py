@@ -22,7 +22,16 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-from graphpar.core.ir import CUDA, BlobReference, DeviceOption, GradientSlice, NetDef, OperatorDef
+from graphpar.core.ir import (
+    CPU,
+    CUDA,
+    BlobReference,
+    DeviceOption,
+    GradientSlice,
+    NetDef,
+    OperatorDef,
+    as_device_option,
+)
 from graphpar.core.schema import check_operator, get_schema
 from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
 from graphpar.errors import UnknownOperatorError
@@ -102,6 +111,7 @@ def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
               args: dict[str, Any], net_name: str | None) -> OperatorDef:
     """Validate against the registry and build the OperatorDef (for the net named `net_name`, if
     any: error messages say so); nothing is recorded anywhere."""
+    device_option = as_device_option(device_option)
     if device_option is not None and not isinstance(device_option, DeviceOption):
         raise TypeError(f"{_where(op_type, net_name)}: device_option must be a DeviceOption, got "
                         f"{device_option!r}")
@@ -123,7 +133,8 @@ def _where(op_type: str, net_name: str | None) -> str:
 
 
 def _check(op: OperatorDef, net_name: str | None) -> None:
-    check_operator(op, _where(op.type, net_name))
+    """The record-time check: as in Caffe2, wrong input/output counts surface at CreateNet/RunNet."""
+    check_operator(op, _where(op.type, net_name), counts=False)
 
 
 def CreateOperator(  # noqa: N802 - Caffe2 name
@@ -136,7 +147,8 @@ def CreateOperator(  # noqa: N802 - Caffe2 name
     control_input: BlobNames = None,
     **args: Any,
 ) -> OperatorDef:
-    """Build one OperatorDef, checked against its schema; names are stored as given (no scoping).
+    """Build one OperatorDef, checked against its schema. As in Caffe2, plain str names get the
+    current NameScope; BlobReferences are taken as they are.
 
     Args: the op type; input, output and control-input blob names (a name or a list); an optional
     op name, device option (default: the current DeviceScope) and engine; the op's arguments.
@@ -145,8 +157,9 @@ def CreateOperator(  # noqa: N802 - Caffe2 name
     counts or a forbidden in-place pair.
     """
     _schema(type)
-    return _build_op(type, _names(inputs, "inputs", type), _names(outputs, "outputs", type), name,
-                     device_option, engine, _names(control_input, "control_input", type), args, None)
+    scope = CurrentNameScope()
+    return _build_op(type, _names(inputs, "inputs", type, scope), _names(outputs, "outputs", type, scope), name,
+                     device_option, engine, _names(control_input, "control_input", type, scope), args, None)
 
 
 def _schema(op_type: str) -> Any:
@@ -175,8 +188,8 @@ def _recorder(op_type: str) -> Callable[..., Any]:
 class Net:
     """A builder that records operators into a live NetDef (Caffe2's `core.Net`).
 
-    `Net(name)` starts an empty net; `Net(netdef)` starts from a copy of `netdef`. Net names are
-    unique per process: a reused name gets `_1`, `_2`, ... appended.
+    `Net(name)` starts an empty net; `Net(netdef)` starts from a copy of `netdef` (with
+    `inplace=True`, from `netdef` itself, which the net then edits). Net names are unique per process: a reused name gets `_1`, `_2`, ... appended.
 
     `net.SomeOp(inputs, outputs=None, name="", device_option=None, engine="", control_input=None,
     **args)` records one op. Inputs, outputs and control inputs are a name or a list of names; plain
@@ -189,9 +202,13 @@ class Net:
     _next_suffix: ClassVar[dict[str, int]] = {}
     _names_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, name_or_netdef: str | NetDef) -> None:
-        if isinstance(name_or_netdef, NetDef):
-            netdef = name_or_netdef.copy()
+    def __init__(self, name_or_netdef: str | NetDef, inplace: bool = False) -> None:
+        if hasattr(name_or_netdef, "DESCRIPTOR"):  # a caffe2_pb2.NetDef: converted, so never in place
+            from graphpar.proto.convert import from_proto
+
+            netdef = from_proto(name_or_netdef)
+        elif isinstance(name_or_netdef, NetDef):
+            netdef = name_or_netdef if inplace else name_or_netdef.copy()
         elif isinstance(name_or_netdef, str):
             netdef = NetDef(str(name_or_netdef))
         else:
@@ -245,6 +262,14 @@ class Net:
         self._net.ops.append(op)
         produced.update(op.outputs)
         self._remember_shape()
+
+    def _CheckLookupTables(self) -> None:  # noqa: N802 - Caffe2's self-check, used by its tests
+        """Raise RuntimeError unless the cached lookup tables agree with the NetDef."""
+        self._ensure_fresh()
+        cached = (set(self._produced), set(self._external))
+        self._rebuild_tables()
+        if cached != (self._produced, self._external):
+            raise RuntimeError(f"net {self._net.name!r}: stale lookup tables")
 
     # ---- recording operators -------------------------------------------------------------------
 
@@ -368,10 +393,16 @@ class Net:
             if blob not in self._net.external_outputs:
                 self._net.external_outputs.append(blob)
 
-    def Clone(self, name: str, blob_remap: dict[str, str] | None = None) -> Net:  # noqa: N802
+    def Clone(self, name: str, blob_remap: dict[str, str] | None = None,  # noqa: N802
+              op_id_mask: Iterable[int] | None = None, remap_funcs: Any = None, keep_schema: bool = True,
+              update_external_list: bool = False) -> Net:
         """A copy of this net named `name` (made unique), with blobs renamed through `blob_remap`.
 
-        Inputs, outputs, control inputs and external inputs/outputs are all renamed.
+        Inputs, outputs, control inputs and external inputs/outputs are all renamed. `op_id_mask`
+        keeps only the ops at those indices; `update_external_list=True` then recomputes the
+        external inputs (read before written) and keeps only external outputs still produced.
+        `remap_funcs` and `keep_schema` (Caffe2's hooks for nested nets and record schemas) are
+        accepted and ignored: graphpar nets have neither.
         """
         remap = {str(k): str(v) for k, v in (blob_remap or {}).items()}
 
@@ -379,6 +410,11 @@ class Net:
             return [remap.get(b, b) for b in blobs]
 
         netdef = self._net.copy(name)
+        if op_id_mask is not None:
+            keep = set(op_id_mask)
+            netdef.ops = [op for i, op in enumerate(netdef.ops) if i in keep]
+        if update_external_list:
+            _recompute_externals(netdef)
         for op in netdef.ops:
             op.inputs, op.outputs = rename(op.inputs), rename(op.outputs)
             op.control_inputs = rename(op.control_inputs)
@@ -387,6 +423,114 @@ class Net:
         clone = Net.__new__(Net)
         clone._adopt(netdef)
         return clone
+
+    def ClonePartial(self, name: str, inputs: Iterable[str] | dict[str, str], outputs: Iterable[str],  # noqa: N802
+                     remap_funcs: Any = None) -> tuple[Net, list[BlobReference]]:
+        """The forward ops that compute `outputs` from `inputs`, as a new net `name` (Caffe2's rule).
+
+        `inputs` is a list of blobs, or a dict {blob: its name in the clone}. Blobs the kept ops
+        produce are renamed `name/<blob>`; other blobs they read (params) keep their names and
+        become external inputs with the inputs. Returns the net and its output references.
+        Raises ValueError if an output cannot be reached or an input is not read on the path.
+        """
+        renames = dict(inputs) if isinstance(inputs, dict) else {str(b): str(b) for b in inputs}
+        renames = {str(k): str(v) for k, v in renames.items()}
+        outputs = [str(b) for b in outputs]
+        ops = _backward_slice([op for op in self._net.ops if not op.is_gradient_op], list(renames), outputs)
+        produced = {b for op in ops for b in op.outputs}
+        unread = [b for b in renames if not any(b in op.inputs for op in ops)]
+        if not ops or unread or not set(outputs) <= produced:
+            raise ValueError(f"ClonePartial({name!r}): outputs {outputs} must be computed from inputs "
+                             f"{list(renames)} by ops of net {self._net.name!r}, each input read on the "
+                             f"way{f'; not read: {unread}' if unread else ''}")
+        renames.update({b: f"{name}/{b}" for b in produced})
+        clone_ops = []
+        for op in ops:
+            op = op.copy()
+            op.inputs = [renames.get(b, b) for b in op.inputs]
+            op.outputs = [renames[b] for b in op.outputs]
+            op.control_inputs = [renames.get(b, b) for b in op.control_inputs]
+            clone_ops.append(op)
+        netdef = NetDef(name, clone_ops, [], [renames[b] for b in outputs])
+        _recompute_externals(netdef)
+        clone = Net.__new__(Net)
+        clone._adopt(netdef.validate())
+        return clone, [BlobReference(renames[b], clone) for b in outputs]
+
+    def AddExternalInputs(self, *names: str) -> BlobReference | list[BlobReference]:  # noqa: N802
+        """Caffe2's plural name of AddExternalInput."""
+        return self.AddExternalInput(*names)
+
+    def AddExternalOutputs(self, *blobs: str) -> None:  # noqa: N802
+        """Caffe2's plural name of AddExternalOutput."""
+        self.AddExternalOutput(*blobs)
+
+    def AddScopedExternalInputs(self, *names: str) -> BlobReference | list[BlobReference]:  # noqa: N802
+        """AddExternalInput with the current NameScope prefixed to each name."""
+        return self.AddExternalInput(*(ScopedName(str(n)) for n in names))
+
+    def AddScopedExternalOutputs(self, *blobs: str) -> None:  # noqa: N802
+        """AddExternalOutput with the current NameScope prefixed to each name."""
+        self.AddExternalOutput(*(ScopedName(str(b)) for b in blobs))
+
+    def is_external_input(self, blob: str) -> bool:
+        """Whether `blob` is an external input of this net."""
+        return str(blob) in self._net.external_inputs
+
+    def UsedBlobNames(self) -> set[str]:  # noqa: N802
+        """Every blob an op of this net reads or writes."""
+        return {b for op in self._net.ops for b in (*op.inputs, *op.outputs)}
+
+    def UsesBlob(self, blob: str) -> bool:  # noqa: N802
+        """Whether an op of this net reads or writes `blob`."""
+        return str(blob) in self.UsedBlobNames()
+
+    def GetBlobRef(self, blob_name: str) -> BlobReference:  # noqa: N802
+        """A reference bound to this net to a blob it defines. Raises KeyError otherwise."""
+        if not self.BlobIsDefined(blob_name):
+            raise KeyError(f"net {self._net.name!r} does not define blob {str(blob_name)!r}")
+        return BlobReference(str(blob_name), self)
+
+    def RunAllOnMKL(self) -> None:  # noqa: N802
+        """Caffe2's MKL-DNN placement: here the CPU (torch's CPU kernels use oneDNN themselves)."""
+        self.RunAllOnDevice(DeviceOption(CPU))
+
+    RunAllOnIDEEP = RunAllOnMKL
+
+    @property
+    def external_inputs(self) -> list[BlobReference]:
+        """The external inputs as BlobReferences (a copy; AddExternalInput adds one)."""
+        return [BlobReference(b, self) for b in self._net.external_inputs]
+
+    @property
+    def external_outputs(self) -> list[BlobReference]:
+        """The external outputs as BlobReferences (a copy; AddExternalOutput adds one)."""
+        return [BlobReference(b, self) for b in self._net.external_outputs]
+
+    def PopulateProtoWithFileName(self) -> None:  # noqa: N802
+        """Caffe2 copied each op's recording site into its name; graphpar keeps it in `op.source`
+        (`debug_info`) already, so this only names unnamed ops after their site."""
+        for op in self._net.ops:
+            if not op.name and op.source:
+                op.name = op.source
+
+    def reroute_tensor(self, tensor: str, new_producer: OperatorDef,  # noqa: N802 - Caffe2 name
+                       can_modify: Iterable[OperatorDef] | None = None) -> None:
+        """Insert `new_producer` (which reads `tensor` and writes new blobs) right after `tensor`'s
+        producer (first if it is an external input), and make the ops after it in `can_modify`
+        (default: all) read `new_producer`'s first output instead of `tensor`."""
+        tensor = str(tensor)
+        self._ensure_fresh()
+        ops = self._net.ops
+        at = max((i + 1 for i, op in enumerate(ops) if tensor in op.outputs), default=0)
+        allowed = None if can_modify is None else [id(op) for op in can_modify]
+        renamed = new_producer.outputs[0]
+        for op in ops[at:]:
+            if allowed is None or id(op) in allowed:
+                op.inputs = [renamed if b == tensor else b for b in op.inputs]
+        _check(new_producer, self._net.name)
+        ops.insert(at, new_producer)
+        self._stale = True
 
     def AppendNet(self, other: Net | NetDef) -> Net:  # noqa: N802
         """Append copies of `other`'s ops; its external inputs not produced here become ours.
@@ -452,6 +596,28 @@ class Net:
         return "\n".join([head, *(f"  #{i} {_op_line(op)}" for i, op in enumerate(net.ops))])
 
     __repr__ = __str__
+
+
+def _backward_slice(ops: list[OperatorDef], inputs: list[str], outputs: list[str]) -> list[OperatorDef]:
+    """The ops (in order) that `outputs` depend on, not looking past `inputs`."""
+    needed, chosen = set(outputs), []
+    for op in reversed(ops):
+        if needed & set(op.outputs):
+            chosen.append(op)
+            needed.difference_update(op.outputs)
+            needed.update(b for b in op.inputs if b not in inputs)
+    return chosen[::-1]
+
+
+def _recompute_externals(netdef: NetDef) -> None:
+    """External inputs = blobs read before any op writes them; external outputs still produced."""
+    produced: set[str] = set()
+    external: list[str] = []
+    for op in netdef.ops:
+        external += [b for b in op.inputs if b not in produced and b not in external]
+        produced.update(op.outputs)
+    netdef.external_inputs = external
+    netdef.external_outputs = [b for b in netdef.external_outputs if b in produced]
 
 
 def _op_line(op: OperatorDef) -> str:

@@ -374,10 +374,12 @@ _MAX_LIST = 16  # longer list args (e.g. GivenTensorFill values) are checked eve
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
-def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
+def check_operator(op: OperatorDef, where: str = "", counts: bool = True) -> OpSchema:
     """Check an op against its schema (type, counts, in-place pairs, args); return the schema.
 
     An op whose signature (type, counts, in-place pairs, scalar args) passed before is not checked again.
+    With `counts=False` (recording, as Caffe2 did) wrong input/output counts are left for the check
+    at CreateNet; only the type and the args are checked for such an op.
 
     Raises:
         UnknownOperatorError: an unregistered type (naming close matches).
@@ -388,10 +390,18 @@ def check_operator(op: OperatorDef, where: str = "") -> OpSchema:
     signature = op_signature(op)
     if signature is not None and signature in _passed:
         return schema
+    if not counts and not _counts_fit(schema, op):
+        parse_args(schema, op.args, where or f"operator {op.type}")
+        return schema
     _check_against(schema, op, where or f"operator {op.type}")
     if signature is not None and len(_passed) < _MAX_PASSED:
         _passed.add(signature)
     return schema
+
+
+def _counts_fit(schema: OpSchema, op: OperatorDef) -> bool:
+    return (schema.num_inputs[0] <= len(op.inputs) <= schema.num_inputs[1]
+            and schema.num_outputs[0] <= len(op.outputs) <= schema.num_outputs[1])
 
 
 def _check_against(schema: OpSchema, op: OperatorDef, where: str) -> None:

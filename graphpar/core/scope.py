@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from graphpar.core.ir import BlobReference, DeviceOption
+from graphpar.core.ir import BlobReference, DeviceOption, as_device_option
 
 _state = threading.local()
 
@@ -46,6 +46,7 @@ def DeviceScope(device_option: DeviceOption | None) -> Iterator[None]:  # noqa: 
     The previous device scope comes back on exit, also when the block raises. Raises TypeError if
     `device_option` is not a DeviceOption or None.
     """
+    device_option = as_device_option(device_option)
     if device_option is not None and not isinstance(device_option, DeviceOption):
         raise TypeError(f"DeviceScope needs a DeviceOption, got {type(device_option).__name__}")
     old = CurrentDeviceScope()

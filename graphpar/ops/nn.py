@@ -42,6 +42,37 @@ def require_nchw(args: SimpleNamespace, ctx: KernelContext) -> None:
         )
 
 
+def _to_nchw(x: torch.Tensor) -> torch.Tensor:
+    """NHWC [N, H, W, C] as a contiguous NCHW tensor (a filter [M, kh, kw, C] likewise), so the NCHW
+    kernel reduces in the same order and gives bit-identical results; other ranks are unchanged."""
+    return x.permute(0, 3, 1, 2).contiguous() if x.dim() == 4 else x
+
+
+def _to_nhwc(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_to_nchw`, made contiguous (NHWC ops hand out plain row-major blobs)."""
+    return y.permute(0, 2, 3, 1).contiguous() if y.dim() == 4 else y
+
+
+def nhwc_capable(factory: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]) -> Callable[..., Any]:
+    """A kernel factory that also runs `order="NHWC"` (Caffe2's CPU layout): the NCHW kernel runs on
+    4-D inputs permuted to NCHW (filters [M, kh, kw, C] permute the same way) and its 4-D outputs
+    are permuted back, so results equal NCHW's exactly. Other orders still reach `require_nchw`."""
+
+    def make(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
+        if getattr(a, "order", "NCHW") != "NHWC":
+            return factory(a, ctx)
+        kernel = factory(SimpleNamespace(**{**vars(a), "order": "NCHW"}), ctx)
+
+        def run(*inputs: torch.Tensor) -> Any:
+            out = kernel(*map(_to_nchw, inputs))
+            return tuple(map(_to_nhwc, out)) if isinstance(out, tuple) else _to_nhwc(out)
+
+        return run
+
+    make.__name__ = make.__qualname__ = getattr(factory, "__name__", "kernel")
+    return make
+
+
 def flatten_2d(x: torch.Tensor, axis: int, op: OperatorDef | None = None) -> torch.Tensor:
     """X viewed as [prod(shape[:axis]), prod(shape[axis:])] (Caffe2's canonical 2-D view).
 
@@ -290,7 +321,7 @@ register_op(
     inputs=(2, 3),
     outputs=1,
     args={**_SPATIAL_ARGS, **_DILATION_ARGS, "group": 1},
-    kernel=_conv,
+    kernel=nhwc_capable(_conv),
     gradient=_conv_gradient,
     doc="2-D convolution, NCHW: X [N, C, H, W], filter [M, C/group, kh, kw], optional bias [M] -> Y. "
     "kernel (checked against the filter; inferred from it when absent), stride, pad (asymmetric "
@@ -299,7 +330,7 @@ register_op(
 )
 
 register_gradient(
-    "ConvGradient", "Conv", _conv_grad, inputs=3, outputs=(1, 3), args={"no_gradient_to_input": False},
+    "ConvGradient", "Conv", nhwc_capable(_conv_grad), inputs=3, outputs=(1, 3), args={"no_gradient_to_input": False},
     doc="ConvGradient(X, filter, dY) -> dfilter, [dbias], dX (dbias when the Conv had a bias), through "
     "aten.convolution_backward. no_gradient_to_input=1 (Caffe2's arg) drops dX, the last output.",
 )
@@ -323,9 +354,10 @@ class _PoolPlan:
 def _pool_planner(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], _PoolPlan]:
     """`plan(x)`: fixed for explicit kernels; the whole H x W for global pooling."""
     geo = _geometry(a, ctx)
-    if a.global_pooling:
-        if geo.kernel is not None or max(geo.pads) > 0 or geo.stride != (1, 1):
-            raise ValueError(f"{op_label(ctx.op)}: global_pooling takes no kernel, pad or stride")
+    if a.global_pooling:  # Caffe2's rule: a kernel is ignored (the window is H x W); pad 0, stride 1
+        if max(geo.pads) > 0 or geo.stride != (1, 1):
+            raise ValueError(f"{op_label(ctx.op)}: with global_pooling, pad must be 0 and stride 1 "
+                             f"(a kernel is ignored), got pads {list(geo.pads)}, stride {list(geo.stride)}")
         return lambda x: _PoolPlan(tuple(x.shape[-2:]), (1, 1), (0, 0), None)
     if geo.kernel is None:
         raise ValueError(
@@ -447,7 +479,7 @@ register_op(
     "MaxPool",
     outputs=(1, 2),
     args=_POOL_ARGS,
-    kernel=_max_pool,
+    kernel=nhwc_capable(_max_pool),
     gradient=_max_pool_gradient,
     doc="2-D max pooling, NCHW, with Conv's kernel/stride/pad arguments (pads must be smaller than the "
     "kernel; padded cells never win) or global_pooling over H x W. An optional second output records "
@@ -456,14 +488,14 @@ register_op(
 )
 
 register_gradient(
-    "MaxPoolGradient", "MaxPool", _max_pool_grad, inputs=3,
+    "MaxPoolGradient", "MaxPool", nhwc_capable(_max_pool_grad), inputs=3,
     doc="MaxPoolGradient(X, Y, dY) -> dX via aten.max_pool2d_with_indices_backward, with the arg-max "
     "recomputed from X. Ties: dY goes to ONE arg-max per window (PyTorch's first in scan order), whereas "
     "Caffe2's CPU kernel gave it to every element equal to the max; they differ only on exact ties.",
 )
 
 register_gradient(
-    "MaxPoolWithIndexGradient", "MaxPool", _max_pool_with_index_grad, inputs=3,
+    "MaxPoolWithIndexGradient", "MaxPool", nhwc_capable(_max_pool_with_index_grad), inputs=3,
     doc="MaxPoolWithIndexGradient(X, dY, indices) -> dX (Caffe2's name and inputs): dY routed to the "
     "arg-max indices MaxPool recorded as its second output; X gives only the shape.",
 )
@@ -471,14 +503,14 @@ register_gradient(
 register_op(
     "AveragePool",
     args=_POOL_ARGS,
-    kernel=_average_pool,
+    kernel=nhwc_capable(_average_pool),
     gradient=_pool_gradient("AveragePoolGradient"),
     doc="2-D average pooling, NCHW, with Conv's kernel/stride/pad arguments or global_pooling; each "
     "window divides by its count of NON-padded elements (Caffe2 CPU, cuDNN EXCLUDE_PADDING).",
 )
 
 register_gradient(
-    "AveragePoolGradient", "AveragePool", _average_pool_grad, inputs=3,
+    "AveragePoolGradient", "AveragePool", nhwc_capable(_average_pool_grad), inputs=3,
     doc="AveragePoolGradient(X, Y, dY) -> dX: each window's dY spread evenly over its non-padded cells.")
 
 

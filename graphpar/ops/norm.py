@@ -24,7 +24,7 @@ from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
-from graphpar.ops.nn import require_nchw
+from graphpar.ops.nn import nhwc_capable, require_nchw
 
 aten = torch.ops.aten
 
@@ -137,7 +137,7 @@ register_op(
     outputs=(1, 5),
     enforce_inplace={(3, 1), (4, 2)},
     args={"is_test": False, "epsilon": 1e-5, "momentum": 0.9, "num_batches": 1, "order": "NCHW"},
-    kernel=_spatial_bn,
+    kernel=nhwc_capable(_spatial_bn),
     gradient=_spatial_bn_gradient,
     doc="Batch norm over NCHW channels. Training: X, scale, bias, running_mean, running_var[, sums, "
     "sumsq] -> Y, running_mean, running_var (in place), saved_mean, saved_inv_std; batch mean and "
@@ -192,7 +192,7 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
 
 
 register_gradient(
-    "SpatialBNGradient", "SpatialBN", _spatial_bn_grad, inputs=(5, 7), outputs=3, inplace={(5, 1), (6, 2)},
+    "SpatialBNGradient", "SpatialBN", nhwc_capable(_spatial_bn_grad), inputs=(5, 7), outputs=3, inplace={(5, 1), (6, 2)},
     doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias]) -> dX, dscale, "
     "dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
     "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "

@@ -15,8 +15,9 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
     Input: a train net whose forward ops read `inputs` and write `outputs`. Guarantees: a new NetDef
     `<net>_predict` with the forward ops (no gradient ops) from the first op reading an input to the
     last op writing an output whose inputs are all known (inputs, the net's external inputs, or
-    earlier outputs), placed on `device` if given and with blobs renamed through `renames`; and the
-    list of blobs (renamed) the predictor needs besides `inputs` (its params), in first-use order.
+    earlier outputs), a SoftmaxWithLoss whose loss is unused replaced by its Softmax (so labels are
+    neither read nor listed), placed on `device` if given and with blobs renamed through `renames`;
+    and the list of blobs (renamed) the predictor needs besides `inputs` (its params), in first-use order.
 
     Raises:
         ValueError: no op reads an input or writes an output, or an op has `is_test` set to 0
@@ -36,7 +37,16 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
             _check_test_mode(op, net.name)
             chosen.append(op)
             known.update(op.outputs)
-    return _renamed(net.name, chosen, inputs, outputs, device, renames or {})
+    return _renamed(net.name, _without_losses(chosen, outputs), inputs, outputs, device, renames or {})
+
+
+def _without_losses(ops: list[OperatorDef], outputs: list[str]) -> list[OperatorDef]:
+    """A SoftmaxWithLoss whose loss nothing in the predictor uses becomes the Softmax it computes, so
+    the predictor neither reads nor lists the labels only the loss needed."""
+    read = set(outputs).union(*(op.inputs for op in ops))
+    return [OperatorDef("Softmax", [op.inputs[0]], [op.outputs[0]], {"axis": op.args.get("axis", 1)},
+                        op.device_option, op.name, op.engine, list(op.control_inputs), source=op.source)
+            if op.type == "SoftmaxWithLoss" and op.outputs[1] not in read else op for op in ops]
 
 
 def _check_test_mode(op: OperatorDef, net_name: str) -> None:

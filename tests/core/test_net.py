@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import graphpar
+from graphpar import workspace
 from graphpar.core import (
     CPU,
     CUDA,
@@ -60,14 +61,15 @@ def _summary(net: Net) -> list[tuple]:
 # ---- CreateOperator --------------------------------------------------------------------------------
 
 
-def test_create_operator_builds_a_plain_op() -> None:
+def test_create_operator_scopes_plain_names_as_caffe2() -> None:
     with NameScope("gpu_0"), DeviceScope(GPU1):
         op = CreateOperator("FC", [BlobReference("x"), "w", "b"], "y",  # marker: create-op
                             name="fc", engine="CUDNN", control_input="dep", axis=2)
     assert isinstance(op, OperatorDef)
-    assert (op.type, op.inputs, op.outputs, op.args) == ("FC", ["x", "w", "b"], ["y"], {"axis": 2})
+    assert (op.type, op.inputs, op.outputs, op.args) == ("FC", ["x", "gpu_0/w", "gpu_0/b"], ["gpu_0/y"],
+                                                         {"axis": 2})
     assert all(type(b) is str for b in (*op.inputs, *op.outputs, *op.control_inputs))
-    assert (op.name, op.engine, op.control_inputs, op.device_option) == ("fc", "CUDNN", ["dep"], GPU1)
+    assert (op.name, op.engine, op.control_inputs, op.device_option) == ("fc", "CUDNN", ["gpu_0/dep"], GPU1)
     assert op.source == _line_of("marker: create-op")
     assert not op.is_gradient_op
     unset = CreateOperator("Relu", "x", "y", name=None, engine=None)  # Caffe2 code passes None
@@ -110,7 +112,6 @@ def test_create_operator_unknown_type_suggests_close_names() -> None:
      "operator FC: argument 'axis' must be int, got str 'one'"),
     (lambda: CreateOperator("FC", ["x", "w", "b"], "y", axes=1), TypeError,
      "unknown argument 'axes'.*Did you mean axis"),
-    (lambda: CreateOperator("FC", ["x", "w"], "y"), ValueError, "takes 3 inputs, got 2"),
     (lambda: CreateOperator("FC", ["x", "w", "b"], "x"), ValueError, "may not run in place"),
     (lambda: CreateOperator("Relu", [3], "y"), TypeError, "inputs must be non-empty blob names"),
     (lambda: CreateOperator("Relu", "x", [""]), TypeError, "outputs must be non-empty blob names"),
@@ -119,6 +120,18 @@ def test_create_operator_unknown_type_suggests_close_names() -> None:
 def test_create_operator_rejects_bad_ops(call, error, message) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_wrong_arity_is_reported_when_the_net_is_created_as_caffe2() -> None:
+    op = CreateOperator("FC", ["x", "w"], "y")  # recorded: Caffe2 checked counts at creation
+    with pytest.raises(ValueError, match="takes 3 inputs, got 2"):
+        workspace.RunOperatorOnce(op)
+    net = Net("test_net_wrong_arity")
+    net.Relu(["x", "x2"], "y")
+    assert len(net.Proto().op) == 1
+    with pytest.raises(ValueError, match=r"op #0 \(Relu\): takes 1 inputs, got 2"):
+        workspace.CreateNet(net)
+    assert not workspace.HasBlob("y")
 
 
 def test_each_op_signature_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,8 +291,8 @@ def test_failed_op_creation_changes_nothing() -> None:
     net = Net("test_net_atomic")
     net.Relu("x", "y")
     for bad in (lambda: net.FC(["y", "w", "b"], "z", axis="one"),
-                lambda: net.FC(["y", "w"], "z"),
-                lambda: net.Relu(["y", "q"])):
+                lambda: net.FC(["y", "w", "b"], "y"),  # forbidden in place
+                lambda: net.FC(["y", "w"], "z", axes=1)):  # wrong counts wait for CreateNet; args do not
         with pytest.raises((TypeError, ValueError)):
             bad()
     assert _summary(net) == [("Relu", ["x"], ["y"])]

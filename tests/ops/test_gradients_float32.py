@@ -73,6 +73,8 @@ CASES: dict[str, tuple[list[torch.Tensor], Callable, dict]] = {
     "AveragedLoss": ([_x(3, 4)], torch.mean, {}),
     "Cast": ([_x(3, 4)], lambda x: x.double(), {"to": "double"}),
     "Clip": ([_x(3, 4)], lambda x: x.clamp(-0.5, 0.7), {"min": -0.5, "max": 0.7}),
+    "FloatToHalf": ([_x(3, 4)], lambda x: x.half(), {}),
+    "HalfToFloat": ([_x(3, 4).half()], lambda x: x.float(), {}),
     "Concat": ([_x(2, 3), _x(2, 2, seed=1)],
                lambda a, b: (torch.cat([a, b], 1), torch.tensor([3, 2], dtype=torch.int32)), {"wrt": (0, 1)}),
     "Conv": ([_x(2, 3, 6, 5), _x(4, 3, 3, 3, seed=1), _x(4, seed=2)],

@@ -232,7 +232,7 @@ def test_conv_infers_kernel_from_filter_and_checks_it() -> None:
         (dict(kernel=3, pad=1, pads=[1, 1, 1, 1]), "one form only"),
         (dict(kernels=[3]), "kernels needs 2 values"),
         (dict(kernel=3, stride=0), "stride must be >= 1"),
-        (dict(kernel=3, order="NHWC"), "NCHW only"),
+        (dict(kernel=3, order="CHWN"), "NCHW only"),  # NHWC runs: tests/ops/test_nhwc.py
     ],
 )
 def test_conv_rejects_bad_arguments(args: dict, match: str) -> None:
@@ -378,8 +378,8 @@ def test_max_pool_gradient_ties_go_to_one_element() -> None:
     [
         (dict(), "needs a kernel"),
         (dict(kernel=2, pad=2), "smaller than the kernel"),
-        (dict(global_pooling=True, kernel=2), "global_pooling takes no kernel"),
-        (dict(kernel=2, order="NHWC"), "NCHW only"),
+        (dict(global_pooling=True, kernel=2, stride=2), "pad must be 0 and stride 1"),
+        (dict(kernel=2, order="CHWN"), "NCHW only"),
     ],
 )
 def test_pool_rejects_bad_arguments(args: dict, match: str) -> None:

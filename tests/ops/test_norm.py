@@ -253,7 +253,7 @@ def test_spatial_bn_running_stats_must_be_in_place() -> None:
         (5, 1, {}, "five outputs"),
         (5, 5, {"is_test": True}, "one output"),
         (6, 5, {}, "needs 5 inputs, or 7"),
-        (5, 5, {"order": "NHWC"}, "NCHW only"),
+        (5, 5, {"order": "CHWN"}, "NCHW only"),
     ],
 )
 def test_spatial_bn_rejects_bad_configurations(n_inputs: int, n_outputs: int, args: dict, match: str) -> None:

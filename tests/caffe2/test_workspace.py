@@ -1,0 +1,95 @@
+"""Caffe2's `workspace_test.py` behaviours that apply to graphpar (no strings, plans or C.Workspace)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import core, workspace
+
+
+def _fill_net() -> core.Net:
+    net = core.Net("test-net")
+    net.ConstantFill([], "testblob", shape=[1, 2, 3, 4], value=1.0)
+    return net
+
+
+def test_missing_blob_is_a_runtime_error() -> None:
+    assert not workspace.HasBlob("non-existing")
+    with pytest.raises(RuntimeError, match="does not exist"):
+        workspace.FetchBlob("non-existing")
+    net = core.Net("reads_missing")
+    net.Relu("nowhere", "y")
+    with pytest.raises(RuntimeError, match="nowhere"):
+        workspace.RunNetOnce(net)
+
+
+def test_fetch_feed_and_blob_dict() -> None:
+    assert workspace.RunNetOnce(_fill_net())
+    fetched = workspace.FetchBlob("testblob")
+    assert fetched.shape == (1, 2, 3, 4) and (fetched == 1.0).all()
+    workspace.blobs["testblob"] = fetched * 2
+    assert (workspace.blobs["testblob"] == 2.0).all() and list(workspace.blobs) == ["testblob"]
+    assert [b.shape for b in workspace.FetchBlobs(["testblob", "testblob"])] == [(1, 2, 3, 4)] * 2
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.bool_, np.int8, np.int16, np.int32,
+                                   np.int64, np.uint8])
+def test_blob_size_bytes(dtype: type) -> None:
+    workspace.FeedBlob("sized", np.zeros((2, 3), dtype=dtype))
+    assert workspace.GetBlobSizeBytes("sized") == 6 * np.dtype(dtype).itemsize
+
+
+def test_fetch_torch_is_the_live_tensor() -> None:
+    workspace.RunOperatorOnce(core.CreateOperator("ConstantFill", [], "foo", shape=(4,), value=2, dtype=10))
+    tensor = workspace.FetchTorch("foo")
+    assert tensor.dtype == torch.int64
+    tensor[2] = 777
+    assert workspace.FetchBlob("foo").tolist() == [2, 2, 777, 2]
+
+
+def test_switch_workspace() -> None:
+    assert workspace.RunNetOnce(_fill_net())
+    assert workspace.SwitchWorkspace("test", True) is None
+    assert not workspace.HasBlob("testblob")
+    workspace.SwitchWorkspace("default")
+    assert workspace.HasBlob("testblob")
+    with pytest.raises(RuntimeError):
+        workspace.SwitchWorkspace("non-existing")  # Caffe2's default: create_if_missing=False
+    assert {"default", "test"} <= set(workspace.Workspaces())
+
+
+def test_gpu_names() -> None:
+    pattern = workspace.GetGpuPeerAccessPattern()
+    assert pattern.ndim == 2 and pattern.shape == (workspace.NumGpuDevices(),) * 2
+    assert workspace.GpuDeviceType == core.CUDA and workspace.IsGPUDeviceType(workspace.GpuDeviceType)
+    assert workspace.has_gpu_support == torch.cuda.is_available() and workspace.has_hip_support is False
+    assert workspace.GlobalInit(["python", "--caffe2_log_level=0"])
+
+
+def test_root_folder(tmp_path) -> None:  # noqa: ANN001
+    assert workspace.ResetWorkspace() and workspace.RootFolder() == "."
+    root = str(tmp_path / "caffe-workspace-test")
+    assert workspace.ResetWorkspace(root) and workspace.RootFolder() == root
+    assert (tmp_path / "caffe-workspace-test").is_dir()
+    workspace.ResetWorkspace()
+    assert workspace.RootFolder() == root  # None keeps it, as in Caffe2
+
+
+def test_reset_workspace() -> None:
+    workspace.RunNetOnce(_fill_net())
+    assert workspace.ResetWorkspace() and not workspace.HasBlob("testblob")
+    assert workspace.CreateBlob("made") and workspace.FetchBlob("made").shape == (0,)
+
+
+def test_name_scope_stringify_and_repeated_runs() -> None:
+    with core.NameScope("scope"):
+        assert workspace.GetNameScope() == "scope/"
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    op = core.CreateOperator("Scale", "x", "x", scale=2.0)
+    assert workspace.RunOperatorMultiple(op, 3)
+    assert workspace.FetchBlob("x").tolist() == [8.0, 8.0]
+    assert workspace.StringifyProto("as is") == "as is"
+    pytest.importorskip("google.protobuf", reason="text format needs the optional protobuf package")
+    assert 'type: "Scale"' in workspace.StringifyProto(op)
