@@ -34,7 +34,7 @@ from safetensors.torch import save as serialize
 from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.devices import device_option_for_blob
 from graphpar.errors import CheckpointError
-from graphpar.naming import OPTIMIZER_ITERATION
+from graphpar.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.workspace import Workspace, get_workspace
 
 FORMAT_VERSION = 2
@@ -208,23 +208,30 @@ def _conflicts(ws: Workspace, data: Mapping[str, torch.Tensor], names: list[str]
 
 
 def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
-         workspace: Workspace | str | None = None) -> list[str]:
+         workspace: Workspace | str | None = None, model: Any = None) -> list[str]:
     """Feed blobs from a checkpoint into a workspace, onto their devices; return the names fed.
 
     Everything is read and checked first; only then are the blobs fed, so any error leaves the
     workspace unchanged. A blob goes to the device its name scope implies (`gpu_1/...` -> CUDA 1),
-    else to the device of the existing blob of that name, else to the CPU.
+    else to the device of the existing blob of that name, else to the CPU. The workspace remembers
+    the loaded blobs until they are used, so that resuming in the wrong order raises
+    (`graphpar.resume`): load after RunInitNet, then call FinalizeAfterCheckpoint.
 
     Args:
         path: a file written by `save`.
-        blobs: the names to load (default: every blob in the file).
+        blobs: the names to load, as in the file (default: every blob in the file).
         workspace: a Workspace, a workspace name, or None for the current workspace.
+        model: a parallelized model to resume: the file's replica-scoped blobs (`gpu_0/fc_w`, saved
+            with any first device of any type) are fed under the model's first device's scope
+            (`cpu_2/fc_w`), onto its device; unscoped blobs keep their names.
 
     Raises:
         CheckpointError: the file is unreadable, corrupt or of another format version; a requested blob
-            is not in it; or a tensor's shape or dtype differs from the existing blob of the same name.
+            is not in it; a tensor's shape or dtype differs from the existing blob of the same name; or,
+            with `model`, the blobs come from several replica scopes.
         KeyError: `workspace` names a workspace that does not exist.
         TypeError: `blobs` is a single string.
+        ParallelizeError: `model` was not parallelized.
     """
     path = os.fspath(path)
     ws = _workspace(workspace)
@@ -233,12 +240,30 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
     absent = [n for n in names if n not in data]
     if absent:
         raise CheckpointError(f"checkpoint {path!r} has no blobs {absent}; it holds {header['blobs']}")
+    if model is not None:
+        renamed = _onto_first_device(path, model, names)
+        data = {renamed[n]: data[n] for n in names}
+        names = [renamed[n] for n in names]
     problems = _conflicts(ws, data, names)
     if problems:
         raise CheckpointError(f"checkpoint {path!r} does not match the workspace (shape/dtype):\n  "
                               + "\n  ".join(problems))
     _feed_all(ws, path, {n: data[n] for n in names})
+    ws.loaded.update(dict.fromkeys(names, path))
     return names
+
+
+def _onto_first_device(path: str, model: Any, names: list[str]) -> dict[str, str]:
+    """{file name: name in the model}: replica-scoped names move to the model's first device's scope."""
+    from graphpar.data_parallel_model import first_device_scope  # the model layer builds on this one
+
+    scope = first_device_scope(model)
+    scopes = sorted({device_scope_name(*parsed) for n in names if (parsed := parse_device_scope(n))})
+    if len(scopes) > 1:
+        raise CheckpointError(f"checkpoint {path!r} holds blobs of several devices ({', '.join(scopes)}), so "
+                              f"they cannot be mapped onto model {model.name!r}'s first device; save "
+                              f"GetCheckpointParams(model) (the first device's) or pass blobs=[...]")
+    return {n: scope + stripBlobName(n) if parse_device_scope(n) else n for n in names}
 
 
 def _feed_all(ws: Workspace, path: str, data: Mapping[str, torch.Tensor]) -> None:
