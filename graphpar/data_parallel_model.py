@@ -169,7 +169,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell.
             The model is left as it was.
-        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable,
+        TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes.
         NotImplementedError: an option listed above as not supported yet.
     """
@@ -414,10 +414,18 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     net and one iteration: as before the call).
 
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate.
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
+            called there); nothing runs then. Other workspace errors propagate.
     """
-    for entry in _state_of(model).nets:
-        net, count = entry if isinstance(entry, tuple) else (entry, num_iterations)
+    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in _state_of(model).nets]
+    ws = workspace.get_workspace()
+    missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
+    if missing:
+        raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
+                           f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
+                           f"nets, which create the params, then creates the model's nets)")
+    for net, count in entries:
         workspace.RunNet(net, count)
 
 
@@ -653,7 +661,10 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
     if devices is None:
         devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
     try:
-        ids = tuple(operator.index(d) for d in devices)
+        listed = list(devices)
+        if any(isinstance(d, bool) for d in listed):  # True is index 1: [True, False] would be devices 1, 0
+            raise TypeError
+        ids = tuple(operator.index(d) for d in listed)
     except TypeError:
         raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
     if not ids:
