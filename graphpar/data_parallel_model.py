@@ -104,6 +104,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
+    uneven_batches: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -145,9 +146,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             use oneDNN themselves), replicas named `cpu_<id>`.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
-            Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
-            N times its own batch).
+            (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
+            batches of different sizes still get the whole batch's statistics); forward-only models
+            ignore it.
+        uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
+            batch that is not a multiple of the device count): each replica's loss gradient is
+            multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
+            whole batch. `feed` must then feed every step (the train net reads the blob).
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -186,7 +191,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
