@@ -88,7 +88,7 @@ def test_a_blob_refed_with_another_shape_after_create_net_fails_at_run_and_chang
         workspace.FeedBlob(f"X{k}", value)
     net = _net("MomentumSGDUpdate", 4)
     workspace.CreateNet(net)
-    workspace.FeedBlob("X3", randn((1,)))  # a [1] param: its update would become [3]
+    workspace.FeedBlob("X0", randn((1,)))  # a [1] gradient: broadcast, the [3] update would look fine
     before = snapshot()
     with pytest.raises(OperatorError, match="MomentumSGDUpdate(.|\n)*one shape"):
         workspace.RunNet(net)
