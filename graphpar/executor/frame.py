@@ -21,7 +21,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,7 +30,7 @@ from graphpar.executor.failure import missing_at_run
 from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan, StateCheck
+    from graphpar.executor.plan import Plan
 
 
 
@@ -149,23 +149,49 @@ def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
     return frame
 
 
-def check_state(checks: tuple[StateCheck, ...], frame: list) -> None:
-    """Before the second phase of a run (`Plan.state_checks`): raise StateChanged if a blob an update changes in place
-    no longer has the shape and dtype it had at CreateNet (fed or loaded anew since), so that no update
-    runs on it and the state stays as it was."""
-    for check in checks:
-        value = frame[check.slot]
-        if value.shape != check.shape or value.dtype != check.dtype:
-            raise StateChanged(check.step, (
-                f"state blob {check.name!r}, which this op updates in place, is {list(value.shape)} "
-                f"{str(value.dtype).removeprefix('torch.')} but was {list(check.shape)} "
-                f"{str(check.dtype).removeprefix('torch.')} at CreateNet (it was fed or loaded with another "
-                f"shape or dtype since); no state was updated. Feed it with its shape and dtype, or "
-                f"CreateNet(..., overwrite=True) if the model changed"))
+class StateCheck(NamedTuple):
+    """A blob that update step `step` changes in place, and the shape and dtype it had at CreateNet."""
+
+    step: int
+    slot: int
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class StateGuard:
+    """Checked before the second phase of every run (`executor.plan.Plan`): each blob an update changes
+    in place must still have the shape and dtype it had at CreateNet (not fed or loaded anew since with
+    others), so that no update runs on it and the state stays as it was.
+
+    The tensors last found good are remembered: a blob whose tensor is the same object as then (in-place
+    updates keep their tensors) costs one identity test. A replaced tensor stays referenced until the
+    next run checks its successor.
+    """
+
+    def __init__(self, checks: tuple[StateCheck, ...]) -> None:
+        self.checks = checks
+        self._verified: list = [None] * len(checks)
+
+    def check(self, frame: list) -> None:
+        """Raise StateChanged, naming the update and the blob, if a state blob's shape or dtype changed."""
+        verified = self._verified
+        for k, check in enumerate(self.checks):
+            value = frame[check.slot]
+            if value is verified[k]:
+                continue
+            if value.shape != check.shape or value.dtype is not check.dtype:
+                raise StateChanged(check.step, (
+                    f"state blob {check.name!r}, which this op updates in place, is {list(value.shape)} "
+                    f"{str(value.dtype).removeprefix('torch.')} but was {list(check.shape)} "
+                    f"{str(check.dtype).removeprefix('torch.')} at CreateNet (it was fed or loaded with "
+                    f"another shape or dtype since); no state was updated. Feed it with its shape and "
+                    f"dtype, or CreateNet(..., overwrite=True) if the model changed"))
+            verified[k] = value
 
 
 class StateChanged(ValueError):
-    """Raised by `check_state`: `step` is the update whose in-place state changed shape or dtype."""
+    """Raised by `StateGuard.check`: `step` is the update whose in-place state changed shape or dtype."""
 
     def __init__(self, step: int, message: str) -> None:
         super().__init__(message)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graphpar.executor.frame import StateChanged, check_state
+from graphpar.executor.frame import StateChanged
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan
@@ -37,8 +37,8 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
     after = _frees_in_order(plan) if frees else {}
     for position, j in enumerate(plan.order):
         step = plan.steps[j]
-        if position == plan.staged_from and plan.state_checks:
-            lines.append("check(checks, frame)")
+        if position == plan.staged_from and plan.state_guard.checks:
+            lines.append("check(frame)")
         call = f"k{j}({', '.join(f'frame[{i}]' for i in step.inputs)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
@@ -48,7 +48,7 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
             lines.append(f"i = {j}; {call}")
         lines.extend(f"frame[{slot}] = None" for slot in after.get(j, ()))
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "StepFailed", "check", "StateChanged", "checks",
+    params = ", ".join(["store", "StepFailed", "check", "StateChanged",
                         *(f"k{step.index}" for step in plan.steps)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
@@ -61,7 +61,7 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, StepFailed, check_state, StateChanged, plan.state_checks,
+    return namespace["make"](store_all, StepFailed, plan.state_guard.check, StateChanged,
                              *(step.kernel for step in plan.steps))
 
 
