@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     dpm.RunInitNet(test)
     start_epoch = 0
     if args.resume:
-        checkpoint.load(args.checkpoint)
+        checkpoint.load(args.checkpoint, model=train)  # onto this run's first device
         dpm.FinalizeAfterCheckpoint(train)
         start_epoch = int(workspace.FetchBlob("optimizer_iteration")[0]) // steps_per_epoch
         print(f"resumed from {args.checkpoint} at epoch {start_epoch}")
