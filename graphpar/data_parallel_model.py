@@ -102,6 +102,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
+    check_finite_loss: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -155,6 +156,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
             gradients are never shared. Same results; may be combined with dynamic_memory_management
             (Caffe2 refused the combination).
+        check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
+            `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
+            an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
+            reads each loss on the host (one device sync per replica and step); graphpar's example
+            trainer turns it on. See docs/errors.md.
         max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2 compatibility;
             they matter only with multi-host training, not supported yet.
         rendezvous: not supported yet (NotImplementedError).
@@ -184,7 +190,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(check_finite_loss))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "

@@ -22,10 +22,15 @@ def snapshot() -> dict[str, torch.Tensor]:
 
 
 def assert_unchanged(before: dict[str, torch.Tensor]) -> None:
-    after = workspace.get_workspace().blobs
-    assert sorted(after) == sorted(before)
-    for name, value in before.items():
-        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+    """Every blob is as it was. A failed run may drop the previous run's transient values (the frame
+    takes them to free memory early); params, optimizer state, counters and inputs are kept."""
+    ws = workspace.get_workspace()
+    after = ws.blobs
+    transient = {name for plan in ws.nets.values() for name in plan.frame.names} - {
+        name for plan in ws.nets.values() for name in plan.persistent}
+    assert set(after) <= set(before) and set(before) - set(after) <= transient, set(before) ^ set(after)
+    for name, value in after.items():
+        assert value.dtype == before[name].dtype and torch.equal(value, before[name]), name
 
 
 def parallelize(devices=(0, 1), **options) -> model_helper.ModelHelper:
@@ -106,3 +111,41 @@ def test_a_misspelt_fed_blob_gets_did_you_mean() -> None:
     workspace.FeedBlob("cpu_1/label", np.zeros(2, np.int32))
     with pytest.raises(MissingBlobError, match=r"'cpu_1/data' does not exist(.|\n)*Did you mean 'cpu_1/dta'"):
         dpm.RunInitNet(model)
+
+
+# ---- item 8: a NaN or infinite loss stops the step before any update ----------------------------
+
+
+@pytest.mark.parametrize("net_type", ["simple", "dag"])
+def test_check_finite_loss_stops_the_step_before_params_are_poisoned(net_type: str) -> None:
+    model = parallelize(check_finite_loss=True, net_type=net_type)
+    feed(model)
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
+    before = snapshot()
+    with pytest.raises(OperatorError, match=r"CheckFinite(.|\n)*'cpu_1/scaled_loss' is nan \(not finite\): the step "
+                                            r"stopped before any parameter update"):
+        dpm.RunNet(model, 1)
+    assert_unchanged(before)
+    feed(model)
+    dpm.RunNet(model, 1)
+    assert np.isfinite(workspace.FetchBlob("cpu_1/fc1_w")).all()
+
+
+def test_check_finite_loss_runs_before_every_gradient_op() -> None:
+    model = parallelize(check_finite_loss=True)
+    ops = model.net.Proto().ops
+    checks = [k for k, op in enumerate(ops) if op.type == "CheckFinite"]
+    assert [ops[k].inputs for k in checks] == [["cpu_0/scaled_loss"], ["cpu_1/scaled_loss"]]
+    assert max(checks) < min(k for k, op in enumerate(ops) if op.is_gradient_op)
+
+
+def test_without_the_check_a_nan_loss_poisons_the_params() -> None:
+    """What the check prevents (and why the example trainer turns it on)."""
+    model = parallelize()
+    feed(model)
+    dpm.RunInitNet(model)
+    workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
+    dpm.RunNet(model, 1)
+    assert np.isnan(workspace.FetchBlob("cpu_0/fc1_w")).any()
