@@ -201,6 +201,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             model, options, layout, make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout)),
             blob_to_device, non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -287,6 +288,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -362,6 +364,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     for net in _state_of(model).init_nets:
         workspace.RunNetOnce(net)
     CreateNet(model)
+    _log_init(model)
 
 
 def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N802
@@ -444,6 +447,9 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         state.checkpoint_net = net
     workspace.CreateNet(net, overwrite=True)  # also right after a workspace switch or reset
     workspace.RunNet(net)
+    log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
+             len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
+             workspace.CurrentWorkspace())
 
 
 def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802
@@ -471,6 +477,8 @@ def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | No
     sync_blobs(netdef, names, state.reducer)
     chain_collectives(netdef.ops)
     declare_external_inputs(netdef)
+    log.info("AddBlobSync(%r): net %r copies %s from %s to %s", model.name, netdef.name, names,
+             state.layout.scoped(state.layout.master, ""), _replica_scopes(state.layout, 1))
 
 
 # ---- nets for other uses -----------------------------------------------------------------------
@@ -695,6 +703,50 @@ def can_access_peer(root: int, peer: int) -> bool:
     import torch
 
     return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
+
+
+def _replica_scopes(layout: DeviceLayout, start: int = 0) -> str:
+    """'cpu_1/, cpu_2/' for the replicas from position `start` on (for log messages)."""
+    return ", ".join(layout.scoped(d, "") for d in layout.devices[start:]) or "no other replica"
+
+
+def _log_built(state: ParallelState) -> None:
+    """INFO: what Parallelize built (replicas, reducer, collectives, nets); DEBUG: each net's ops by type."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    layout, options = state.layout, state.options
+    train, init = state.model.net.Proto(), state.model.param_init_net.Proto()
+    moves = [op for op in train.ops if has_trait(op, Trait.CROSS_DEVICE)]
+    collectives = sum(has_trait(op, Trait.COLLECTIVE) for op in moves)
+    log.info("Parallelize(%r): %d replica(s) %s on %s; %s", state.model.name, len(layout.devices),
+             _replica_scopes(layout), layout.device_type.name,
+             "training" if state.training else "forward only")
+    log.info("Parallelize(%r): %d params, %d computed params, %d gradients all-reduced by %s (%s); "
+             "%d cross-device ops in net %r (%d collectives), %d ops in all, type %r, %d workers",
+             state.model.name, len(state.param_names), len(state.computed_param_names), len(state.grad_names),
+             type(state.reducer).__name__,
+             f"buckets of <= {options.gradient_bucket_bytes} bytes" if options.gradient_bucket_bytes
+             else "one collective per gradient", len(moves), train.name, collectives, len(train.ops),
+             train.type, train.num_workers)
+    log.info("Parallelize(%r): init net %r: %d ops, then broadcasts %d blobs from %s to %s",
+             state.model.name, init.name, len(init.ops), len(state.sync_names), layout.scoped(layout.master, ""),
+             _replica_scopes(layout, 1))
+    if log.isEnabledFor(logging.DEBUG):
+        for net in state.netdefs():
+            counts: dict[str, int] = {}
+            for op in net.ops:
+                counts[op.type] = counts.get(op.type, 0) + 1
+            log.debug("Parallelize(%r): net %r ops by type: %s", state.model.name, net.name, counts)
+
+
+def _log_init(model: ModelHelper) -> None:
+    """INFO: what RunInitNet ran and created."""
+    state = model._parallel
+    log.info("RunInitNet(%r): ran %s (fills, then every replica's state broadcast from %s) and created %s "
+             "in workspace %r", model.name, [net.Proto().name for net in state.init_nets],
+             state.layout.scoped(state.layout.master, ""),
+             [(entry[0] if isinstance(entry, tuple) else entry).Proto().name for entry in state.nets],
+             workspace.CurrentWorkspace())
 
 
 def _state_of(model: ModelHelper) -> ParallelState:

@@ -4,6 +4,8 @@ which call to make), and a call that raises leaves the workspace and the model a
 from __future__ import annotations
 
 import functools
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -149,3 +151,25 @@ def test_without_the_check_a_nan_loss_poisons_the_params() -> None:
     workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
     dpm.RunNet(model, 1)
     assert np.isnan(workspace.FetchBlob("cpu_0/fc1_w")).any()
+
+
+# ---- item 10: logging of what Parallelize built and what each init/sync did ---------------------
+
+
+def test_parallelize_init_and_syncs_log_what_they_did(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="graphpar"):
+        model = parallelize(gradient_bucket_bytes=100, first_bucket_bytes=50)
+        feed(model)
+        dpm.RunInitNet(model)
+        dpm.FinalizeAfterCheckpoint(model)
+    by_logger = {}
+    for record in caplog.records:
+        by_logger.setdefault(record.name, []).append(record.getMessage())
+    built = "\n".join(by_logger["graphpar.data_parallel_model"])
+    assert "Parallelize('misuse'): 2 replica(s) cpu_0/, cpu_1/ on CPU; training" in built
+    assert "4 gradients all-reduced by TreeReducer (buckets of <= 100 bytes)" in built
+    assert "then broadcasts 8 blobs from cpu_0/ to cpu_1/" in built
+    assert re.search(r"RunInitNet\('misuse'\): ran \['misuse\w*'\] .* created \['misuse\w*'\]", built)
+    assert "FinalizeAfterCheckpoint('misuse'): broadcast 8 blobs from cpu_0/ to cpu_1/" in built
+    assert by_logger["graphpar.passes.bucketing"] == [
+        "gradient buckets: 4 gradients in 3 buckets of [12, 80, 120] bytes (limit 100, first 50)"]
