@@ -44,6 +44,7 @@ from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import cuda_is_simulated, num_cuda_devices
 from graphpar.errors import ParallelizeError
 from graphpar.executor import net_types
+from graphpar.feeds import FeedTracker
 from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
@@ -384,17 +385,24 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized.
         RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
-            called there); nothing runs then. Other workspace errors propagate.
+            called there), or some replicas were fed a new batch since the last run and others not
+            (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
     """
-    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in _state_of(model).nets]
+    state = _state_of(model)
+    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in state.nets]
     ws = workspace.get_workspace()
     missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
     if missing:
         raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
                            f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
                            f"nets, which create the params, then creates the model's nets)")
+    if state.feeds is None:
+        state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
+                                  state.param_names)
+    state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         workspace.RunNet(net, count)
+    state.feeds.remember(ws.blobs)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------

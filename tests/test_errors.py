@@ -124,6 +124,7 @@ def test_check_finite_loss_stops_the_step_before_params_are_poisoned(net_type: s
     feed(model)
     dpm.RunInitNet(model)
     dpm.RunNet(model, 1)
+    feed(model)
     workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
     before = snapshot()
     with pytest.raises(OperatorError, match=r"CheckFinite(.|\n)*'cpu_1/scaled_loss' is nan \(not finite\): the step "
@@ -173,3 +174,30 @@ def test_parallelize_init_and_syncs_log_what_they_did(caplog: pytest.LogCaptureF
     assert "FinalizeAfterCheckpoint('misuse'): broadcast 8 blobs from cpu_0/ to cpu_1/" in built
     assert by_logger["graphpar.passes.bucketing"] == [
         "gradient buckets: 4 gradients in 3 buckets of [12, 80, 120] bytes (limit 100, first 50)"]
+
+
+# ---- also expected: feeding only some devices ---------------------------------------------------
+
+
+def test_feeding_only_some_devices_is_refused_before_anything_runs() -> None:
+    model = parallelize()
+    feed(model)
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    feed(model, skip="cpu_1")  # cpu_1 would train on its previous batch again
+    before = snapshot()
+    with pytest.raises(RuntimeError, match=r"'cpu_0/data' was fed since the last run but 'cpu_1/data' was not"):
+        dpm.RunNet(model, 1)
+    assert_unchanged(before)
+    feed(model)
+    dpm.RunNet(model, 1)
+
+
+def test_rerunning_one_fixed_batch_on_every_device_is_allowed() -> None:
+    model = parallelize()
+    feed(model)
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    dpm.RunNet(model, 2)
+    feed(model)
+    dpm.RunNet(model, 1)

@@ -81,6 +81,7 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     checkpoint_net: Any = None
+    feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
 
     @property
     def training(self) -> bool:
