@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphpar import core, model_helper, optimizer, workspace
+from graphpar import brew, core, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.models import mlp
@@ -201,3 +201,28 @@ def test_rerunning_one_fixed_batch_on_every_device_is_allowed() -> None:
     dpm.RunNet(model, 2)
     feed(model)
     dpm.RunNet(model, 1)
+
+
+# ---- also expected: a loss not multiplied by loss_scale -----------------------------------------
+
+
+@pytest.mark.parametrize(("scale", "warned"), [(None, "no op computing it has a `scale` argument"),
+                                               (0.25, "it is scaled by [0.25]"), ("loss_scale", None)])
+def test_a_loss_not_multiplied_by_loss_scale_is_warned_about(caplog: pytest.LogCaptureFixture, scale,
+                                                             warned: str | None) -> None:
+    def forward(model, loss_scale):
+        if scale is None:
+            pred = brew.fc(model, "data", "pred", dim_in=6, dim_out=3)
+            return [model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])[1]]
+        return MLP(model, loss_scale if scale == "loss_scale" else scale)
+
+    model = model_helper.ModelHelper(name="scaled")
+    with caplog.at_level(logging.WARNING, logger="graphpar"):
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1],
+                        cpu_device=True)
+    messages = [r.getMessage() for r in caplog.records if "loss_scale" in r.getMessage()]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and "loss 'cpu_0/" in messages[0] and warned in messages[0], messages
