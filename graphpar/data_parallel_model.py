@@ -45,6 +45,7 @@ from graphpar.devices import cuda_is_simulated, num_cuda_devices
 from graphpar.errors import CheckpointError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
+from graphpar.feeds import FeedTracker
 from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
@@ -105,6 +106,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
     uneven_batches: bool = False,
+    check_finite_loss: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -162,6 +164,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
             gradients are never shared. Same results; may be combined with dynamic_memory_management
             (Caffe2 refused the combination).
+        check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
+            `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
+            an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
+            reads each loss on the host (one device sync per replica and step); graphpar's example
+            trainer turns it on. See docs/errors.md.
         max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2 compatibility;
             they matter only with multi-host training, not supported yet.
         rendezvous: not supported yet (NotImplementedError).
@@ -191,7 +198,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
+        bool(check_finite_loss))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -202,6 +210,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             model, options, layout, make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout)),
             blob_to_device, non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -288,6 +297,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -381,6 +391,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
         for net in state.init_nets:
             ws.run_net_once(net)
         CreateNet(model)
+    _log_init(model)
 
 
 def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N802
@@ -421,17 +432,24 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized.
         RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
-            called there); nothing runs then. Other workspace errors propagate.
+            called there), or some replicas were fed a new batch since the last run and others not
+            (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
     """
-    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in _state_of(model).nets]
+    state = _state_of(model)
+    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in state.nets]
     ws = workspace.get_workspace()
     missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
     if missing:
         raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
                            f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
                            f"nets, which create the params, then creates the model's nets)")
+    if state.feeds is None:
+        state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
+                                  state.param_names)
+    state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         workspace.RunNet(net, count)
+    state.feeds.remember(ws.blobs)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------
@@ -496,6 +514,9 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         ws.run_net(net.Proto().name)
     state.checkpoint_net = net
     state.grouped.update(grouped)
+    log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
+             len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
+             ws.name)
 
 
 def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
@@ -547,6 +568,8 @@ def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | No
     sync_blobs(netdef, names, state.reducer)
     chain_collectives(netdef.ops)
     declare_external_inputs(netdef)
+    log.info("AddBlobSync(%r): net %r copies %s from %s to %s", model.name, netdef.name, names,
+             state.layout.scoped(state.layout.master, ""), _replica_scopes(state.layout, 1))
 
 
 # ---- nets for other uses -----------------------------------------------------------------------
@@ -771,6 +794,50 @@ def can_access_peer(root: int, peer: int) -> bool:
     import torch
 
     return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
+
+
+def _replica_scopes(layout: DeviceLayout, start: int = 0) -> str:
+    """'cpu_1/, cpu_2/' for the replicas from position `start` on (for log messages)."""
+    return ", ".join(layout.scoped(d, "") for d in layout.devices[start:]) or "no other replica"
+
+
+def _log_built(state: ParallelState) -> None:
+    """INFO: what Parallelize built (replicas, reducer, collectives, nets); DEBUG: each net's ops by type."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    layout, options = state.layout, state.options
+    train, init = state.model.net.Proto(), state.model.param_init_net.Proto()
+    moves = [op for op in train.ops if has_trait(op, Trait.CROSS_DEVICE)]
+    collectives = sum(has_trait(op, Trait.COLLECTIVE) for op in moves)
+    log.info("Parallelize(%r): %d replica(s) %s on %s; %s", state.model.name, len(layout.devices),
+             _replica_scopes(layout), layout.device_type.name,
+             "training" if state.training else "forward only")
+    log.info("Parallelize(%r): %d params, %d computed params, %d gradients all-reduced by %s (%s); "
+             "%d cross-device ops in net %r (%d collectives), %d ops in all, type %r, %d workers",
+             state.model.name, len(state.param_names), len(state.computed_param_names), len(state.grad_names),
+             type(state.reducer).__name__,
+             f"buckets of <= {options.gradient_bucket_bytes} bytes" if options.gradient_bucket_bytes
+             else "one collective per gradient", len(moves), train.name, collectives, len(train.ops),
+             train.type, train.num_workers)
+    log.info("Parallelize(%r): init net %r: %d ops, then broadcasts %d blobs from %s to %s",
+             state.model.name, init.name, len(init.ops), len(state.sync_names), layout.scoped(layout.master, ""),
+             _replica_scopes(layout, 1))
+    if log.isEnabledFor(logging.DEBUG):
+        for net in state.netdefs():
+            counts: dict[str, int] = {}
+            for op in net.ops:
+                counts[op.type] = counts.get(op.type, 0) + 1
+            log.debug("Parallelize(%r): net %r ops by type: %s", state.model.name, net.name, counts)
+
+
+def _log_init(model: ModelHelper) -> None:
+    """INFO: what RunInitNet ran and created."""
+    state = model._parallel
+    log.info("RunInitNet(%r): ran %s (fills, then every replica's state broadcast from %s) and created %s "
+             "in workspace %r", model.name, [net.Proto().name for net in state.init_nets],
+             state.layout.scoped(state.layout.master, ""),
+             [(entry[0] if isinstance(entry, tuple) else entry).Proto().name for entry in state.nets],
+             workspace.CurrentWorkspace())
 
 
 def _state_of(model: ModelHelper) -> ParallelState:

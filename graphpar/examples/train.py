@@ -53,16 +53,17 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
 
-def build(devices: list[int], cpu: bool, lr: float, lr_step: int):
+def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps) and a forward-only test model
-    that shares its params."""
+    that shares its params. With `check_finite_loss` a NaN or infinite loss stops the step before it
+    updates anything (RunNet raises, naming the loss)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
         optimizer_builder_fun=lambda m: optimizer.build_sgd(
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        devices=devices, cpu_device=cpu)
+        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
                     devices=devices, cpu_device=cpu)
@@ -91,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"))
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-finite-check", action="store_true",
+                        help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
+    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built and each init/sync")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
 
     cpu = args.cpu or num_cuda_devices() == 0
     count = args.devices or (4 if cpu else num_cuda_devices())
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_epoch = len(y_train) // args.batch_size
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
-    train, test = build(devices, cpu, args.lr, args.lr_step_epochs * steps_per_epoch)
+    train, test = build(devices, cpu, args.lr, args.lr_step_epochs * steps_per_epoch, not args.no_finite_check)
     print(f"graphpar: training a CNN on {len(y_train)} digits over {count} {'CPU' if cpu else 'CUDA'} "
           f"devices ({args.batch_size // count} samples each per step)")
 

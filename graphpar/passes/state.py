@@ -48,6 +48,7 @@ class ParallelizeOptions:
     optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
     uneven_batches: bool = False
+    check_finite_loss: bool = False
 
     @property
     def training(self) -> bool:
@@ -81,6 +82,7 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     checkpoint_net: Any = None
+    feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
 
     @property
     def training(self) -> bool:
