@@ -27,8 +27,16 @@ import numpy as np
 from graphpar import workspace
 from graphpar.naming import BATCH_WEIGHT, device_scoped
 
-__all__ = ["DataContainer", "Fed", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
-           "minibatches", "scatter", "split_batch"]
+__all__ = ["DataContainer", "DeviceFeeder", "Fed", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch",  # noqa: F822
+           "flatten", "gather", "minibatches", "prepare", "scatter", "split_batch"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeviceFeeder":  # imported on first use: it needs threads and torch
+        from graphpar.feeder import DeviceFeeder
+
+        return DeviceFeeder
+    raise AttributeError(f"module 'graphpar.data' has no attribute {name!r}")
 
 
 # ---- leaves ----------------------------------------------------------------------------------------
@@ -229,19 +237,27 @@ class Fed:
     host: list[dict[str, Any]]
 
 
-def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
-    """Scatter `batch` over the model's devices and feed each device its chunk as `{prefix}_{id}/{name}`.
+@dataclass
+class Prepared:
+    """A batch scattered and checked for one model's devices, ready to feed (`prepare`'s result, a
+    `DeviceFeeder`'s items). `blobs[i]`: device i's {scoped blob name: value}. `ready[i]`, when set,
+    is an event that `feed` makes device i's current stream wait for (a host-to-device copy on a
+    side stream, through `copier`) before it feeds that device."""
 
-    Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
-    checked before the first blob is written, so a batch that is refused feeds nothing. With
-    `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
+    devices: tuple[int, ...]
+    prefix: str
+    blobs: list[dict[str, Any]]
+    names: list[str]
+    rows: list[int]
+    host: list[dict[str, Any]]
+    ready: list[Any] | None = None
+    copier: Any = None
 
-    Raises:
-        RuntimeError: the model was not parallelized.
-        ValueError: an empty batch (no rows, a device without rows, or no array to feed); fields
-            of different batch sizes; chunks of different sizes when the model does not allow them
-            (the message names the fixes); see `chunk_sizes`.
-        TypeError: a value cannot be fed (see workspace.FeedBlob).
+
+def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Prepared:
+    """Everything `feed` does but writing: scatter `batch` over the model's devices and check it.
+
+    Touches no workspace, so a `DeviceFeeder` runs it on its own thread. Raises as `feed`.
     """
     devices = model.GetDevices()
     count = len(devices)
@@ -271,13 +287,40 @@ def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = Non
     if len(set(rows)) > 1 and not allowed:
         raise ValueError(f"feed: rows per device {rows} differ; Parallelize(..., uneven_batches=True) is needed "
                          f"so each device's loss is weighted by its rows (or give every device {total // count})")
-    prepared = [(device_scoped(model._device_prefix, d, name), value)
-                for d, per_device in zip(devices, blobs) for name, value in per_device.items()]
+    prefix = model._device_prefix
+    scoped = [{device_scoped(prefix, d, name): value for name, value in per_device.items()}
+              for d, per_device in zip(devices, blobs)]
     if allowed:
-        prepared += [(device_scoped(model._device_prefix, d, BATCH_WEIGHT), np.float32(count * r / total))
-                     for d, r in zip(devices, rows)]
-    _feed_all(prepared)
-    return Fed(list(blobs[0]), rows, host)
+        for d, r, per_device in zip(devices, rows, scoped):
+            per_device[device_scoped(prefix, d, BATCH_WEIGHT)] = np.float32(count * r / total)
+    return Prepared(tuple(devices), prefix, scoped, list(blobs[0]), rows, host)
+
+
+def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
+    """Scatter `batch` over the model's devices and feed each device its chunk as `{prefix}_{id}/{name}`.
+
+    Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
+    checked before the first blob is written, so a batch that is refused feeds nothing. With
+    `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
+    `batch` may be a `Prepared` one (from `prepare` or a `DeviceFeeder`) for this model.
+
+    Raises:
+        RuntimeError: the model was not parallelized.
+        ValueError: an empty batch (no rows, a device without rows, or no array to feed); fields
+            of different batch sizes; chunks of different sizes when the model does not allow them
+            (the message names the fixes); see `chunk_sizes`; a batch prepared for other devices.
+        TypeError: a value cannot be fed (see workspace.FeedBlob).
+    """
+    if not isinstance(batch, Prepared):
+        batch = prepare(model, batch, dim, sizes)
+    elif batch.devices != tuple(model.GetDevices()) or batch.prefix != model._device_prefix:
+        raise ValueError(f"feed: the batch was prepared for devices {batch.prefix}_{list(batch.devices)}, not this "
+                         f"model's {model._device_prefix}_{model.GetDevices()}; give the DeviceFeeder this model")
+    if batch.ready is not None:
+        for d, event, per_device in zip(batch.devices, batch.ready, batch.blobs):
+            batch.copier.wait(d, event, per_device.values())
+    _feed_all([item for per_device in batch.blobs for item in per_device.items()])
+    return Fed(batch.names, batch.rows, batch.host)
 
 
 _EMPTY = ("feed: the batch {what}; an empty batch trains nothing, and on one replica it would bias the "
