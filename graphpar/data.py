@@ -27,8 +27,9 @@ import numpy as np
 from graphpar import workspace
 from graphpar.naming import BATCH_WEIGHT, device_scoped
 
-__all__ = ["DataContainer", "DeviceFeeder", "Fed", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch",  # noqa: F822
-           "flatten", "gather", "minibatches", "prepare", "scatter", "split_batch"]
+__all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
+           "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
+           "minibatches", "prepare", "scatter", "split_batch"]
 
 
 def __getattr__(name: str) -> Any:
@@ -452,6 +453,85 @@ def _pad_and_stack(arrays: list[Any], value: float, pad_dims: int | None) -> Any
     for k, a in enumerate(arrays):
         out[(k, *(slice(0, d) for d in a.shape))] = a
     return out
+
+
+# ---- samplers and a loader for arrays ---------------------------------------------------------------
+
+
+class EpochSampler:
+    """The indices of `size` samples, one pass per iteration: a permutation that depends only on
+    `seed` and the epoch (`set_epoch`, which `engine.Trainer` calls), so a resumed run sees the
+    same order; in order without `shuffle`. Usable as a `torch.utils.data.DataLoader` sampler."""
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"EpochSampler: size must be an int >= 1, got {size!r}")
+        self.size, self.shuffle, self.seed, self.epoch = size, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist())
+
+
+class InferenceSampler:
+    """Every index of `size` samples exactly once, in order, as contiguous shards (Detectron2's):
+    shard k of `num_shards` holds indices [k·size/num_shards, (k+1)·size/num_shards)."""
+
+    def __init__(self, size: int, num_shards: int = 1, shard: int = 0) -> None:
+        if size < 0 or num_shards < 1 or not 0 <= shard < num_shards:
+            raise ValueError(f"InferenceSampler: need size >= 0 and 0 <= shard < num_shards, got {size}, "
+                             f"{shard}, {num_shards}")
+        self.range = range(size * shard // num_shards, size * (shard + 1) // num_shards)
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.range)
+
+
+class ArrayLoader:
+    """Batches of in-memory arrays: `{name: array[indices]}` for `batch_size` indices at a time of
+    `sampler` (default `EpochSampler(len, shuffle, seed)`); a final partial batch is dropped with
+    `drop_last`. Has a length (batches per epoch) and `set_epoch`, as `engine.Trainer` expects.
+
+    Raises:
+        ValueError: no arrays, arrays of different lengths, batch_size < 1, or no full batch.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, sampler: Any = None) -> None:
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if not lengths or len(set(lengths.values())) > 1:
+            raise ValueError(f"ArrayLoader: needs arrays of one length, got {lengths}")
+        n = next(iter(lengths.values()))
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"ArrayLoader: batch_size must be an int >= 1, got {batch_size!r}")
+        if drop_last and batch_size > n:
+            raise ValueError(f"ArrayLoader: batch_size {batch_size} is larger than the {n} samples; use at most {n}")
+        self.arrays, self.batch_size, self.drop_last = dict(arrays), batch_size, drop_last
+        self.sampler = sampler if sampler is not None else EpochSampler(n, shuffle, seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        order = np.fromiter(self.sampler, dtype=np.int64)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start:start + self.batch_size]
+            yield {name: a[index] for name, a in self.arrays.items()}
 
 
 # ---- minibatch indices -----------------------------------------------------------------------------
