@@ -63,7 +63,7 @@ def check_balance(device_ids: Sequence[int], threshold: float = 0.75) -> bool:
     `threshold` of the memory, or else of the multiprocessor count, of another. Data parallelism runs
     at the pace of the slowest device. Returns whether it warned.
     """
-    if len(device_ids) < 2:
+    if len(device_ids) < 2 or not torch.cuda.is_available():
         return False
     props = [torch.cuda.get_device_properties(d) for d in device_ids]
     for what, value in (("memory", lambda p: p.total_memory), ("cores", lambda p: p.multi_processor_count)):

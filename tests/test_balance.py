@@ -17,6 +17,7 @@ GIB = 1 << 30
 
 
 def _props(monkeypatch, table: dict[int, tuple[int, int]]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(total_memory=table[d][0], multi_processor_count=table[d][1]))
 
@@ -39,6 +40,8 @@ def test_balanced_or_single_devices_do_not_warn(monkeypatch):
         warnings.simplefilter("error")
         assert not check_balance([0, 1, 3])  # 61/80 and 100/132 are above 75%
         assert not check_balance([0])
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert not check_balance([0, 1])  # no properties to read (a CPU-only torch)
 
 
 def test_parallelize_on_cuda_devices_runs_the_check(monkeypatch):
