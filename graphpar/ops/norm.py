@@ -16,14 +16,15 @@ divided by num_batches, because the gradient all-reduce that follows sums the pe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
-from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
+from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, InputCheck, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import nhwc_capable, require_nchw
@@ -44,6 +45,29 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _count(x: torch.Tensor) -> int:
     """Values per channel in X."""
     return x.numel() // x.shape[1]
+
+
+def _per_channel_inputs(*vectors: int, like_x: tuple[int, ...] = ()) -> InputCheck:
+    """An input check: X (input 0) has a channel axis (1, or the last with order NHWC), inputs
+    `vectors` (those present) have shape [C], and inputs `like_x` have X's shape; torch's batch-norm
+    kernels would broadcast a [1] scale or running statistic silently."""
+
+    def check(a: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        x = tuple(inputs[0].shape)
+        if len(x) < 2:
+            raise ValueError(f"{op.type}: X {op.inputs[0]!r} needs a batch and a channel axis, got shape {list(x)}")
+        channels = x[-1] if a.order == "NHWC" else x[1]
+        for k in vectors:
+            if k < len(inputs) and tuple(inputs[k].shape) != (channels,):
+                raise ValueError(f"{op.type}: input {k} {op.inputs[k]!r} has shape {list(inputs[k].shape)}; it "
+                                 f"needs one value per channel of X {op.inputs[0]!r} (shape {list(x)}): "
+                                 f"[{channels}]")
+        for k in like_x:
+            if tuple(inputs[k].shape) != x:
+                raise ValueError(f"{op.type}: input {k} {op.inputs[k]!r} has shape {list(inputs[k].shape)}; it "
+                                 f"must have X's shape {list(x)}")
+
+    return check
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,6 +167,7 @@ register_op(
     args={"is_test": False, "epsilon": 1e-5, "momentum": 0.9, "num_batches": 1, "order": "NCHW"},
     kernel=nhwc_capable(_spatial_bn),
     gradient=_spatial_bn_gradient,
+    check=_per_channel_inputs(1, 2, 3, 4, 5, 6),
     doc="Batch norm over NCHW channels. Training: X, scale, bias, running_mean, running_var[, sums, "
     "sumsq] -> Y, running_mean, running_var (in place), saved_mean, saved_inv_std; batch mean and "
     "biased variance normalise, running stats move by momentum (weight of the old value), the "
@@ -199,6 +224,7 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
 
 register_gradient(
     "SpatialBNGradient", "SpatialBN", nhwc_capable(_spatial_bn_grad), inputs=(5, 8), outputs=3, inplace={(5, 1), (6, 2)},
+    check=_per_channel_inputs(1, 3, 4, 5, 6, like_x=(2,)),
     doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias[, count]]) -> dX, "
     "dscale, dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
     "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "
