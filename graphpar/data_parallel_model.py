@@ -41,7 +41,7 @@ from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import cuda_is_simulated, num_cuda_devices
+from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
 from graphpar.errors import CheckpointError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
@@ -173,6 +173,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             they matter only with multi-host training, not supported yet.
         rendezvous: not supported yet (NotImplementedError).
 
+    Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
+    (`devices.check_balance`, as `DataParallel` does).
+
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
             nonexistent CUDA device ids, a bad net_type or num_threads_per_device, both update
@@ -193,6 +196,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    if not cpu_device and not cuda_is_simulated():
+        check_balance(layout.devices)
     options = ParallelizeOptions(
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,

@@ -86,6 +86,7 @@ def _bad_update(model, tmp_path):
 
 
 def _bad_input(model, tmp_path):
+    workspace.FeedBlob("cpu_0/data", workspace.FetchBlob("cpu_0/data"))  # every replica fed a new batch
     workspace.FeedBlob("cpu_1/data", np.zeros((2, 2, 4, 4), np.float32))
     return lambda: dpm.RunNet(model, 1)
 
