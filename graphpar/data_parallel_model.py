@@ -42,7 +42,7 @@ from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import cuda_is_simulated, num_cuda_devices
-from graphpar.errors import ParallelizeError
+from graphpar.errors import DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.model_helper import ModelHelper
 from graphpar.naming import device_prefix, stripBlobName
@@ -547,7 +547,7 @@ def GetDevices(model: ModelHelper) -> list[int]:  # noqa: N802
 def _check_no_device_scope(what: str) -> None:
     scope = CurrentDeviceScope()
     if scope is not None and scope.device_type != CPU:
-        raise ParallelizeError(f"{what} must be called without a device scope (it sets one per device); "
+        raise DeviceScopeError(f"{what} must be called without a device scope (it sets one per device); "
                                f"it was called inside DeviceScope({scope})")
 
 

@@ -241,8 +241,9 @@ class SgdOptimizer(Optimizer):
                        device: DeviceOption) -> None:
         """Only the rows in the slice: ScatterWeightedSum (plain) or SparseMomentumSGDUpdate."""
         lr = self.build_lr(net, init_net, device)
+        one = _one(init_net, device)  # created either way, as Caffe2 (a shared auxiliary parameter)
         if self.momentum == 0:
-            net.ScatterWeightedSum([param, _one(init_net, device), grad.indices, grad.values, lr], param)
+            net.ScatterWeightedSum([param, one, grad.indices, grad.values, lr], param)
             return
         mom = BlobReference(momentum_name(param))
         init_net.ConstantFill([param], mom, value=0.0)

@@ -135,7 +135,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
 
 
 def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:
-    defined = set(workspace.blobs)
+    defined = {*workspace.blobs, *getattr(workspace, "objects", ())}  # CreateBlob'd blobs count as present
     for index, op in enumerate(netdef.ops):
         for what, names in (("input", op.inputs), ("control input", op.control_inputs)):
             for k, blob in enumerate(names):
