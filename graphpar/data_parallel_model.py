@@ -42,7 +42,7 @@ from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
-from graphpar.errors import CheckpointError, ParallelizeError
+from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.feeds import FeedTracker
@@ -386,7 +386,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """
     state = _state_of(model)
     ws = workspace.get_workspace()
-    defined = set(ws.blobs)
+    defined = {*ws.blobs, *ws.objects}
     for net in state.init_nets:
         netdef = net.Proto()
         check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
@@ -665,7 +665,7 @@ def GetDevices(model: ModelHelper) -> list[int]:  # noqa: N802
 def _check_no_device_scope(what: str) -> None:
     scope = CurrentDeviceScope()
     if scope is not None and scope.device_type != CPU:
-        raise ParallelizeError(f"{what} must be called without a device scope (it sets one per device); "
+        raise DeviceScopeError(f"{what} must be called without a device scope (it sets one per device); "
                                f"it was called inside DeviceScope({scope})")
 
 

@@ -131,7 +131,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     netdef = netdef.copy()
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
-    check_inputs_exist(netdef, set(workspace.blobs), workspace.name)
+    check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     infer_specs(netdef, workspace.blobs)
     updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
     dependencies = predecessors(netdef)
