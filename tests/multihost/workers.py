@@ -1,0 +1,120 @@
+"""Training processes for the multi-host tests: one shard each, started by `tests.multihost.helpers`.
+
+Kept free of pytest so that spawned children import it cheaply. Every worker trains the same model on
+the same global batches; shard `s` of `S` with `D` local devices feeds global slices `s*D .. s*D+D-1`,
+so S shards x D devices compute what 1 shard x S*D devices computes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+GLOBAL_BATCH = 8
+LR, MOMENTUM = 0.125, 0.9
+
+
+def forward(kind: str, hidden: int = 8):  # noqa: ANN201
+    from graphpar import brew
+    from graphpar.models.common import softmax_loss
+
+    def mlp(model, loss_scale):  # noqa: ANN001, ANN202
+        h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=hidden)
+        h = brew.relu(model, h, h)
+        return softmax_loss(model, brew.fc(model, h, "pred", dim_in=hidden, dim_out=3), "label", loss_scale)
+
+    def cnn(model, loss_scale):  # noqa: ANN001, ANN202
+        h = brew.conv(model, "data", "conv1", dim_in=2, dim_out=3, kernel=3, pad=1, no_bias=True)
+        h = brew.spatial_bn(model, h, "bn1", dim_in=3, epsilon=1e-5, momentum=0.9)
+        h = brew.relu(model, h, h)
+        h = brew.max_pool(model, h, "pool1", kernel=2, stride=2)
+        return softmax_loss(model, brew.fc(model, h, "pred", dim_in=3 * 2 * 2, dim_out=3), "label", loss_scale)
+
+    return {"mlp": mlp, "cnn": cnn}[kind]
+
+
+def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(100 + step)
+    shape = (6,) if kind == "mlp" else (2, 4, 4)
+    return rng.randn(GLOBAL_BATCH, *shape).astype(np.float32), rng.randint(0, 3, GLOBAL_BATCH).astype(np.int32)
+
+
+def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, **options: Any):  # noqa: ANN201
+    from graphpar import data_parallel_model as dpm
+    from graphpar import optimizer
+    from graphpar.model_helper import ModelHelper
+
+    model = ModelHelper(name=f"multihost_{kind}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward(kind, hidden),
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
+                    devices=devices, cpu_device=True, rendezvous=rendezvous, **options)
+    return model
+
+
+def feed(kind: str, step: int, shard: int, num_shards: int, devices: list[int]) -> None:
+    """Shard `shard`'s local devices get global slices shard*D .. shard*D + D - 1 of the batch."""
+    from graphpar import workspace
+
+    x, y = batch(kind, step)
+    parts = np.split(np.arange(GLOBAL_BATCH), len(devices) * num_shards)
+    for d, device in enumerate(devices):
+        rows = parts[shard * len(devices) + d]
+        workspace.FeedBlob(f"cpu_{device}/data", x[rows])
+        workspace.FeedBlob(f"cpu_{device}/label", y[rows])
+
+
+def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Every replica's params and computed params (cpu_<d>/name)."""
+    from graphpar import workspace
+
+    names = [str(p) for p in model.GetParams()] + [str(p) for p in model.GetComputedParams()]
+    return {name: workspace.FetchBlob(name) for name in names}
+
+
+def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
+          seed: int = 0, die_at: int | None = None, timeout_sec: float = 20, **options: Any) -> None:
+    """Train `steps` steps; save every replica's state after init and after each step to `out`
+    (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
+    other through a FileStore in directory `store`; `die_at` kills this process before that step."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    workspace.ResetWorkspace()
+    workspace.SetSeed(seed)
+    # every process runs the same nets before the init net (random draws depend on the compile count)
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = None
+    if num_shards > 1:
+        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards,
+                      "engine": "GLOO", "timeout_sec": timeout_sec}
+    try:
+        model = build(kind, devices, rendezvous, **options)
+        feed(kind, 0, shard, num_shards, devices)
+        dpm.RunInitNet(model)
+        saved = {f"init/{k}": v for k, v in state(model).items()}
+        for step in range(steps):
+            if die_at is not None and step == die_at:
+                os._exit(3)
+            feed(kind, step, shard, num_shards, devices)
+            dpm.RunNet(model, 1)
+            saved.update({f"{step}/{k}": v for k, v in state(model).items()})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def train_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:
+    """`train` once per entry of `runs` (keyword arguments over `common`), into `out_<k>.npz`: one
+    process start amortised over several models."""
+    for k, run in enumerate(runs):
+        train(f"{out}_{k}.npz", **{**common, **run})
+
+
+def _op(type_: str, inputs: list[str], outputs: list[str], **args: Any):  # noqa: ANN202
+    from graphpar import core
+
+    return core.CreateOperator(type_, inputs, outputs, **args)
