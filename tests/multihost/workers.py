@@ -118,3 +118,30 @@ def _op(type_: str, inputs: list[str], outputs: list[str], **args: Any):  # noqa
     from graphpar import core
 
     return core.CreateOperator(type_, inputs, outputs, **args)
+
+
+def report_rank(directory: str) -> None:
+    """For graphpar.launch: write this process's rank, world size and local rank, after an all-reduce
+    over the default group that every rank must join."""
+    import torch
+    import torch.distributed as dist
+
+    from graphpar import launch
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    with open(os.path.join(directory, f"rank{launch.get_rank()}"), "w") as f:
+        f.write(f"{launch.get_world_size()} {launch.get_local_rank()} {launch.is_main_process()} {int(total)}")
+
+
+def fail_on_rank_1(directory: str) -> None:
+    """For graphpar.launch: rank 1 raises, rank 0 waits for a barrier that never completes."""
+    import torch.distributed as dist
+
+    from graphpar import launch
+
+    if launch.get_rank() == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    with open(os.path.join(directory, "pid0"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()
