@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -116,13 +117,22 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
     import torch.multiprocessing as mp
 
     addr, port = _master(dist_url, num_machines)
-    mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
-                       args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
-                             tuple(args), timeout))
+    errors = mp.get_context("spawn").SimpleQueue()  # tracebacks in the order the processes failed
+    try:
+        mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
+                           args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
+                                 tuple(args), timeout, errors))
+    except mp.ProcessRaisedException as exc:
+        if errors.empty():
+            raise
+        # the first failure is the cause; the others' (a peer's connection reset) are its consequences
+        rank, trace = errors.get()
+        raise mp.ProcessRaisedException(f"\n\n-- Process {rank} failed first, with:\n{trace}", rank,
+                                        exc.error_pid) from None
 
 
 def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
-            addr: str, port: int, args: tuple, timeout: datetime.timedelta) -> None:
+            addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any) -> None:
     import torch.distributed as dist
 
     rank = machine_rank * per_machine + local_rank
@@ -131,6 +141,9 @@ def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, nu
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)
     try:
         main_func(*args)
+    except BaseException:
+        errors.put((local_rank, traceback.format_exc()))
+        raise
     finally:
         dist.destroy_process_group()
 
