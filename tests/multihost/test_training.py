@@ -88,3 +88,28 @@ def test_a_shard_with_another_model_fails_at_init_on_every_shard(tmp_path: Path)
     for r in range(2):
         error = (tmp_path / f"shard{r}_0.npz.error").read_text()
         assert "shard(s) [1] built a different model than shard 0" in error, error
+
+
+def test_a_shard_that_hangs_makes_the_other_raise_after_the_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],
+                          [dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), steps=STEPS, timeout_sec=2,
+                                hang_at=2 if r == 1 else None) for r in range(2)], limit=60)
+    assert codes == [0, 4]
+    assert time.monotonic() - start < 30
+    error = (tmp_path / "shard0_0.npz.error").read_text()
+    assert "shard 0 of 2" in error and "timeout 2 s" in error, error
+
+
+def test_blob_syncs_checkpoint_sync_and_barriers_cross_shards(tmp_path: Path) -> None:
+    codes = run_processes(workers.sync_checks, [(str(tmp_path / f"shard{r}"), r, 2, str(tmp_path)) for r in range(2)],
+                          limit=60)
+    assert codes == [0, 0]
+    assert not list(tmp_path.glob("*.error")), [p.read_text() for p in tmp_path.glob("*.error")]
+    for r in range(2):
+        got = load(tmp_path / f"shard{r}.npz")
+        assert got["marker0"][0] == got["marker1"][0] == 0.0  # AddBlobSync: shard 0's first device
+        assert got["total"][0] == 3.0  # AddDistributedBlobSync: 1 + 2, across shards only
+        np.testing.assert_array_equal(got["fc1_w0"], np.zeros((8, 6), np.float32))  # FinalizeAfterCheckpoint
+        np.testing.assert_array_equal(got["fc1_w1"], np.zeros((8, 6), np.float32))
+        assert "one timeout for every call" in str(got["timeout_change"])

@@ -8,6 +8,7 @@ so S shards x D devices compute what 1 shard x S*D devices computes.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,12 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
-          seed: int = 0, die_at: int | None = None, timeout_sec: float = 20, **options: Any) -> None:
+          seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
+          **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
-    other through a FileStore in directory `store`; `die_at` kills this process before that step."""
+    other through a FileStore in directory `store`; `die_at` kills this process before that step,
+    `hang_at` makes it sleep there for three timeouts, then exit."""
     from graphpar import data_parallel_model as dpm
     from graphpar import workspace
 
@@ -97,6 +100,9 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
         for step in range(steps):
             if die_at is not None and step == die_at:
                 os._exit(3)
+            if hang_at is not None and step == hang_at:
+                time.sleep(3 * timeout_sec)
+                os._exit(4)
             feed(kind, step, shard, num_shards, devices)
             dpm.RunNet(model, 1)
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
@@ -145,3 +151,41 @@ def fail_on_rank_1(directory: str) -> None:
     with open(os.path.join(directory, "pid0"), "w") as f:
         f.write(str(os.getpid()))
     dist.barrier()
+
+
+def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
+    """AddBlobSync, AddDistributedBlobSync, FinalizeAfterCheckpoint and Synchronize across shards; the
+    values seen are saved to `out` (or the error to `out + ".error"`)."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    workspace.ResetWorkspace()
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 10}
+    try:
+        model = build("mlp", [0, 1], rendezvous)
+        dpm.AddBlobSync(model, ["marker"])
+        dpm.AddDistributedBlobSync(model, ["cpu_0/total"])
+        feed("mlp", 0, shard, num_shards, [0, 1])
+        for d in (0, 1):
+            workspace.FeedBlob(f"cpu_{d}/marker", np.array([10.0 * shard + d], dtype=np.float32))
+        workspace.FeedBlob("cpu_0/total", np.array([shard + 1.0], dtype=np.float32))
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+        saved = {f"marker{d}": workspace.FetchBlob(f"cpu_{d}/marker") for d in (0, 1)}
+        saved["total"] = workspace.FetchBlob("cpu_0/total")
+        dpm.Synchronize(model, 10)
+        dpm.Synchronize(model, 10)
+        # a "checkpoint" that differs per shard: FinalizeAfterCheckpoint makes shard 0's first device win
+        workspace.FeedBlob("cpu_0/fc1_w", np.full((8, 6), float(shard), dtype=np.float32))
+        dpm.FinalizeAfterCheckpoint(model)
+        saved.update({f"fc1_w{d}": workspace.FetchBlob(f"cpu_{d}/fc1_w") for d in (0, 1)})
+        try:
+            dpm.Synchronize(model, 11)
+        except Exception as exc:  # noqa: BLE001
+            saved["timeout_change"] = np.array(str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
