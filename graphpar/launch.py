@@ -10,7 +10,10 @@ Every process gets torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZ
 GROUP_RANK, MASTER_ADDR, MASTER_PORT), so a script written for the launcher also runs under
 `torchrun`, and `rendezvous()` gives the `Parallelize(rendezvous=...)` dict for it (kv_handler=None:
 torch.distributed's default group, joined through env://). `dist_url="auto"` picks a free local port
-(one machine only). When one process fails, the others are stopped, its traceback is shown and the
+(one machine only). Each process gets an equal share of this machine's cores (OMP_NUM_THREADS,
+unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
+CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
+When one process fails, the others are stopped, its traceback is shown and the
 launcher exits non-zero; no process outlives it.
 """
 
@@ -90,9 +93,11 @@ def _master(dist_url: str, num_machines: int) -> tuple[str, int]:
 
 def _environment(rank: int, local_rank: int, world_size: int, local_world_size: int, machine_rank: int,
                  addr: str, port: int) -> dict[str, str]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // local_world_size))
     return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(machine_rank),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads}
 
 
 def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_machines: int = 1,
@@ -133,11 +138,13 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
 
 def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
             addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any) -> None:
+    import torch
     import torch.distributed as dist
 
     rank = machine_rank * per_machine + local_rank
     os.environ.update(_environment(rank, local_rank, per_machine * num_machines, per_machine, machine_rank,
                                    addr, port))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read by OpenMP only when torch started
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)
     try:
         main_func(*args)

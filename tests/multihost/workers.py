@@ -81,9 +81,12 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
     `hang_at` makes it sleep there for three timeouts, then exit."""
+    import torch
+
     from graphpar import data_parallel_model as dpm
     from graphpar import workspace
 
+    torch.set_num_threads(1)  # as graphpar.launch: processes share the cores (same results, less contention)
     workspace.ResetWorkspace()
     workspace.SetSeed(seed)
     # every process runs the same nets before the init net (random draws depend on the compile count)
