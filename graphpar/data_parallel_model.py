@@ -33,7 +33,7 @@ import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from graphpar import workspace
@@ -270,14 +270,17 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
         add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
         max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
-        max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted; multi-host only.
+        rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
+            several shards the global net averages the params of every replica of every shard (local
+            sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
+            master computes the same global model; block_momentum defaults to 1 - 1/(devices *
+            num_shards) and loss_scale is 1/(devices * num_shards), as in Caffe2.
 
     Raises:
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
-        NotImplementedError: a rendezvous (multi-host is not supported yet).
     """
     _check_no_device_scope("Parallelize_BMUF")
-    _refuse_unsupported(rendezvous=rendezvous is not None)
+    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF")
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     if not callable(param_update_builder_fun):
         raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
@@ -285,14 +288,17 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     _check_options(cpu_device, param_update_builder_fun, None, False, net_type, num_threads_per_device)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     options = ParallelizeOptions(input_builder_fun, forward_pass_builder_fun, param_update_builder_fun,
-                                 net_type=net_type, num_threads_per_device=num_threads_per_device,
-                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory)
+                                 rendezvous=rdv, net_type=net_type, num_threads_per_device=num_threads_per_device,
+                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
+                                 max_concurrent_distributed_ops=max_concurrent_distributed_ops,
+                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec))
     blob_to_device: dict[str, DeviceOption] = {}
-    bmuf = bmuf_options(layout, make_reducer, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
+    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops)
+    bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
-                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm)
+                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
     with _gc_paused(), _unchanged_on_error(model):
-        reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout))
+        reducer = reducers(layout, blob_to_device, use_nccl, _peer_access(layout))
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
@@ -594,13 +600,6 @@ def _check_no_device_scope(what: str) -> None:
     if scope is not None and scope.device_type != CPU:
         raise ParallelizeError(f"{what} must be called without a device scope (it sets one per device); "
                                f"it was called inside DeviceScope({scope})")
-
-
-def _refuse_unsupported(**options: bool) -> None:
-    used = [name for name, on in options.items() if on]
-    if used:
-        raise NotImplementedError(f"Parallelize: {', '.join(used)} not supported yet; leave "
-                                  f"{'it' if len(used) == 1 else 'them'} at the default")
 
 
 def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: Any) -> ModelHelper:

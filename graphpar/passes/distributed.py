@@ -19,7 +19,7 @@ from graphpar.core.schema import Trait, has_trait
 from graphpar.distributed import Rendezvous
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import make_op
-from graphpar.passes.reducers import DistributedReducer
+from graphpar.passes.reducers import WORLD_PREFIX, DistributedReducer
 from graphpar.passes.state import ParallelState
 
 BARRIER_WORLD = "graphpar_barrier_cw"  # RunInitNet's pre-training barrier
@@ -63,17 +63,19 @@ def store_of(rendezvous: Rendezvous) -> tuple[list[str], int]:
 
 
 def create_common_worlds(state: ParallelState) -> None:
-    """Create the communicators the nets' collectives read, before the first collective of
-    `param_init_net`; keep only those for later collectives (AddBlobSync, checkpoints); add the
-    barrier net to the init nets."""
+    """Create the communicators the collectives of every model net read (BMUF's global nets included),
+    before the first collective of `param_init_net`; keep only those for later collectives
+    (AddBlobSync, checkpoints); add the barrier net to the init nets."""
     reducer, rendezvous, options = state.reducer, state.options.rendezvous, state.options
     assert isinstance(reducer, DistributedReducer) and rendezvous is not None
-    nets = state.netdefs()
+    listed = [entry[0] if isinstance(entry, tuple) else entry for entry in (*state.init_nets, *state.nets)]
+    nets = [*state.netdefs(), *(net.Proto() for net in listed)]  # BMUF's global nets too
     used = {op.inputs[0] for net in nets for op in net.ops if has_trait(op, Trait.DISTRIBUTED)}
     reducer.worlds = [w for w in reducer.worlds if w in used] or reducer.worlds[:1]
+    worlds = sorted(used | set(reducer.worlds), key=lambda w: int(w[len(WORLD_PREFIX):]))
     signature, store = model_signature(state), store_of(rendezvous)
     creates = [create_world_op(rendezvous, world, rendezvous.timeout_sec, store, signature if k == 0 else "")
-               for k, world in enumerate(reducer.worlds)]
+               for k, world in enumerate(worlds)]
     init = state.model.param_init_net.Proto()
     first = next((i for i, op in enumerate(init.ops) if has_trait(op, Trait.DISTRIBUTED)), len(init.ops))
     init.ops[first:first] = creates

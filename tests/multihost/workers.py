@@ -42,12 +42,28 @@ def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.randn(GLOBAL_BATCH, *shape).astype(np.float32), rng.randint(0, 3, GLOBAL_BATCH).astype(np.int32)
 
 
-def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, **options: Any):  # noqa: ANN201
+def local_sgd(model) -> None:  # noqa: ANN001
+    """BMUF's per-device update: momentum SGD on the replica's own gradients."""
+    from graphpar import brew
+
+    rate = model.net.LearningRate([brew.iter(model, "ITER")], "LR", base_lr=LR, policy="fixed")
+    for param in model.GetParams():
+        momentum = model.param_init_net.ConstantFill([param], f"{param}_momentum".split("/")[-1], value=0.0)
+        grad = model.param_to_grad[param]
+        model.net.MomentumSGDUpdate([grad, momentum, rate, param], [grad, momentum, param], momentum=MOMENTUM)
+
+
+def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, bmuf: bool = False,
+          **options: Any):  # noqa: ANN201
     from graphpar import data_parallel_model as dpm
     from graphpar import optimizer
     from graphpar.model_helper import ModelHelper
 
     model = ModelHelper(name=f"multihost_{kind}")
+    if bmuf:
+        dpm.Parallelize_BMUF(model, lambda m: None, forward(kind, hidden), local_sgd, devices=devices,
+                             cpu_device=True, rendezvous=rendezvous, block_learning_rate=0.5, **options)
+        return model
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward(kind, hidden),
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
                     devices=devices, cpu_device=True, rendezvous=rendezvous, **options)
@@ -67,16 +83,18 @@ def feed(kind: str, step: int, shard: int, num_shards: int, devices: list[int]) 
 
 
 def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
-    """Every replica's params and computed params (cpu_<d>/name)."""
+    """Every replica's params and computed params (cpu_<d>/name), and BMUF's global model."""
     from graphpar import workspace
 
     names = [str(p) for p in model.GetParams()] + [str(p) for p in model.GetComputedParams()]
+    names += [f"{p}_{suffix}" for p in model.GetParams() for suffix in ("g", "v")
+              if workspace.HasBlob(f"{p}_{suffix}")]
     return {name: workspace.FetchBlob(name) for name in names}
 
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
-          **options: Any) -> None:
+          bmuf: bool = False, **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
@@ -96,7 +114,7 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
         rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards,
                       "engine": "GLOO", "timeout_sec": timeout_sec}
     try:
-        model = build(kind, devices, rendezvous, **options)
+        model = build(kind, devices, rendezvous, bmuf=bmuf, **options)
         feed(kind, 0, shard, num_shards, devices)
         dpm.RunInitNet(model)
         saved = {f"init/{k}": v for k, v in state(model).items()}
@@ -107,7 +125,7 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
                 time.sleep(3 * timeout_sec)
                 os._exit(4)
             feed(kind, step, shard, num_shards, devices)
-            dpm.RunNet(model, 1)
+            dpm.RunNet(model, 2 if bmuf else 1)
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
     except Exception as exc:  # noqa: BLE001 - reported to the test
         with open(out + ".error", "w") as f:
