@@ -148,7 +148,7 @@ def test_feed_refuses_empty_uneven_and_inconsistent_batches_and_feeds_nothing():
 def test_a_failing_feed_restores_the_blobs_it_had_written():
     model = _forward_only([0, 1])
     workspace.FeedBlob("cpu_0/img", np.zeros((1, 2), dtype=np.float32))
-    batch = {"img": np.ones((4, 2), dtype=np.float32), "text": np.array(["a", "b", "c", "d"], dtype=object)}
+    batch = {"img": np.ones((4, 2), dtype=np.float32), "mixed": np.array([1, "b", None, {}], dtype=object)}  # no numeric or text array
     with pytest.raises(TypeError):
         feed(model, batch)
     np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/img"), np.zeros((1, 2)))
