@@ -288,15 +288,6 @@ def test_epoch_sampler_depends_only_on_seed_and_epoch():
     assert list(again) == second and list(EpochSampler(3, shuffle=False)) == [0, 1, 2]
 
 
-def test_inference_sampler_shards_cover_every_index_once():
-    from graphpar.data import InferenceSampler
-
-    shards = [list(InferenceSampler(10, 3, k)) for k in range(3)]
-    assert shards == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
-    with pytest.raises(ValueError, match="0 <= shard < num_shards"):
-        InferenceSampler(10, 2, 2)
-
-
 def test_array_loader_batches_follow_the_sampler_and_drop_the_partial_batch():
     from graphpar.data import ArrayLoader
 
