@@ -11,9 +11,11 @@ import torch
 
 from graphpar import checkpoint, model_helper, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.core import NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import CheckpointError, MissingBlobError, OperatorError, ParallelizeError
 from graphpar.executor import get_executor
+from tests.executor import toy_ops
 from tests.test_data_parallel_model import MLP, MLP_PARAMS, _bn_forward, batches, feed, fetch_params, sgd
 
 BN_DATA = batches(3, 4, (2, 3, 3))
@@ -119,6 +121,17 @@ def _finalize_orphans(model, tmp_path):
     return lambda: dpm.FinalizeAfterCheckpoint(model)
 
 
+def _create_unbuildable(model, tmp_path):
+    with toy_ops.registered():
+        workspace.CreateNet(NetDef("bad", [OperatorDef("_TestBadFactory", ["cpu_0/pred_w"], ["out"])]))
+
+
+def _run_once_failing(model, tmp_path):
+    with toy_ops.registered():
+        workspace.RunNetOnce(NetDef("bad", [OperatorDef("GaussianFill", [], ["noise"], {"shape": [2]}),
+                                            OperatorDef("_TestFail", ["noise"], ["out"])]))
+
+
 def _parallelize_again(model, tmp_path):
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_bn_forward,
                     devices=[0, 1], cpu_device=True)
@@ -135,7 +148,11 @@ CASES = {
     "FinalizeAfterCheckpoint, missing blob": (_finalize_missing, MissingBlobError),
     "FinalizeAfterCheckpoint, other device": (_finalize_orphans, CheckpointError),
     "Parallelize": (_parallelize_again, ParallelizeError),
+    "workspace.CreateNet": (_create_unbuildable, OperatorError),
+    "workspace.RunNetOnce": (_run_once_failing, OperatorError),
 }
+DIRECT = {"RunInitNet twice", "CreateNet of created nets", "FeedBlob", "checkpoint.load", "checkpoint.save",
+          "Parallelize", "workspace.CreateNet", "workspace.RunNetOnce"}
 
 
 @pytest.mark.parametrize("net_type", ["simple", "dag"])
@@ -143,10 +160,7 @@ CASES = {
 def test_a_call_that_raises_leaves_workspace_and_model_as_they_were(case, net_type, tmp_path):
     model = trained(net_type=net_type)
     setup, error = CASES[case]
-    call = (lambda: setup(model, tmp_path)) if case in ("RunInitNet twice", "CreateNet of created nets", "FeedBlob",
-                                                        "checkpoint.load", "checkpoint.save", "Parallelize") else None
-    if call is None:
-        call = setup(model, tmp_path)
+    call = (lambda: setup(model, tmp_path)) if case in DIRECT else setup(model, tmp_path)
     before, state = snapshot(), model_state(model)
     with pytest.raises(error):
         call()
@@ -304,6 +318,14 @@ def test_skipping_finalize_after_checkpoint_is_detected(tmp_path, direct):
     for name, value in fetch_params(model, MLP_PARAMS, 1).items():
         np.testing.assert_array_equal(value, workspace.FetchBlob(f"cpu_0/{name}"))
     assert workspace.get_workspace().loaded == {}
+
+
+def test_a_checkpoint_of_every_replica_needs_no_broadcast(tmp_path):
+    model = _resumable([0, 1])
+    path = tmp_path / "all.safetensors"
+    checkpoint.save(path, [n for n in workspace.Blobs() if n.startswith(("cpu_0/", "cpu_1/")) and "fc" in n])
+    checkpoint.load(path)
+    dpm.RunNet(model, 1)
 
 
 def test_loading_before_run_init_net_is_detected(tmp_path):
