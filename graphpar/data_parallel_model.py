@@ -104,6 +104,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
+    uneven_batches: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -145,9 +146,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             use oneDNN themselves), replicas named `cpu_<id>`.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
-            Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
-            N times its own batch).
+            (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
+            batches of different sizes still get the whole batch's statistics); forward-only models
+            ignore it.
+        uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
+            batch that is not a multiple of the device count): each replica's loss gradient is
+            multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
+            whole batch. `feed` must then feed every step (the train net reads the blob).
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -169,7 +174,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell.
             The model is left as it was.
-        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable,
+        TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes.
         NotImplementedError: an option listed above as not supported yet.
     """
@@ -186,7 +191,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -414,10 +419,18 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     net and one iteration: as before the call).
 
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate.
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
+            called there); nothing runs then. Other workspace errors propagate.
     """
-    for entry in _state_of(model).nets:
-        net, count = entry if isinstance(entry, tuple) else (entry, num_iterations)
+    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in _state_of(model).nets]
+    ws = workspace.get_workspace()
+    missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
+    if missing:
+        raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
+                           f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
+                           f"nets, which create the params, then creates the model's nets)")
+    for net, count in entries:
         workspace.RunNet(net, count)
 
 
@@ -653,7 +666,10 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
     if devices is None:
         devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
     try:
-        ids = tuple(operator.index(d) for d in devices)
+        listed = list(devices)
+        if any(isinstance(d, bool) for d in listed):  # True is index 1: [True, False] would be devices 1, 0
+            raise TypeError
+        ids = tuple(operator.index(d) for d in listed)
     except TypeError:
         raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
     if not ids:

@@ -40,6 +40,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -577,6 +578,11 @@ def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802
     for _ in range(num_runs):
         RunOperatorOnce(op)
     return True
+
+
+# Caffe2's C++ binding module, as far as its Python tests read it (build flags). graphpar has no C++
+# Workspace/Blob/Tensor objects: use this module's functions (docs/caffe2_tests.md).
+C = SimpleNamespace(use_mkldnn=False, use_ideep=False, has_mkldnn=False, is_asan=False)
 
 
 def GlobalInit(args: list[str]) -> bool:  # noqa: N802

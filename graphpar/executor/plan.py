@@ -13,6 +13,7 @@ outputs are written only after the kernel returns, so a failed op writes nothing
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -177,9 +178,12 @@ def check_inputs_exist(netdef: NetDef, defined: set[str], workspace_name: str, b
         for what, names in (("input", op.inputs), ("control input", op.control_inputs)):
             for k, blob in enumerate(names):
                 if blob not in defined:
+                    read = {b for other in netdef.ops for b in other.inputs}  # a misspelt feed: read by no op
+                    close = difflib.get_close_matches(blob, sorted(b for b in defined if b not in read), n=3)
+                    hint = f" Did you mean {', '.join(map(repr, close))} (fed under another name)?" if close else ""
                     raise MissingBlobError(
                         f"{op_location(netdef, index)}: {what} {k} {blob!r} does not exist in workspace "
-                        f"{workspace_name!r} and no earlier op of the net produces it. Feed it (FeedBlob) "
+                        f"{workspace_name!r} and no earlier op of the net produces it.{hint} Feed it (FeedBlob) "
                         f"or run the net that creates it (e.g. the param_init_net) before {before}"
                         f"{recorded_at(op)}.")
         defined.update(op.outputs)
