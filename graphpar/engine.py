@@ -362,7 +362,7 @@ class Trainer:
         target = found or (Path(path) if path is not None else None)
         if target is None:
             return self.start_iter
-        checkpoint.load(target)
+        checkpoint.load(target, model=self.model)  # onto this run's first device, whatever it was saved on
         dpm.FinalizeAfterCheckpoint(self.model)
         if found is None:  # weights only: start at 0
             return self.start_iter
