@@ -244,13 +244,16 @@ def _resumable(devices, cpu_device=True):
     return model
 
 
-def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_with_it(tmp_path):
+@pytest.mark.parametrize("saved_on, resumed_on", [((0, 1), (2, 3)), ((1, 2), (0, 1))],
+                         ids=["not a replica", "a replica but not the first"])
+def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_with_it(tmp_path, saved_on,
+                                                                                      resumed_on):
     workspace.SwitchWorkspace("uninterrupted", True)
-    expected = fetch_params(trained((0, 1), 2, forward=MLP, data=MLP_DATA), MLP_PARAMS)
-    path = _saved(tmp_path)
+    expected = fetch_params(trained(saved_on, 2, forward=MLP, data=MLP_DATA), MLP_PARAMS)
+    path = _saved(tmp_path, saved_on)
 
-    model = _resumable([2, 3])
-    checkpoint.load(path)  # names cpu_0/...: no replica of the model
+    model = _resumable(list(resumed_on))
+    checkpoint.load(path)  # names cpu_<saved_on[0]>/...: not the model's first device
     before = snapshot()
     with pytest.raises(CheckpointError, match="another first device"):
         dpm.FinalizeAfterCheckpoint(model)
@@ -260,13 +263,13 @@ def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_w
     assert_same(before)
 
     workspace.ResetWorkspace()
-    model = _resumable([2, 3])
+    model = _resumable(list(resumed_on))
     loaded = checkpoint.load(path, model=model)
-    assert "cpu_2/fc1_w" in loaded and "optimizer_iteration" in loaded and not workspace.HasBlob("cpu_0/fc1_w")
+    assert f"cpu_{resumed_on[0]}/fc1_w" in loaded and "optimizer_iteration" in loaded
     dpm.FinalizeAfterCheckpoint(model)
     feed(model, *MLP_DATA[1])
     dpm.RunNet(model, 1)
-    for d in (2, 3):
+    for d in resumed_on:
         for name, value in fetch_params(model, MLP_PARAMS, d).items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=f"{name} on {d}")
     assert workspace.FetchBlob("optimizer_iteration").tolist() == [2]
