@@ -593,17 +593,20 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
 
 
 def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
-    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope."""
+    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope
+    (a non-first replica's or a device's that is not a replica)."""
     layout = _state_of(model).layout
-    orphans = [n for n in ws.loaded
-               if parse_device_scope(n) is not None and layout.replica_of(n) is None and stripBlobName(n) in grouped]
+    first = layout.scoped(layout.master, "")
+    orphans = [n for n in ws.loaded if parse_device_scope(n) is not None and not n.startswith(first)
+               and stripBlobName(n) in grouped and first + stripBlobName(n) not in ws.loaded]
     if orphans:
         raise CheckpointError(
             f"FinalizeAfterCheckpoint({model.name!r}): blobs {orphans[:3]} were loaded from checkpoint "
-            f"{ws.loaded[orphans[0]]!r} under the scope of a device that is not one of the model's "
-            f"({layout.scope(layout.master)} first): the checkpoint was saved with another first device, and "
-            f"the model would train from its initial values. Load it with checkpoint.load(path, model=model), "
-            f"which maps its names onto the model's first device")
+            f"{ws.loaded[orphans[0]]!r} under the scope of another device than the model's first one "
+            f"({layout.scope(layout.master)}), which holds no loaded value: the checkpoint was saved with "
+            f"another first device, and the broadcast would make every replica train from the initial "
+            f"values. Load it with checkpoint.load(path, model=model), which maps its names onto the "
+            f"model's first device")
 
 
 def first_device_scope(model: ModelHelper) -> str:
