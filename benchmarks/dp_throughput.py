@@ -3,8 +3,9 @@
 At a fixed global batch, the samples per second of momentum-SGD training of an MLP on:
 - eager PyTorch on the whole batch in one process (torch's default threads: the machine's cores);
 - graphpar with N = 1, 2, 4 CPU devices, net type "dag" (replicas run side by side) and "simple",
-  and "dag" with `shared_model` (Caffe2's CPU option: the replicas read one copy of the params, so
-  it is updated once instead of N times);
+  "dag" with `shared_model` (Caffe2's CPU option: the replicas read one copy of the params, so
+  it is updated once instead of N times), and both with `cpu_update_once` (each replica keeps its
+  params by name, but they alias the first device's tensors, updated once);
 - PyTorch DDP with N gloo processes (N = 2, 4), each on batch / N with cores / N threads.
 graphpar and eager alternate in one process after warm-up (medians over repeats); DDP runs in its own
 processes and reports the median over its timed steps. Ratios are against eager.
@@ -42,9 +43,9 @@ def mlp_module(dims: list[int]) -> nn.Module:
 
 
 def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y: np.ndarray,  # noqa: ANN201
-                  shared_model: bool = False):
+                  shared_model: bool = False, cpu_update_once: bool = False):
     """A function running one graphpar training step on `devices` CPU replicas (built and initialised)."""
-    name = f"dp_{net_type}_{devices}_{shared_model}"
+    name = f"dp_{net_type}_{devices}_{shared_model}_{cpu_update_once}"
     workspace.SwitchWorkspace(name, True)  # one workspace per candidate
     model = model_helper.ModelHelper(name=name)
 
@@ -59,7 +60,8 @@ def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y
 
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
-                    devices=list(range(devices)), cpu_device=True, net_type=net_type, shared_model=shared_model)
+                    devices=list(range(devices)), cpu_device=True, net_type=net_type, shared_model=shared_model,
+                    cpu_update_once=cpu_update_once)
     chunk = len(x) // devices
     for d in range(devices):
         workspace.FeedBlob(f"cpu_{d}/data", x[d * chunk:(d + 1) * chunk])
@@ -139,6 +141,9 @@ def main() -> None:
             candidates[f"graphpar {net_type}, {n} devices"] = graphpar_step(dims, n, net_type, x, y)
         if n > 1:
             candidates[f"graphpar dag, {n} devices, shared model"] = graphpar_step(dims, n, "dag", x, y, True)
+            for net_type in ("dag", "simple"):
+                candidates[f"graphpar {net_type}, {n} devices, cpu_update_once"] = graphpar_step(
+                    dims, n, net_type, x, y, cpu_update_once=True)
     torch.set_num_threads(default_threads)
     times = compare(candidates, repeats=args.repeats, warmup=args.warmup)
     seconds = {name: median(ts) for name, ts in times.items()}

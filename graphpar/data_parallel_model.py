@@ -109,6 +109,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     average_computed_params: bool = False,
     uneven_batches: bool = False,
     check_finite_loss: bool = False,
+    cpu_update_once: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -166,6 +167,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
             gradients are never shared. Same results; may be combined with dynamic_memory_management
             (Caffe2 refused the combination).
+        cpu_update_once: CPU replicas of one process (not shared_model) run each update once, on the
+            first device: the gradient sum is aliased (not copied) back to the other replicas, whose
+            params and optimizer state become aliases of the first device's, updated in place (see
+            `graphpar.passes.cpu_update_once`). Same results, bit for bit; ignored elsewhere.
         check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
             `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
             an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
@@ -217,7 +222,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
-        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec))
+        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
+        bool(cpu_update_once))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "

@@ -5,7 +5,7 @@ forward activations too, are given names from a pool: a blob takes over the name
 last use came strictly before its first, so a run holds one value per pool name instead of one per
 blob (the old value is released when the name is rebound, and a freeing run frees fewer, larger
 slots). Never shared: param gradients (the updates and the all-reduce read them), blobs that any
-cross-device op touches (collectives, copies, the all-reduce Sums), blobs read before they are
+cross-device op touches (collectives, copies, the all-reduce Sums) or an Alias names, blobs read before they are
 written (params, inputs), external outputs, blobs read by the model's other nets, and excluded
 names. Sharing only renames blobs, so results are bit-identical; the dependency graph of the
 renamed net orders the reuses.
@@ -67,7 +67,7 @@ def share_blobs(net: NetDef, namescope: str, shareable: Callable[[str], bool],
 
 def _cross_device(net: NetDef) -> set[str]:
     return {b for op in net.ops if has_trait(op, Trait.CROSS_DEVICE) or (op.type == "Sum" and op.name == DPM_SUM_NAME)
-            for b in (*op.inputs, *op.outputs)}
+            or op.type == "Alias" for b in (*op.inputs, *op.outputs)}  # an Alias's names share one tensor
 
 
 def _rename(net: NetDef, renames: Mapping[str, str]) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphpar.core.ir import CUDA
+from graphpar.core.ir import CPU, CUDA
 from graphpar.core.schema import validate_net
 from graphpar.passes import (
     allreduce,
@@ -25,6 +25,7 @@ from graphpar.passes import (
     bucketing,
     builders,
     check_losses,
+    cpu_update_once,
     distributed,
     finish,
     fuse_updates,
@@ -76,6 +77,13 @@ def _buckets(state: ParallelState) -> bool:
     return state.options.gradient_bucket_bytes is not None
 
 
+def _update_once(state: ParallelState) -> bool:
+    """`cpu_update_once` applies: training CPU replicas of one process, each with its own params."""
+    options = state.options
+    return (state.training and options.cpu_update_once and state.layout.device_type == CPU
+            and len(state.layout.devices) > 1 and options.num_shards == 1 and not options.shared_model)
+
+
 def _computed_params_sync(state: ParallelState) -> bool:
     options = state.options
     return options.average_computed_params or options.broadcast_computed_params
@@ -113,6 +121,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("initial_sync", sync.initial_sync, training),
     Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
     Pass("share_gradient_memory", memonger.share_gradient_memory, _option("optimize_gradient_memory")),
+    Pass("update_once_on_cpu", cpu_update_once.update_once, _update_once),
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),

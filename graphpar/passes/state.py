@@ -52,6 +52,7 @@ class ParallelizeOptions:
     check_finite_loss: bool = False
     max_concurrent_distributed_ops: int = 16
     barrier_net_timeout_sec: float = 300.0
+    cpu_update_once: bool = False
 
     @property
     def num_shards(self) -> int:

@@ -1,0 +1,275 @@
+"""Pass (`cpu_update_once`): CPU replicas update their params once, on the first device, and share them.
+
+After the all-reduce every CPU replica holds the same summed gradient, param and optimizer state, so
+N replicas running N identical updates (and copying the sum back to every replica) only multiply the
+memory traffic. On replicas that are all CPU devices of one process this pass:
+
+1. turns each Copy of a first-device blob back to the other replicas (the reducer's broadcast) into an
+   `Alias` (the same tensor under the other name, no copy), unless an in-place update could write into
+   that tensor;
+2. replaces every update op of another replica (Trait.INPLACE_UPDATE) that provably computes what
+   the first device's twin update computed by `Alias` ops binding its outputs (param, optimizer
+   state, gradient) to the twin's outputs; the twin updates its tensors in place, so from the second
+   step on every replica reads the first device's storage;
+3. drops the other replicas' ops whose every output is overwritten before anything reads it (the
+   weight decay feeding a replaced update, the broadcast of its gradient);
+4. orders the hazard the names hide: from the second step on, `cpu_k/p` and `cpu_0/p` are one tensor
+   that the first device's update changes in place, so every op reading `cpu_k/p` as it was loaded
+   becomes a control input of that update (write-after-read through an alias).
+
+"Provably computes the same" is value numbering: blobs get value ids (the init net's and the train
+net's ops are numbered in order; an op with the same type, engine, arguments and input values as an
+earlier one produces the same values; copies and aliases keep their input's value; random, counter
+and collective ops always produce new values), and the values a run starts with are assumed equal
+only where the init net made them equal and one train-net run keeps them so (a fixpoint). Random
+streams, kernels and thread counts do not depend on the replica, so equal values are equal bits.
+
+Results are bit-identical to the option off: every replica's params, optimizer state and gradients.
+A blob fed to one replica only (rather than to all, as checkpoints and FinalizeAfterCheckpoint do)
+is overwritten by the first device's value at the next update.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from graphpar.core.ir import CPU, NetDef, OperatorDef
+from graphpar.core.schema import Trait, has_trait
+from graphpar.naming import KEEP_ARG, stripBlobName
+from graphpar.passes.common import DeviceLayout, make_op
+from graphpar.passes.state import ParallelState
+
+_SAME_VALUE = frozenset({"Copy", "Alias", "StopGradient"})  # output 0 is input 0's value
+_FRESH = (Trait.RANDOM, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED)  # new values every time
+_SIDE_EFFECTS = (Trait.INPLACE_UPDATE, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED, Trait.RANDOM)
+# in-place update inputs whose storage the kernel never writes (MomentumSGDUpdate rebinds its grad)
+_UNWRITTEN = {"MomentumSGDUpdate": frozenset({0})}
+
+
+class _Numbering:
+    """Value ids: `fresh()` for a new value, `outputs(op, ids)` for an op's outputs (hash-consed)."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+        self.table: dict[Hashable, tuple[int, tuple[int, ...]]] = {}  # op key -> (first op, output ids)
+
+    def fresh(self) -> int:
+        return next(self._next)
+
+    def outputs(self, index: int, op: OperatorDef, inputs: tuple[int, ...]) -> tuple[Hashable | None, tuple[int, ...]]:
+        """(the op's key, or None for ops that always make new values; its output ids)."""
+        if op.type in _SAME_VALUE and len(op.inputs) == 1 == len(op.outputs):
+            return None, inputs
+        key = _key(op, inputs)
+        if key is None:
+            return None, tuple(self.fresh() for _ in op.outputs)
+        found = self.table.get(key)
+        if found is None:
+            found = self.table[key] = (index, tuple(self.fresh() for _ in op.outputs))
+        return key, found[1]
+
+
+def _frozen(value: Any) -> Hashable:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    hash(value)
+    return value
+
+
+def _key(op: OperatorDef, inputs: tuple[int, ...]) -> Hashable | None:
+    if any(has_trait(op, trait) for trait in _FRESH) or op.control_inputs:
+        return None
+    try:
+        args = tuple(sorted((k, _frozen(v)) for k, v in op.args.items()))
+    except TypeError:  # an argument that is not a plain value (a net, an object)
+        return None
+    return op.type, op.engine, args, len(op.outputs), inputs
+
+
+def _number(net: NetDef, start: Mapping[str, int], numbering: _Numbering) -> tuple[dict[str, int], list]:
+    """Number `net` from `start` (blob -> value id; an unknown blob gets a fresh id): (final ids, per op
+    (key, output ids))."""
+    current = dict(start)
+    per_op = []
+    for index, op in enumerate(net.ops):
+        ids = []
+        for blob in op.inputs:
+            if blob not in current:
+                current[blob] = numbering.fresh()
+            ids.append(current[blob])
+        key, outs = numbering.outputs(index, op, tuple(ids))
+        per_op.append((key, outs))
+        current.update(zip(op.outputs, outs))
+    return current, per_op
+
+
+def _analyze(init: NetDef, net: NetDef) -> tuple[list, _Numbering]:
+    """Per op of `net`: (key, output ids), numbered from the values the init net leaves, keeping only
+    the equalities between loaded blobs that a run of `net` preserves (a fixpoint)."""
+    loaded = _loaded(net.ops)
+    numbering = _Numbering()
+    after_init, _ = _number(init, {}, numbering)
+    start = {blob: after_init[blob] for blob in loaded if blob in after_init}
+    while True:
+        numbering.table.clear()
+        end, per_op = _number(net, start, numbering)
+        classes: dict[int, list[str]] = {}
+        for blob, value in start.items():
+            classes.setdefault(value, []).append(blob)
+        broken = [blobs for blobs in classes.values() if len({end[b] for b in blobs}) > 1]
+        if not broken:
+            return per_op, numbering
+        for blobs in broken:
+            start.update((b, numbering.fresh()) for b in blobs)
+
+
+def _loaded(ops: list[OperatorDef]) -> list[str]:
+    """The blobs `ops` read before writing them (what a run loads from the workspace)."""
+    written: set[str] = set()
+    loaded: dict[str, None] = {}
+    for op in ops:
+        loaded.update((b, None) for b in op.inputs if b not in written)
+        written.update(op.outputs)
+    return list(loaded)
+
+
+def _inplace_written(op: OperatorDef) -> set[str]:
+    """The blobs whose storage an in-place update op may write."""
+    if not has_trait(op, Trait.INPLACE_UPDATE):
+        return set()
+    unwritten = _UNWRITTEN.get(op.type, frozenset())
+    outputs = set(op.outputs)
+    return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
+
+
+def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout) -> int:
+    """Rewrite `net` (CPU replicas' train net, `init` its param init net) as the module docstring says;
+    returns how many updates were replaced."""
+    master = layout.master
+    per_op, numbering = _analyze(init, net)
+    ops = net.ops
+
+    def replica(op: OperatorDef) -> int | None:
+        device = net.op_device(op)
+        return device.device_id if device.device_type == CPU else None
+
+    # 2. updates of other replicas that compute what an earlier first-device update computed
+    last_writer: dict[str, int] = {}
+    replaced: dict[int, int] = {}  # replica update -> its first-device twin
+    for j, op in enumerate(ops):
+        key = per_op[j][0]
+        if has_trait(op, Trait.INPLACE_UPDATE) and key is not None and replica(op) not in (None, master):
+            twin = numbering.table[key][0]
+            if twin != j and replica(ops[twin]) == master and \
+                    all(last_writer.get(b) == twin for b in ops[twin].outputs):
+                replaced[j] = twin
+        last_writer.update(dict.fromkeys(op.outputs, j))
+    while True:
+        rewritten, aliases = _rewrite(net, replaced, layout, replica)
+        index = _Index(rewritten)
+        unsafe = [j for j in replaced if not _safe(rewritten, index, ops[replaced[j]], aliases[j])]
+        if not unsafe:
+            break
+        for j in unsafe:
+            del replaced[j]
+    for j, twin in replaced.items():  # 4.
+        _order_after_readers(rewritten, index, ops[twin], set(ops[j].outputs))
+    net.ops = rewritten
+    # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it)
+    state = {b for j in replaced for b in ops[j].outputs} & set(_loaded(ops))
+    net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *sorted(state)]))
+    return len(replaced)
+
+
+def _rewrite(net: NetDef, replaced: Mapping[int, int], layout: DeviceLayout,
+             replica: Any) -> tuple[list[OperatorDef], dict[int, list[OperatorDef]]]:
+    """The ops of `net` with `replaced` updates turned into aliases of their twins' outputs (1.-3.);
+    and per replaced update, its aliases."""
+    ops, master = net.ops, layout.master
+    aliases = {j: [make_op("Alias", [src], [dst], ops[j].device_option)
+                   for src, dst in zip(ops[twin].outputs, ops[j].outputs)] for j, twin in replaced.items()}
+    written_in_place = set().union(*(_inplace_written(op) for j, op in enumerate(ops) if j not in replaced))
+    flat: list[OperatorDef] = []
+    for j, op in enumerate(ops):
+        if j in aliases:
+            flat.extend(aliases[j])
+        elif op.type == "Copy" and replica(op) not in (None, master) and len(op.inputs) == 1 and \
+                layout.replica_of(op.inputs[0]) == master and layout.replica_of(op.outputs[0]) == replica(op) and \
+                stripBlobName(op.inputs[0]) == stripBlobName(op.outputs[0]) and \
+                not written_in_place.intersection((op.inputs[0], op.outputs[0])):
+            flat.append(make_op("Alias", op.inputs, op.outputs, op.device_option))
+        else:
+            flat.append(op)
+    return _without_dead(flat, set(net.external_outputs), lambda op: replica(op) not in (None, master)), aliases
+
+
+class _Index:
+    """Look-ups over rewritten ops: each op's position, and per blob the ops (positions, ascending)
+    that read it as loaded (before any op writes it) and those that may write its tensor in place."""
+
+    def __init__(self, ops: list[OperatorDef]) -> None:
+        self.position = {id(op): i for i, op in enumerate(ops)}
+        self.loaded_readers: dict[str, list[int]] = {}
+        self.mutators: dict[str, list[int]] = {}
+        written: set[str] = set()
+        for i, op in enumerate(ops):
+            for blob in dict.fromkeys(b for b in op.inputs if b not in written):
+                self.loaded_readers.setdefault(blob, []).append(i)
+            written.update(op.outputs)
+            for blob in _inplace_written(op):
+                self.mutators.setdefault(blob, []).append(i)
+
+    def readers(self, blobs: set[str]) -> set[int]:
+        return {i for b in blobs for i in self.loaded_readers.get(b, ())}
+
+    def writers_in_place(self, blobs: set[str]) -> set[int]:
+        return {i for b in blobs for i in self.mutators.get(b, ())}
+
+
+def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: list[OperatorDef]) -> bool:
+    """Whether, in the rewritten `ops`, a replaced update's aliases see what it would have computed and
+    no op can see its blobs change under it: no op between the twin and the aliases writes the twin's
+    outputs or touches the aliased blobs, and every op reading an aliased blob as loaded comes before
+    every update writing the twin's tensors in place (so control inputs can order it)."""
+    start, stop = index.position[id(twin)], index.position[id(aliases[0])]
+    blobs, shared = {a.outputs[0] for a in aliases}, set(twin.outputs)
+    if any(blobs.intersection(op.inputs) or (blobs | shared).intersection(op.outputs) for op in ops[start + 1:stop]):
+        return False
+    first_mutator = min(index.writers_in_place(shared), default=len(ops))
+    return all(r < first_mutator for r in index.readers(blobs))
+
+
+def _order_after_readers(ops: list[OperatorDef], index: _Index, twin: OperatorDef, blobs: set[str]) -> None:
+    """Give every update writing `twin`'s tensors in place a control input on each op (before it, as
+    `_safe` checked) that reads one of `blobs` as loaded: the reader's first output, whose last writer
+    before the update is the reader or an op after it."""
+    readers = sorted(index.readers(blobs))
+    for position in sorted(index.writers_in_place(set(twin.outputs))):
+        update = ops[position]
+        for r in readers:
+            first = ops[r].outputs[0]
+            if first not in update.control_inputs:
+                update.control_inputs.append(first)
+
+
+def _without_dead(ops: list[OperatorDef], keep: set[str], removable: Any) -> list[OperatorDef]:
+    """`ops` without the `removable` ops free of side effects whose every output is written again
+    before anything reads it (one backward scan: removing an op can kill the ops feeding it)."""
+    next_read: dict[str, bool] = {}  # blob -> whether its next access (after the scan point) is a read
+    kept: list[OperatorDef] = []
+    for op in reversed(ops):
+        dead = removable(op) and op.outputs and not any(has_trait(op, t) for t in _SIDE_EFFECTS) and \
+            all(next_read.get(b) is False and b not in keep for b in op.outputs)
+        if dead:
+            continue
+        kept.append(op)
+        next_read.update(dict.fromkeys(op.outputs, False))
+        next_read.update(dict.fromkeys((*op.inputs, *op.control_inputs), True))
+    return kept[::-1]
+
+
+def update_once(state: ParallelState) -> None:
+    """`update_once_on_cpu` on the train net (CPU replicas of one process, not a shared model)."""
+    update_once_on_cpu(state.model.net.Proto(), state.model.param_init_net.Proto(), state.layout)

@@ -1,0 +1,111 @@
+"""`cpu_update_once`: CPU replicas update once, on the first device, and alias its tensors, bit-identically."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, optimizer, workspace
+from graphpar.core.graph import dependency_graph
+from graphpar.core.schema import Trait, has_trait
+from graphpar.models import mlp
+from tests.test_engine import CASES, assert_identical, train
+
+ON = {"cpu_update_once": True}
+UPDATE_CASES = {
+    "mlp": ("mlp", [0, 1, 2], {}),
+    "mlp buckets": CASES["mlp buckets"],
+    "resnet18 combined bn": CASES["resnet18 combined bn"],
+}
+
+
+@pytest.mark.parametrize("net_type", ["dag", "simple"])
+@pytest.mark.parametrize("case", sorted(UPDATE_CASES))
+def test_trains_bit_identically_to_updating_every_replica(case: str, net_type: str):
+    model_name, devices, options = UPDATE_CASES[case]
+    reference = train(model_name, devices, net_type="simple", **options)
+    assert_identical(train(model_name, devices, net_type=net_type, **ON, **options), reference)
+    blobs = workspace.get_workspace().blobs
+    weights = [name for name in blobs if name.startswith("cpu_1/") and name.endswith(("_w", "_w_momentum"))]
+    assert weights and all(blobs[w] is blobs[w.replace("cpu_1/", "cpu_0/")] for w in weights)  # updated once
+
+
+@pytest.mark.parametrize("case", ["mlp", "resnet18 combined bn"])
+def test_memory_options_train_identically(case: str):
+    model_name, devices, options = UPDATE_CASES[case]
+    reference = train(model_name, devices, **options)
+    both = train(model_name, devices, optimize_gradient_memory=True, dynamic_memory_management=True, **ON, **options)
+    assert_identical(both, {name: value for name, value in reference.items() if not name.endswith("_grad")})
+    assert_identical(train(model_name, devices, optimize_gradient_memory=True, **ON, **options), reference)
+
+
+def _forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
+    """The MLP, plus a reader of a param that feeds no gradient (only the alias hazard orders it)."""
+    losses = mlp(model, loss_scale, dim_in=6, hidden=(8,), num_classes=3)
+    model.net.SumSqrElements([model.params[-4]], "fc1_w_norm")
+    return losses
+
+
+def _model(devices: list[int], **options) -> model_helper.ModelHelper:
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name="update_once")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_forward,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9, weight_decay=1e-3),
+                    devices=devices, cpu_device=True, **options)
+    return model
+
+
+def test_other_replicas_lose_their_updates_copies_and_weight_decay_and_wait_for_nothing():
+    net = _model([0, 1, 2], **ON).net.Proto()
+    updates = [op for op in net.ops if has_trait(op, Trait.INPLACE_UPDATE) and op.type != "Iter"]
+    assert {op.device_option.device_id for op in updates} == {0}
+    assert not [op for op in net.ops if op.type in ("Copy", "WeightedSum") and op.device_option.device_id != 0]
+    aliases = {op.outputs[0]: op.inputs[0] for op in net.ops if op.type == "Alias"}
+    assert aliases["cpu_2/fc1_w"] == "cpu_0/fc1_w" and aliases["cpu_1/pred_w_momentum"] == "cpu_0/pred_w_momentum"
+    # the write-after-read through the alias: every op of another replica reading its param comes first
+    graph = dependency_graph(net)
+    for index, op in enumerate(net.ops):
+        if op.type == "MomentumSGDUpdate":
+            param = op.outputs[2]
+            for d in (1, 2):
+                readers = [i for i, r in enumerate(net.ops) if param.replace("cpu_0", f"cpu_{d}") in r.inputs
+                           and r.type != "Alias"]
+                assert readers and all(nx.has_path(graph, r, index) for r in readers), (param, d)
+
+
+def test_off_by_default_and_ignored_for_a_shared_model():
+    assert any(op.type == "MomentumSGDUpdate" and op.device_option.device_id == 1
+               for op in _model([0, 1]).net.Proto().ops)
+    assert not any(op.type == "Alias" for op in _model([0, 1], shared_model=True, **ON).net.Proto().ops)
+
+
+def test_dag_stress_matches_simple_and_a_test_model_reads_the_shared_params():
+    def run(net_type: str) -> tuple[dict, np.ndarray]:
+        model = _model([0, 1, 2, 3], net_type=net_type, **ON)
+        rng = np.random.default_rng(0)
+        for step in range(25):
+            for d in range(4):
+                workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((3, 6), dtype=np.float32))
+                workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 3).astype(np.int32))
+            if step == 0:
+                dpm.RunInitNet(model)
+            dpm.RunNet(model, 1)
+        test = model_helper.ModelHelper(name="update_once_test", init_params=False)
+        dpm.Parallelize(test, input_builder_fun=lambda m: None,
+                        forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=6, hidden=(8,), num_classes=3),
+                        devices=[0, 1, 2, 3], cpu_device=True)
+        workspace.RunNetOnce(test.param_init_net)
+        workspace.CreateNet(test.net)
+        workspace.RunNet(test.net)
+        softmax = [workspace.FetchBlob(f"cpu_{d}/softmax") for d in range(4)]
+        names = [n for n in workspace.Blobs() if n.startswith("cpu_") and ("_w" in n or "_b" in n)]
+        return {n: workspace.FetchBlob(n) for n in names}, np.stack(softmax)
+
+    dag, dag_softmax = run("dag")
+    simple, simple_softmax = run("simple")
+    assert_identical(dag, simple)
+    np.testing.assert_array_equal(dag_softmax, simple_softmax)
+    for name, value in dag.items():
+        np.testing.assert_array_equal(value, dag[name.replace(name.split("/")[0], "cpu_0")], err_msg=name)
