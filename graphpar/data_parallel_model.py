@@ -109,7 +109,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     average_computed_params: bool = False,
     uneven_batches: bool = False,
     check_finite_loss: bool = False,
-    cpu_update_once: bool = False,
+    cpu_update_once: bool = True,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -167,10 +167,12 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
             gradients are never shared. Same results; may be combined with dynamic_memory_management
             (Caffe2 refused the combination).
-        cpu_update_once: CPU replicas of one process (not shared_model) run each update once, on the
-            first device: the gradient sum is aliased (not copied) back to the other replicas, whose
-            params and optimizer state become aliases of the first device's, updated in place (see
-            `graphpar.passes.cpu_update_once`). Same results, bit for bit; ignored elsewhere.
+        cpu_update_once: (default on) CPU replicas of one process (not shared_model) run each update
+            once, on the first device: the other replicas' params, optimizer state and summed
+            gradients become aliases of the first device's tensors (no copies, no repeated updates;
+            see `graphpar.passes.cpu_update_once`). Same results, bit for bit; a value fed to one
+            replica's param or state alone is replaced by the first device's at the next step.
+            Ignored on CUDA and across shards.
         check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
             `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
             an OperatorError naming the loss, with params, optimizer state and counters unchanged. It

@@ -56,6 +56,7 @@ from graphpar.devices import device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
+from graphpar.naming import ALIASED_STATE_ARG
 from graphpar.resume import check_run
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
@@ -286,7 +287,7 @@ class Workspace:
 
     def _check_load_order(self, plan: Plan) -> None:
         """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
-        reads = {load.name for load in plan.frame.loads}
+        reads = {load.name for load in plan.frame.loads} | set(plan.netdef.args.get(ALIASED_STATE_ARG, ()))
         check_run(plan.name, reads, [name for name in plan.frame.names if name not in reads], self.loaded)
 
     def _mark_used(self, plan: Plan) -> None:

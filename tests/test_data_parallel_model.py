@@ -203,7 +203,7 @@ PAIRS = {
 @pytest.mark.parametrize("count", [3, 4, 8, 16])
 def test_gradients_are_summed_in_reverse_creation_order_by_the_exact_tree(count):
     devices = [d + 5 for d in range(count)]
-    model = _parallelized(devices)
+    model = _parallelized(devices, cpu_update_once=False)  # the reducer's copies back, as built
     expected = []
     for grad in ["pred_b_grad", "pred_w_grad", "fc1_b_grad", "fc1_w_grad"]:
         for positions in PAIRS[count]:
@@ -322,8 +322,8 @@ def test_bucketing_replaces_only_the_all_reduce_and_leaves_the_updates_alone():
         return [(op.type, [rename(b) for b in op.inputs], [rename(b) for b in op.outputs])
                 for op in model.net.Proto().ops]
 
-    plain = ops_of(_parallelized([3, 5]))
-    model = _parallelized([3, 5], **BUCKETS)
+    plain = ops_of(_parallelized([3, 5], cpu_update_once=False))
+    model = _parallelized([3, 5], cpu_update_once=False, **BUCKETS)
     bucketed = ops_of(model)
     start = next(i for i, op in enumerate(plain) if op[0] == "Sum" and op[2] == ["cpu_3/pred_b_grad"])
     end = start + 8  # Sum + Copy per gradient

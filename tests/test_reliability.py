@@ -83,7 +83,7 @@ def _create_again(model, tmp_path):
 
 
 def _bad_update(model, tmp_path):
-    workspace.FeedBlob("cpu_1/pred_w_momentum", np.zeros(2, np.float32))  # fed before the snapshot
+    workspace.FeedBlob("cpu_0/pred_w_momentum", np.zeros(2, np.float32))  # fed before the snapshot
     return lambda: dpm.RunNet(model, 1)
 
 
@@ -199,16 +199,16 @@ def test_a_step_failing_in_its_updates_changes_no_state_and_the_rerun_equals_the
     expected = snapshot()["blobs"]
     workspace.ResetWorkspace()
     model = trained(steps=1, net_type=net_type)
-    momentum = workspace.FetchBlob("cpu_1/pred_w_momentum")
-    workspace.FeedBlob("cpu_1/pred_w_momentum", np.zeros(2, np.float32))  # a corrupted state blob
+    momentum = workspace.FetchBlob("cpu_0/pred_w_momentum")  # the state the one update reads
+    workspace.FeedBlob("cpu_0/pred_w_momentum", np.zeros(2, np.float32))  # a corrupted state blob
     feed(model, *BN_DATA[1])
-    persistent = [n for n in workspace.Blobs() if n not in transients(model) and n != "cpu_1/pred_w_momentum"]
+    persistent = [n for n in workspace.Blobs() if n not in transients(model) and n != "cpu_0/pred_w_momentum"]
     before = {n: workspace.FetchBlob(n) for n in persistent}
     with pytest.raises(OperatorError, match="pred_w_momentum.*at CreateNet"):
         dpm.RunNet(model, 1)
     for name in persistent:
         np.testing.assert_array_equal(workspace.FetchBlob(name), before[name], err_msg=name)
-    workspace.FeedBlob("cpu_1/pred_w_momentum", momentum)
+    workspace.FeedBlob("cpu_0/pred_w_momentum", momentum)
     dpm.RunNet(model, 1)
     for name in persistent:
         assert torch.equal(workspace.FetchTensor(name), expected[name]), name

@@ -114,7 +114,7 @@ def _parallel_model(devices: list[int]) -> model_helper.ModelHelper:
     dpm.Parallelize(model, input_builder_fun=lambda m: None,
                     forward_pass_builder_fun=functools.partial(mlp, dim_in=4, hidden=(3,)),
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9),
-                    devices=devices, cpu_device=True)
+                    devices=devices, cpu_device=True, cpu_update_once=False)  # an update per replica
     return model
 
 

@@ -92,7 +92,7 @@ register_op(
     gradient=one_input_gradient("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
     doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
 register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through,
-            doc="Y is X (the same tensor); the gradient passes straight through.")
+            doc="Y is X: the same tensor under another name, no copy (an in-place update of either is seen through both; Parallelize's cpu_update_once binds replicas to the first device's tensors with it). The gradient passes straight through.")
 register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: x, gradient=NO_GRADIENT,
             doc="Y = X; no gradient flows to X through this op (in place blocks all of X's gradient).")
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from graphpar.core.ir import CPU, NetDef, OperatorDef
 from graphpar.core.schema import Trait, has_trait
-from graphpar.naming import KEEP_ARG, stripBlobName
+from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 
@@ -177,9 +177,11 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout) -> int:
     for j, twin in replaced.items():  # 4.
         _order_after_readers(rewritten, index, ops[twin], set(ops[j].outputs))
     net.ops = rewritten
-    # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it)
-    state = {b for j in replaced for b in ops[j].outputs} & set(_loaded(ops))
-    net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *sorted(state)]))
+    # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it),
+    # and a checkpoint that loaded it is not thrown away (it is the first device's, as every replica's)
+    state = sorted({b for j in replaced for b in ops[j].outputs} & set(_loaded(ops)))
+    net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *state]))
+    net.args[ALIASED_STATE_ARG] = state
     return len(replaced)
 
 

@@ -52,7 +52,7 @@ class ParallelizeOptions:
     check_finite_loss: bool = False
     max_concurrent_distributed_ops: int = 16
     barrier_net_timeout_sec: float = 300.0
-    cpu_update_once: bool = False
+    cpu_update_once: bool = False  # Parallelize's default is True; BMUF never uses it
 
     @property
     def num_shards(self) -> int:

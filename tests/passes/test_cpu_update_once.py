@@ -75,10 +75,27 @@ def test_other_replicas_lose_their_updates_copies_and_weight_decay_and_wait_for_
                 assert readers and all(nx.has_path(graph, r, index) for r in readers), (param, d)
 
 
-def test_off_by_default_and_ignored_for_a_shared_model():
-    assert any(op.type == "MomentumSGDUpdate" and op.device_option.device_id == 1
-               for op in _model([0, 1]).net.Proto().ops)
-    assert not any(op.type == "Alias" for op in _model([0, 1], shared_model=True, **ON).net.Proto().ops)
+def test_on_by_default_off_on_request_and_ignored_for_a_shared_model():
+    def replica_updates(**options) -> list:
+        return [op for op in _model([0, 1], **options).net.Proto().ops
+                if op.type == "MomentumSGDUpdate" and op.device_option.device_id == 1]
+
+    assert not replica_updates() and replica_updates(cpu_update_once=False)
+    assert not any(op.type == "Alias" for op in _model([0, 1], shared_model=True).net.Proto().ops)
+
+
+def test_state_fed_to_one_replica_alone_is_replaced_by_the_first_devices():
+    model = _model([0, 1], **ON)
+    rng = np.random.default_rng(0)
+    for d in range(2):
+        workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((3, 6), dtype=np.float32))
+        workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 3).astype(np.int32))
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    workspace.FeedBlob("cpu_1/fc1_w_momentum", np.full((8, 6), 7.0, np.float32))  # one replica alone
+    dpm.RunNet(model, 1)
+    for name in ("fc1_w", "fc1_w_momentum", "pred_b"):
+        assert workspace.FetchTensor(f"cpu_1/{name}") is workspace.FetchTensor(f"cpu_0/{name}")
 
 
 def test_dag_stress_matches_simple_and_a_test_model_reads_the_shared_params():

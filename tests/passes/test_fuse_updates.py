@@ -24,7 +24,8 @@ OPTIMIZERS = {
 def _model(build=OPTIMIZERS["momentum"], forward=MLP, devices=(0, 1)) -> model_helper.ModelHelper:  # noqa: ANN001
     model = model_helper.ModelHelper(name="fuse")
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
-                    optimizer_builder_fun=build, devices=list(devices), cpu_device=True)
+                    optimizer_builder_fun=build, devices=list(devices), cpu_device=True,
+                    cpu_update_once=False)  # every replica's updates, to fuse
     return model
 
 
