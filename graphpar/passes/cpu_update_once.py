@@ -121,8 +121,9 @@ def _analyze(init: NetDef, net: NetDef) -> tuple[list, _Numbering]:
         broken = [blobs for blobs in classes.values() if len({end[b] for b in blobs}) > 1]
         if not broken:
             return per_op, numbering
-        for blobs in broken:
-            start.update((b, numbering.fresh()) for b in blobs)
+        for blobs in broken:  # split each class by the values a run leaves (partition refinement)
+            split: dict[int, int] = {}
+            start.update((b, split.setdefault(end[b], numbering.fresh())) for b in blobs)
 
 
 def _loaded(ops: list[OperatorDef]) -> list[str]:

@@ -11,7 +11,7 @@ from graphpar import model_helper, optimizer, workspace
 from graphpar.core.graph import dependency_graph
 from graphpar.core.schema import Trait, has_trait
 from graphpar.models import mlp
-from tests.test_engine import CASES, assert_identical, train
+from tests.test_engine import CASES, MODELS, assert_identical, train
 
 ON = {"cpu_update_once": True}
 UPDATE_CASES = {
@@ -48,13 +48,35 @@ def _forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return losses
 
 
-def _model(devices: list[int], **options) -> model_helper.ModelHelper:
+def _model(devices: list[int], build=None, **options) -> model_helper.ModelHelper:  # noqa: ANN001
     workspace.ResetWorkspace()
     model = model_helper.ModelHelper(name="update_once")
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_forward,
-                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9, weight_decay=1e-3),
+                    optimizer_builder_fun=build or (lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9,
+                                                                                 weight_decay=1e-3)),
                     devices=devices, cpu_device=True, **options)
     return model
+
+
+def _trained(steps: int, **options) -> dict[str, np.ndarray]:
+    model = _model([0, 1, 2], **options)
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        for d in range(3):
+            workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((3, 6), dtype=np.float32))
+            workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 3).astype(np.int32))
+        if step == 0:
+            dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+    return {n: workspace.FetchBlob(n) for n in workspace.Blobs() if n.startswith("cpu_")}
+
+
+@pytest.mark.parametrize("build", [lambda m: optimizer.build_adam(m, 0.01),
+                                   lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9, nesterov=True,
+                                                                 max_gradient_norm=0.1)],
+                         ids=["adam", "nesterov clipped"])
+def test_other_optimizers_train_bit_identically(build):
+    assert_identical(_trained(3, build=build), _trained(3, build=build, cpu_update_once=False))
 
 
 def test_other_replicas_lose_their_updates_copies_and_weight_decay_and_wait_for_nothing():
@@ -73,6 +95,17 @@ def test_other_replicas_lose_their_updates_copies_and_weight_decay_and_wait_for_
                 readers = [i for i, r in enumerate(net.ops) if param.replace("cpu_0", f"cpu_{d}") in r.inputs
                            and r.type != "Alias"]
                 assert readers and all(nx.has_path(graph, r, index) for r in readers), (param, d)
+
+
+@pytest.mark.parametrize("build", [lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9, weight_decay=1e-4),
+                                   lambda m: optimizer.build_adam(m, 0.01)], ids=["sgd", "adam"])
+def test_every_update_of_a_resnet_runs_once_even_where_states_start_with_equal_values(build):
+    """Batch-norm scales and running variances both start as ones: equal values, yet not one class."""
+    model = model_helper.ModelHelper(name="resnet_once")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MODELS["resnet18"][0],
+                    optimizer_builder_fun=build, devices=[0, 1], cpu_device=True)
+    updates = [op for op in model.net.Proto().ops if has_trait(op, Trait.INPLACE_UPDATE) and op.type != "Iter"]
+    assert updates and {op.device_option.device_id for op in updates} == {0}
 
 
 def test_on_by_default_off_on_request_and_ignored_for_a_shared_model():
