@@ -42,11 +42,12 @@ from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import cuda_is_simulated, num_cuda_devices
-from graphpar.errors import ParallelizeError
+from graphpar.errors import CheckpointError, ParallelizeError
 from graphpar.executor import net_types
+from graphpar.executor.plan import check_inputs_exist
 from graphpar.feeds import FeedTracker
 from graphpar.model_helper import ModelHelper
-from graphpar.naming import device_prefix, stripBlobName
+from graphpar.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs
 from graphpar.passes.finish import chain_collectives
@@ -62,6 +63,7 @@ from graphpar.passes.sync import (
     replica_init_outputs,
     sync_blobs,
 )
+from graphpar.resume import check_run
 
 __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
@@ -103,6 +105,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
+    uneven_batches: bool = False,
     check_finite_loss: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
@@ -145,9 +148,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             use oneDNN themselves), replicas named `cpu_<id>`.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
-            Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
-            N times its own batch).
+            (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
+            batches of different sizes still get the whole batch's statistics); forward-only models
+            ignore it.
+        uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
+            batch that is not a multiple of the device count): each replica's loss gradient is
+            multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
+            whole batch. `feed` must then feed every step (the train net reads the blob).
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -191,7 +198,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(check_finite_loss))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
+        bool(check_finite_loss))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -359,28 +367,67 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
 def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
 
+    Everything that can be checked is checked before the first init net runs (the model's nets must
+    not exist yet: a second RunInitNet would reset trained params, optimizer state and counters;
+    every input must exist once the init nets ran; no blob loaded from a checkpoint may be
+    overwritten); if anything still fails, the workspace is put back as it was.
+
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob).
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: the model's nets were created already (RunInitNet or CreateNet was called).
+        MissingBlobError: an input of a net is neither fed nor created by an init net.
+        CheckpointError: a checkpoint was loaded before RunInitNet (`graphpar.resume`).
+        Workspace errors of the runs propagate, with the workspace unchanged.
     """
-    for net in _state_of(model).init_nets:
-        workspace.RunNetOnce(net)
-    CreateNet(model)
+    state = _state_of(model)
+    ws = workspace.get_workspace()
+    defined = set(ws.blobs)
+    for net in state.init_nets:
+        netdef = net.Proto()
+        check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
+        check_run(netdef.name, (), [b for op in netdef.ops for b in op.outputs], ws.loaded)
+    _check_can_create(model, ws, defined, False, "RunInitNet")
+    with ws.unchanged_on_error():
+        for net in state.init_nets:
+            ws.run_net_once(net)
+        CreateNet(model)
     _log_init(model)
 
 
 def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N802
-    """Create (compile) every net of a parallelized model in the current workspace.
+    """Create (compile) every net of a parallelized model in the current workspace (all or none).
 
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate (a net that exists
-            without `overwrite`, a missing input blob).
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: a net exists and `overwrite` is False. MissingBlobError: a missing input blob.
+        Other workspace errors propagate; no net is created then.
     """
-    for entry in _state_of(model).nets:
-        workspace.CreateNet(entry[0] if isinstance(entry, tuple) else entry, overwrite)
+    ws = workspace.get_workspace()
+    _check_can_create(model, ws, set(ws.blobs), overwrite, "CreateNet")
+    with ws.unchanged_on_error():
+        for entry in _state_of(model).nets:
+            ws.create_net(entry[0] if isinstance(entry, tuple) else entry, overwrite)
+
+
+def _check_can_create(model: ModelHelper, ws: workspace.Workspace, defined: set[str], overwrite: bool,
+                      what: str) -> None:
+    """Raise before acting if a net of the model exists (without `overwrite`) or misses an input."""
+    netdefs = [(entry[0] if isinstance(entry, tuple) else entry).Proto() for entry in _state_of(model).nets]
+    taken = [netdef.name for netdef in netdefs if netdef.name in ws.nets]
+    if taken and not overwrite:
+        raise RuntimeError(f"{what}({model.name!r}): nets {taken} already exist in workspace {ws.name!r}: the "
+                           f"model was initialised already (a second RunInitNet would reset its trained params, "
+                           f"optimizer state and counters). To start again, ResetWorkspace() first; to only "
+                           f"recompile, CreateNet(model, overwrite=True)")
+    for netdef in netdefs:
+        check_inputs_exist(netdef, set(defined), ws.name, what)
 
 
 def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     """Run the model's nets `num_iterations` times (a `(net, n)` entry runs n times).
+
+    Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
+    net and one iteration: as before the call).
 
     Raises:
         ParallelizeError: the model was not parallelized.
@@ -440,24 +487,60 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
     also returns `optimizer_iteration`; Caffe2 raised on it). `cpu_mode` is accepted for Caffe2
     compatibility: each copy already runs on its blob's device.
 
+    The blobs loaded from a checkpoint for this model count as used afterwards (`graphpar.resume`).
+
     Raises:
         ParallelizeError: the model was not parallelized, or a name is in the scope of a device that is
             not a replica (a checkpoint saved with other devices); nothing is built then.
+        CheckpointError: blobs of the model were loaded under another device's scope (a checkpoint saved
+            with another first device: load it with `checkpoint.load(path, model=model)`).
         MissingBlobError: a first-device blob is missing.
+        The model and workspace are left as they were when it raises.
     """
     state = _state_of(model)
     net, layout = state.checkpoint_net, state.layout
+    ws = workspace.get_workspace()
+    grouped = dict(state.grouped)
     if net is None:
-        names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, state.grouped, layout)
+        names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         for name in names:
-            state.grouped.setdefault(name, layout.group(name))
+            grouped.setdefault(name, layout.group(name))
         net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer))
-        state.checkpoint_net = net
-    workspace.CreateNet(net, overwrite=True)  # also right after a workspace switch or reset
-    workspace.RunNet(net)
+    _check_loaded_for(model, ws, grouped)
+    with ws.unchanged_on_error():
+        for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:
+            del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
+        ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
+        ws.run_net(net.Proto().name)
+    state.checkpoint_net = net
+    state.grouped.update(grouped)
     log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
              len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
-             workspace.CurrentWorkspace())
+             ws.name)
+
+
+def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
+    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope."""
+    layout = _state_of(model).layout
+    orphans = [n for n in ws.loaded
+               if parse_device_scope(n) is not None and layout.replica_of(n) is None and stripBlobName(n) in grouped]
+    if orphans:
+        raise CheckpointError(
+            f"FinalizeAfterCheckpoint({model.name!r}): blobs {orphans[:3]} were loaded from checkpoint "
+            f"{ws.loaded[orphans[0]]!r} under the scope of a device that is not one of the model's "
+            f"({layout.scope(layout.master)} first): the checkpoint was saved with another first device, and "
+            f"the model would train from its initial values. Load it with checkpoint.load(path, model=model), "
+            f"which maps its names onto the model's first device")
+
+
+def first_device_scope(model: ModelHelper) -> str:
+    """The name scope of the model's first device, e.g. 'gpu_0/'.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    layout = _state_of(model).layout
+    return layout.scoped(layout.master, "")
 
 
 def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802

@@ -30,7 +30,7 @@ from graphpar.executor.failure import missing_at_run
 from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import Plan, StateCheck
 
 
 
@@ -147,6 +147,29 @@ def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
         for slot, name in layout.stale:
             frame[slot] = blobs.pop(name, None)
     return frame
+
+
+def check_state(checks: tuple[StateCheck, ...], frame: list) -> None:
+    """Before the second phase of a run (`Plan.state_checks`): raise StateChanged if a blob an update changes in place
+    no longer has the shape and dtype it had at CreateNet (fed or loaded anew since), so that no update
+    runs on it and the state stays as it was."""
+    for check in checks:
+        value = frame[check.slot]
+        if value.shape != check.shape or value.dtype != check.dtype:
+            raise StateChanged(check.step, (
+                f"state blob {check.name!r}, which this op updates in place, is {list(value.shape)} "
+                f"{str(value.dtype).removeprefix('torch.')} but was {list(check.shape)} "
+                f"{str(check.dtype).removeprefix('torch.')} at CreateNet (it was fed or loaded with another "
+                f"shape or dtype since); no state was updated. Feed it with its shape and dtype, or "
+                f"CreateNet(..., overwrite=True) if the model changed"))
+
+
+class StateChanged(ValueError):
+    """Raised by `check_state`: `step` is the update whose in-place state changed shape or dtype."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:

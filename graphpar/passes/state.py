@@ -47,6 +47,7 @@ class ParallelizeOptions:
     dynamic_memory_management: bool = False
     optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
+    uneven_batches: bool = False
     check_finite_loss: bool = False
 
     @property
