@@ -111,8 +111,16 @@ def test_a_misspelt_fed_blob_gets_did_you_mean() -> None:
     feed(model, skip="cpu_1")
     workspace.FeedBlob("cpu_1/dta", np.zeros((2, 6), np.float32))
     workspace.FeedBlob("cpu_1/label", np.zeros(2, np.int32))
+    before = snapshot()
     with pytest.raises(MissingBlobError, match=r"'cpu_1/data' does not exist(.|\n)*Did you mean 'cpu_1/dta'"):
         dpm.RunInitNet(model)
+    assert_unchanged(before)
+
+
+def test_running_a_parallelized_net_directly_before_run_init_net_names_run_init_net() -> None:
+    model = parallelize()
+    with pytest.raises(RuntimeError, match=r"has not been created(.|\n)*RunInitNet\(model\)"):
+        workspace.RunNet(model.net)
 
 
 # ---- item 8: a NaN or infinite loss stops the step before any update ----------------------------
