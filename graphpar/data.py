@@ -13,6 +13,9 @@ The rules (docs/feeding.md has the long form):
 - *Uneven chunks* are refused, naming the fix, unless the model was parallelized with
   `uneven_batches=True`; then each device's loss gradient is weighted by its real share.
   Empty chunks and arrays of different batch sizes are always refused.
+
+Samplers and a loader: `EpochSampler` (one seeded permutation per epoch), `ArrayLoader`, and, for
+several processes, `TrainingSampler` / `InferenceSampler` (Detectron2's, sharded by rank).
 """
 
 from __future__ import annotations
@@ -27,8 +30,17 @@ import numpy as np
 from graphpar import workspace
 from graphpar.naming import BATCH_WEIGHT, device_scoped
 
-__all__ = ["DataContainer", "Fed", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
-           "minibatches", "scatter", "split_batch"]
+__all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
+           "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
+           "TrainingSampler", "minibatches", "prepare", "scatter", "split_batch"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeviceFeeder":  # imported on first use: it needs threads and torch
+        from graphpar.feeder import DeviceFeeder
+
+        return DeviceFeeder
+    raise AttributeError(f"module 'graphpar.data' has no attribute {name!r}")
 
 
 # ---- leaves ----------------------------------------------------------------------------------------
@@ -229,19 +241,27 @@ class Fed:
     host: list[dict[str, Any]]
 
 
-def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
-    """Scatter `batch` over the model's devices and feed each device its chunk as `{prefix}_{id}/{name}`.
+@dataclass
+class Prepared:
+    """A batch scattered and checked for one model's devices, ready to feed (`prepare`'s result, a
+    `DeviceFeeder`'s items). `blobs[i]`: device i's {scoped blob name: value}. `ready[i]`, when set,
+    is an event that `feed` makes device i's current stream wait for (a host-to-device copy on a
+    side stream, through `copier`) before it feeds that device."""
 
-    Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
-    checked before the first blob is written, so a batch that is refused feeds nothing. With
-    `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
+    devices: tuple[int, ...]
+    prefix: str
+    blobs: list[dict[str, Any]]
+    names: list[str]
+    rows: list[int]
+    host: list[dict[str, Any]]
+    ready: list[Any] | None = None
+    copier: Any = None
 
-    Raises:
-        RuntimeError: the model was not parallelized.
-        ValueError: an empty batch (no rows, a device without rows, or no array to feed); fields
-            of different batch sizes; chunks of different sizes when the model does not allow them
-            (the message names the fixes); see `chunk_sizes`.
-        TypeError: a value cannot be fed (see workspace.FeedBlob).
+
+def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Prepared:
+    """Everything `feed` does but writing: scatter `batch` over the model's devices and check it.
+
+    Touches no workspace, so a `DeviceFeeder` runs it on its own thread. Raises as `feed`.
     """
     devices = model.GetDevices()
     count = len(devices)
@@ -271,13 +291,40 @@ def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = Non
     if len(set(rows)) > 1 and not allowed:
         raise ValueError(f"feed: rows per device {rows} differ; Parallelize(..., uneven_batches=True) is needed "
                          f"so each device's loss is weighted by its rows (or give every device {total // count})")
-    prepared = [(device_scoped(model._device_prefix, d, name), value)
-                for d, per_device in zip(devices, blobs) for name, value in per_device.items()]
+    prefix = model._device_prefix
+    scoped = [{device_scoped(prefix, d, name): value for name, value in per_device.items()}
+              for d, per_device in zip(devices, blobs)]
     if allowed:
-        prepared += [(device_scoped(model._device_prefix, d, BATCH_WEIGHT), np.float32(count * r / total))
-                     for d, r in zip(devices, rows)]
-    _feed_all(prepared)
-    return Fed(list(blobs[0]), rows, host)
+        for d, r, per_device in zip(devices, rows, scoped):
+            per_device[device_scoped(prefix, d, BATCH_WEIGHT)] = np.float32(count * r / total)
+    return Prepared(tuple(devices), prefix, scoped, list(blobs[0]), rows, host)
+
+
+def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
+    """Scatter `batch` over the model's devices and feed each device its chunk as `{prefix}_{id}/{name}`.
+
+    Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
+    checked before the first blob is written, so a batch that is refused feeds nothing. With
+    `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
+    `batch` may be a `Prepared` one (from `prepare` or a `DeviceFeeder`) for this model.
+
+    Raises:
+        RuntimeError: the model was not parallelized.
+        ValueError: an empty batch (no rows, a device without rows, or no array to feed); fields
+            of different batch sizes; chunks of different sizes when the model does not allow them
+            (the message names the fixes); see `chunk_sizes`; a batch prepared for other devices.
+        TypeError: a value cannot be fed (see workspace.FeedBlob).
+    """
+    if not isinstance(batch, Prepared):
+        batch = prepare(model, batch, dim, sizes)
+    elif batch.devices != tuple(model.GetDevices()) or batch.prefix != model._device_prefix:
+        raise ValueError(f"feed: the batch was prepared for devices {batch.prefix}_{list(batch.devices)}, not this "
+                         f"model's {model._device_prefix}_{model.GetDevices()}; give the DeviceFeeder this model")
+    if batch.ready is not None:
+        for d, event, per_device in zip(batch.devices, batch.ready, batch.blobs):
+            batch.copier.wait(d, event, per_device.values())
+    _feed_all([item for per_device in batch.blobs for item in per_device.items()])
+    return Fed(batch.names, batch.rows, batch.host)
 
 
 _EMPTY = ("feed: the batch {what}; an empty batch trains nothing, and on one replica it would bias the "
@@ -411,6 +458,68 @@ def _pad_and_stack(arrays: list[Any], value: float, pad_dims: int | None) -> Any
     return out
 
 
+# ---- samplers and a loader for arrays ---------------------------------------------------------------
+
+
+class EpochSampler:
+    """The indices of `size` samples, one pass per iteration: a permutation that depends only on
+    `seed` and the epoch (`set_epoch`, which `engine.Trainer` calls), so a resumed run sees the
+    same order; in order without `shuffle`. Usable as a `torch.utils.data.DataLoader` sampler."""
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"EpochSampler: size must be an int >= 1, got {size!r}")
+        self.size, self.shuffle, self.seed, self.epoch = size, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist())
+
+
+class ArrayLoader:
+    """Batches of in-memory arrays: `{name: array[indices]}` for `batch_size` indices at a time of
+    `sampler` (default `EpochSampler(len, shuffle, seed)`); a final partial batch is dropped with
+    `drop_last`. Has a length (batches per epoch) and `set_epoch`, as `engine.Trainer` expects.
+
+    Raises:
+        ValueError: no arrays, arrays of different lengths, batch_size < 1, or no full batch.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, sampler: Any = None) -> None:
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if not lengths or len(set(lengths.values())) > 1:
+            raise ValueError(f"ArrayLoader: needs arrays of one length, got {lengths}")
+        n = next(iter(lengths.values()))
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"ArrayLoader: batch_size must be an int >= 1, got {batch_size!r}")
+        if drop_last and batch_size > n:
+            raise ValueError(f"ArrayLoader: batch_size {batch_size} is larger than the {n} samples; use at most {n}")
+        self.arrays, self.batch_size, self.drop_last = dict(arrays), batch_size, drop_last
+        self.sampler = sampler if sampler is not None else EpochSampler(n, shuffle, seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        order = np.fromiter(self.sampler, dtype=np.int64)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start:start + self.batch_size]
+            yield {name: a[index] for name, a in self.arrays.items()}
+
+
 # ---- minibatch indices -----------------------------------------------------------------------------
 
 
@@ -450,3 +559,57 @@ def minibatches(n: int, batch_size: int, rng: np.random.Generator | None = None,
     order = rng.permutation(n) if rng is not None else np.arange(n)
     stop = n - n % batch_size if drop_last else n
     return (order[start:start + batch_size] for start in range(0, stop, batch_size))
+
+
+def _shard_of(rank: int | None, world: int | None) -> tuple[int, int]:
+    """(rank, world size): given, else graphpar.launch's (torch.distributed's, or RANK / WORLD_SIZE)."""
+    from graphpar import launch
+
+    rank = launch.get_rank() if rank is None else rank
+    world = launch.get_world_size() if world is None else world
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"a sampler needs world >= 1 and 0 <= rank < world, got rank={rank}, world={world}")
+    return rank, world
+
+
+class TrainingSampler:
+    """Detectron2's infinite training sampler: every process draws the same seeded stream of epochs
+    (each a permutation of `range(size)` when `shuffle`, else in order) and takes every `world`-th
+    index starting at its `rank`, so the shards' indices are disjoint and together cover each epoch.
+    All shards must use the same `seed`."""
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int | None = None,
+                 world: int | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"TrainingSampler: size must be >= 1, got {size}")
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.rank, self.world = _shard_of(rank, world)
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng(self.seed)
+        position = 0
+        while True:
+            epoch = rng.permutation(self.size) if self.shuffle else np.arange(self.size)
+            for index in epoch:
+                if position % self.world == self.rank:
+                    yield int(index)
+                position += 1
+
+
+class InferenceSampler:
+    """Detectron2's inference sampler: shard `rank` of `world` gets one contiguous range of
+    `range(size)`; the first `size % world` shards get one index more, so nothing is repeated or lost."""
+
+    def __init__(self, size: int, rank: int | None = None, world: int | None = None) -> None:
+        if size < 0:
+            raise ValueError(f"InferenceSampler: size must be >= 0, got {size}")
+        rank, world = _shard_of(rank, world)
+        base, left = divmod(size, world)
+        begin = rank * base + min(rank, left)
+        self.indices = range(begin, begin + base + (rank < left))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -162,8 +162,7 @@ class PeriodicCheckpointer(HookBase):
     def save(self, iteration: int) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
-        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),
-                        metadata={"iteration": iteration})
+        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)))  # carries optimizer_iteration
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
@@ -346,31 +345,41 @@ class Trainer:
         self._initialized = True
 
     def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
-        """With `resume`, load the last checkpoint of the PeriodicCheckpointer's directory (if any);
-        else, load `path` if given (weights to start from, iteration 0). Returns the start iteration.
+        """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the
+        PeriodicCheckpointer's directory, if there is one, and continue at its iteration. Without
+        it: load only the params of `path` (weights to start from) and start at iteration 0.
+        Returns the iteration training starts at.
 
-        A resumed run restores `optimizer_iteration` (so the LR schedule), calls
-        `FinalizeAfterCheckpoint`, and continues at the saved iteration; when the data has a
-        length, the batches the saved run had consumed in its last epoch are skipped and the epoch
-        counter is restored, so an order that depends only on the epoch gives the same batches.
+        A resumed run restores every `GetCheckpointParams` blob (optimizer state, and
+        `optimizer_iteration`, so the LR schedule), runs `FinalizeAfterCheckpoint`, and, when the
+        data has a length, restores the epoch and skips the batches the saved run had consumed in
+        it, so data whose order depends only on the epoch gives the same batches.
+
+        Raises:
+            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`.
         """
         self.initialize()
-        found = None
-        if resume:
+        target = Path(path) if path is not None else None
+        if target is None and resume:
             saver = next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
-            found = checkpoints(saver.directory)[-1] if saver and checkpoints(saver.directory) else None
-        target = found or (Path(path) if path is not None else None)
+            found = checkpoints(saver.directory) if saver is not None else []
+            target = found[-1] if found else None
         if target is None:
-            return self.start_iter
-        checkpoint.load(target)
+            return self.iter
+        if not target.exists():
+            raise FileNotFoundError(f"resume_or_load: no checkpoint at {target}")
+        if not resume:
+            params = {str(p) for p in self.model.GetParams()}
+            checkpoint.load(target, [b for b in checkpoint.read_metadata(target)["blobs"] if b in params])
+            dpm.FinalizeAfterCheckpoint(self.model)
+            return self.iter
+        checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
-        if found is None:  # weights only: start at 0
-            return self.start_iter
-        self.start_iter = self.iter = int(checkpoint.read_metadata(found)["metadata"]["iteration"])
-        self.storage.iter = self.iter
+        iteration = checkpoint.read_metadata(target)["iteration"]
+        self.start_iter = self.iter = self.storage.iter = int(iteration or 0)
         self._skip_to(self.iter)
-        log.info("resumed from %s at iteration %d", found, self.iter)
-        return self.start_iter
+        log.info("resumed from %s at iteration %d", target, self.iter)
+        return self.iter
 
     def _skip_to(self, iteration: int) -> None:
         try:

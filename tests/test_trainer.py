@@ -220,3 +220,19 @@ def test_auto_scale_workers_without_reference_or_with_a_bad_one():
         auto_scale_workers(_cfg(), 0)
     with pytest.raises(AttributeError, match="config has no field 'MISSING'"):
         _cfg().MISSING  # noqa: B018
+
+
+def test_resume_false_with_a_path_loads_only_the_weights(tmp_path):
+    trained = _train(tmp_path, 3, resume=False)
+    params = {name: value for name, value in _params(trained.model).items() if name.endswith(("_w", "_b"))}
+    path = tmp_path / "ckpt" / "model_0000003.safetensors"
+    workspace.ResetWorkspace()
+    trainer = Trainer(_model(), _batches(), max_iter=1)
+    assert trainer.resume_or_load(resume=False, path=path) == 0
+    for name, value in params.items():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), value, err_msg=name)
+        np.testing.assert_array_equal(workspace.FetchBlob(name.replace("cpu_0", "cpu_1")), value)
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 0
+    assert not workspace.FetchBlob("cpu_0/fc1_w_momentum").any()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        trainer.resume_or_load(resume=True, path=tmp_path / "missing.safetensors")

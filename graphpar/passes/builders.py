@@ -39,7 +39,7 @@ def build_replicas(state: ParallelState) -> None:
     BlobReferences (ParallelizeError otherwise).
     """
     options, layout = state.options, state.layout
-    loss_scale = 1.0 / len(layout.devices)
+    loss_scale = 1.0 / (len(layout.devices) * options.num_shards)
     for device_id in layout.devices:
         with replica_scope(layout, device_id):
             options.input_builder_fun(state.model)

@@ -25,6 +25,7 @@ from graphpar.passes import (
     bucketing,
     builders,
     check_losses,
+    distributed,
     finish,
     fuse_updates,
     group_by_device,
@@ -115,6 +116,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
+    Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.training and s.options.num_shards > 1),
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),
 )
