@@ -896,12 +896,13 @@ def _log_built(state: ParallelState) -> None:
     log.info("Parallelize(%r): %d replica(s) %s on %s; %s", state.model.name, len(layout.devices),
              _replica_scopes(layout), layout.device_type.name,
              "training" if state.training else "forward only")
-    log.info("Parallelize(%r): %d params, %d computed params, %d gradients all-reduced by %s (%s); "
-             "%d cross-device ops in net %r (%d collectives), %d ops in all, type %r, %d workers",
-             state.model.name, len(state.param_names), len(state.computed_param_names), len(state.grad_names),
-             type(state.reducer).__name__,
-             f"buckets of <= {options.gradient_bucket_bytes} bytes" if options.gradient_bucket_bytes
-             else "one collective per gradient", len(moves), train.name, collectives, len(train.ops),
+    reduced = "no gradients" if not state.training else (
+        f"{len(state.grad_names)} gradients all-reduced by {type(state.reducer).__name__} ("
+        + (f"buckets of <= {options.gradient_bucket_bytes} bytes)" if options.gradient_bucket_bytes
+           else "one collective per gradient)"))
+    log.info("Parallelize(%r): %d params, %d computed params, %s; %d cross-device ops in net %r (%d "
+             "collectives), %d ops in all, type %r, %d workers", state.model.name, len(state.param_names),
+             len(state.computed_param_names), reduced, len(moves), train.name, collectives, len(train.ops),
              train.type, train.num_workers)
     log.info("Parallelize(%r): init net %r: %d ops, then broadcasts %d blobs from %s to %s",
              state.model.name, init.name, len(init.ops), len(state.sync_names), layout.scoped(layout.master, ""),
