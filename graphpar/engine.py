@@ -388,10 +388,11 @@ class Trainer:
             return
         if per_epoch < 1:
             return
+        consumed = iteration * self.model._parallel.options.accumulate_gradients  # batches per update
         self._pending = None
         self._drop_iterator()
-        self.epoch = iteration // per_epoch
-        for _ in range(iteration % per_epoch):
+        self.epoch = consumed // per_epoch
+        for _ in range(consumed % per_epoch):
             self._next_batch()
 
     # -- the loop --
@@ -421,10 +422,25 @@ class Trainer:
         self.storage.iter = self.iter
 
     def run_step(self) -> None:
-        """Feed the next batch, run the train net once, record each loss (the batch's mean)."""
+        """Feed the next batch, run the train net once, record each loss (the batch's mean).
+
+        With `Parallelize(accumulate_gradients=k)`, first k - 1 micro-batches each through the
+        accumulate net (no all-reduce, no update); the losses recorded are the micro-batches' mean.
+        """
+        state = self.model._parallel
+        micro = state.accumulate_net
+        values: list[dict[str, float]] = []
+        for _ in range(state.options.accumulate_gradients - 1):
+            fed = feed(self.model, self._next_batch())
+            if micro.Proto().name not in workspace.get_workspace().nets:
+                workspace.CreateNet(micro)
+            workspace.RunNet(micro)
+            values.append(self.losses(fed.sizes))
         fed = feed(self.model, self._next_batch())
         dpm.RunNet(self.model, 1)
-        for name, value in self.losses(fed.sizes).items():
+        values.append(self.losses(fed.sizes))
+        for name in values[-1]:
+            value = sum(v[name] for v in values) / len(values)
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss {name!r} became {value} at iteration {self.iter}")
             self.storage.put_scalar(name, value)

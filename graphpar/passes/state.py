@@ -48,6 +48,7 @@ class ParallelizeOptions:
     optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
     uneven_batches: bool = False
+    accumulate_gradients: int = 1
 
     @property
     def training(self) -> bool:
@@ -81,6 +82,7 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     checkpoint_net: Any = None
+    accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
 
     @property
     def training(self) -> bool:
