@@ -33,7 +33,7 @@ import numpy as np
 
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar.data import feed
+from graphpar.data import Fed, feed
 from graphpar.naming import unscoped_name
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
@@ -295,6 +295,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self.register_hooks(hooks)
 
     def register_hooks(self, hooks: Iterable[HookBase | None]) -> None:
@@ -436,7 +437,7 @@ class Trainer:
                 workspace.CreateNet(micro)
             workspace.RunNet(micro)
             values.append(self.losses(fed.sizes))
-        fed = feed(self.model, self._next_batch())
+        fed = self.last_fed = feed(self.model, self._next_batch())
         dpm.RunNet(self.model, 1)
         values.append(self.losses(fed.sizes))
         for name in values[-1]:
