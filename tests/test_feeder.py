@@ -240,3 +240,24 @@ def test_a_dataloader_of_dicts_with_variable_size_images_and_metadata_trains_thr
     assert seen == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 4, 5, 6, 7, 12, 13, 14, 15]
     assert len(trainer.storage.history["scaled_loss"]) == 6 and "iter 6/6" in capsys.readouterr().out
     assert _feeder_threads() == []
+
+
+def test_a_feeder_dropped_without_close_stops_its_thread():
+    import gc
+
+    def endless():
+        k = 0
+        while True:
+            k += 1
+            yield {"x": np.full((2, 2), k, dtype=np.float32)}
+
+    model = _relu_model()
+    feeder = DeviceFeeder(endless(), model)
+    batches = iter(feeder)
+    next(batches)
+    del feeder, batches
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _feeder_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _feeder_threads() == []

@@ -236,3 +236,23 @@ def test_resume_false_with_a_path_loads_only_the_weights(tmp_path):
     assert not workspace.FetchBlob("cpu_0/fc1_w_momentum").any()
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         trainer.resume_or_load(resume=True, path=tmp_path / "missing.safetensors")
+
+
+def test_lr_scheduler_multiplier_feeds_lr_injection():
+    workspace.ResetWorkspace()
+    model = ModelHelper(name=f"trainer_inject_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, allow_lr_injection=True),
+                    devices=[0, 1], cpu_device=True)
+    frozen = Trainer(model, _batches(), [LRScheduler(lambda it: 0.0 if it < 2 else 0.5)], max_iter=2)
+    frozen.initialize()
+    before = _params(model)
+    frozen.train()
+    for name, value in _params(model).items():  # LR x 0: nothing moved but the counter
+        if name != "optimizer_iteration":
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+    frozen.max_iter = 4
+    frozen.train()
+    assert [v for _, v in frozen.storage.history["lr"]] == pytest.approx([0.0, 0.0, 0.1, 0.1])
+    assert workspace.FetchBlob("lr_injection")[0] == 0.5
+    assert not np.array_equal(_params(model)["cpu_0/fc1_w"], before["cpu_0/fc1_w"])
