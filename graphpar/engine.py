@@ -273,18 +273,24 @@ class Trainer:
         data: an iterable of batches `graphpar.data.feed` accepts (a DataLoader, a list, a
             `DeviceFeeder`); iterated once per epoch, again when exhausted.
         hooks: HookBase instances, run in order (after_* too, as in Detectron2).
-        max_iter: iterations to train in all (a resumed run continues up to it).
+        max_iter: iterations (updates) to train in all (a resumed run continues up to it); default one
+            epoch of `data` (its length; over `accumulate_gradients` with accumulation).
 
     Raises:
         ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
     """
 
-    def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (), max_iter: int = 0) -> None:
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-            raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
+    def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (),
+                 max_iter: int | None = None) -> None:
         if not getattr(getattr(model, "_parallel", None), "training", False):
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
+        if max_iter is None:
+            if not hasattr(data, "__len__"):
+                raise ValueError("Trainer: pass max_iter (the data has no length to make one epoch of)")
+            max_iter = len(data) // model._parallel.options.accumulate_gradients
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
         self.model, self.data, self.max_iter = model, data, max_iter
         self.iter = 0
         self.start_iter = 0

@@ -160,6 +160,9 @@ def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
         Trainer(forward, _batches(), max_iter=1)
     with pytest.raises(ValueError, match="max_iter must be an int >= 0"):
         Trainer(_model(), _batches(), max_iter=-1)
+    assert Trainer(_model(), _batches(3)).max_iter == 3  # default: one epoch
+    with pytest.raises(ValueError, match="pass max_iter"):
+        Trainer(_model(), iter(_batches(3)))
     with pytest.raises(ValueError, match="yielded no batch in epoch 0"):
         Trainer(_model(), [], max_iter=1).train()
     bad = _batches(1)
