@@ -380,7 +380,7 @@ class Trainer:
             checkpoint.load(target, [b for b in checkpoint.read_metadata(target)["blobs"] if b in params])
             dpm.FinalizeAfterCheckpoint(self.model)
             return self.iter
-        checkpoint.load(target)
+        checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
         iteration = checkpoint.read_metadata(target)["iteration"]
         self.start_iter = self.iter = self.storage.iter = int(iteration or 0)

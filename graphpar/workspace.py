@@ -1,4 +1,4 @@
-"""Workspaces: named blobs (always torch.Tensors), created nets and seeded random streams.
+"""Workspaces: named blobs (torch.Tensors, or host text), created nets and seeded random streams.
 
 The CamelCase module functions act on the current workspace (initially "default"), as in Caffe2;
 `Workspace` offers the same operations as PEP 8 methods. Every `net` argument accepts a `Net`
@@ -25,6 +25,10 @@ workspace is per thread, as name and device scopes are (a new thread starts in "
 
 Values loaded from a checkpoint are remembered until they are used (`Workspace.loaded`), so that
 resuming in the wrong order raises (`graphpar.resume`).
+
+Text blobs, as in Caffe2: `bytes`, `str` and numpy arrays of strings (or of bytes/str objects) are kept
+as host objects in `Workspace.objects` and fetched back as fed; no operator reads them. `CreateBlob`
+makes a blob that exists but holds nothing yet (it counts as present when a net is created).
 
 Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's random streams; `Workspaces()`
 lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
@@ -63,6 +67,7 @@ class Workspace:
     def __init__(self, name: str, seed: int = 0) -> None:
         self.name = name
         self.blobs: dict[str, torch.Tensor] = {}
+        self.objects: dict[str, Any] = {}  # blobs that are not tensors: text, or None (CreateBlob)
         self.nets: dict[str, Plan] = {}
         self.seed = _check_seed(seed)
         self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
@@ -114,21 +119,23 @@ class Workspace:
     def reset(self) -> None:
         """Remove every blob and net and restart the random streams from the seed."""
         self.blobs.clear()
+        self.objects.clear()
         self.nets.clear()
         self.loaded.clear()
         self._restart_streams()
 
     @contextmanager
     def unchanged_on_error(self) -> Iterator[None]:
-        """Put back the blobs (the same tensors), nets, load records and random-stream state if the
-        block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
-        blobs, nets, loaded, compiles = dict(self.blobs), dict(self.nets), dict(self.loaded), self._compiles
+        """Put back the blobs (the same tensors), text blobs, nets, load records and random-stream state if
+        the block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
+        saved = [(m, dict(m)) for m in (self.blobs, self.objects, self.nets, self.loaded)]
+        compiles = self._compiles
         try:
             yield
         except BaseException:
-            for mapping, saved in ((self.blobs, blobs), (self.nets, nets), (self.loaded, loaded)):
+            for mapping, before in saved:
                 mapping.clear()
-                mapping.update(saved)
+                mapping.update(before)
             self._compiles = compiles
             raise
 
@@ -145,15 +152,30 @@ class Workspace:
             RuntimeError: the target CUDA device does not exist.
         """
         key = _blob_key(name)
+        if _is_text(value):
+            self.objects[key] = value.copy() if isinstance(value, np.ndarray) else value
+            self.blobs.pop(key, None)
+            return
         option = _feed_device_option(key, device_option)
         device = checked_torch_device(option, f"FeedBlob({key!r})")
         self.blobs[key] = _to_tensor(key, value, device)
         self.loaded.pop(key, None)
+        self.objects.pop(key, None)
+
+    def create_blob(self, name: str) -> None:
+        """Make blob `name` exist, holding nothing, unless it exists (Caffe2's CreateBlob)."""
+        key = _blob_key(name)
+        if not self.has_blob(key):
+            self.objects[key] = None
 
     def fetch_tensor(self, name: str) -> torch.Tensor:
         """The live tensor of blob `name`. Raises MissingBlobError if there is none."""
         key = _blob_key(name)
         tensor = self.blobs.get(key)
+        if tensor is None and key in self.objects:
+            held = self.objects[key]
+            what = "nothing yet (CreateBlob)" if held is None else f"a {type(held).__name__} (text)"
+            raise TypeError(f"blob {key!r} holds {what}, not a tensor")
         if tensor is None:
             freed = next((plan.name for plan in self.nets.values() if key in plan.frame.drops), None)
             if freed is not None:
@@ -173,6 +195,9 @@ class Workspace:
             MissingBlobError: there is no such blob.
             TypeError: its dtype has no numpy equivalent (e.g. bfloat16); use fetch_tensor.
         """
+        held = self.objects.get(name) if isinstance(name, str) else None
+        if held is not None:
+            return held.copy() if isinstance(held, np.ndarray) else held
         host = self.fetch_tensor(name).detach().to("cpu", copy=True)
         try:
             return host.numpy()
@@ -183,17 +208,20 @@ class Workspace:
 
     def has_blob(self, name: str) -> bool:
         """Whether blob `name` exists."""
-        return isinstance(name, str) and name in self.blobs
+        return isinstance(name, str) and (name in self.blobs or name in self.objects)
 
     def blob_names(self) -> list[str]:
         """The sorted blob names."""
-        return sorted(self.blobs)
+        return sorted({*self.blobs, *self.objects})
 
     def remove_blob(self, name: str) -> None:
         """Delete blob `name`. Raises MissingBlobError if there is none."""
+        key = _blob_key(name)
+        if self.objects.pop(key, _ABSENT) is not _ABSENT:
+            return
         self.fetch_tensor(name)
-        del self.blobs[_blob_key(name)]
-        self.loaded.pop(_blob_key(name), None)
+        del self.blobs[key]
+        self.loaded.pop(key, None)
 
     def create_net(self, net: Any, overwrite: bool = False) -> Plan:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
@@ -326,6 +354,18 @@ def _feed_device_option(name: str, device_option: DeviceOption | None) -> Device
     return device_option or CurrentDeviceScope() or device_option_for_blob(name) or DeviceOption()
 
 
+_ABSENT = object()
+
+
+def _is_text(value: Any) -> bool:
+    """Whether `value` is one of Caffe2's string blobs: bytes, str, or a numpy array of them."""
+    if isinstance(value, (bytes, str)):
+        return True
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "SUO":
+        return False
+    return value.dtype.kind != "O" or all(isinstance(v, (bytes, str)) for v in value.flat)
+
+
 def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
     """A fresh tensor on `device` holding `value`; raise TypeError for anything but numeric data."""
     if isinstance(value, torch.Tensor):
@@ -370,8 +410,9 @@ def FeedBlob(name: str, value: Any, device_option: DeviceOption | None = None) -
     blobs); Python floats and lists of floats become float32, ints int64, bools bool.
 
     Device: `device_option`, else the current DeviceScope, else the name's replica scope
-    ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Raises TypeError for values that are not
-    numeric data (None, str, dict, object arrays, ragged lists) and RuntimeError for a CUDA device
+    ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Text (bytes, str, numpy arrays of strings) is
+    kept as a host object and fetched back as fed. Raises TypeError for other values that are not
+    numeric data (None, dict, mixed object arrays, ragged lists) and RuntimeError for a CUDA device
     that does not exist; the workspace is then unchanged.
     """
     get_workspace().feed_blob(name, value, device_option)
@@ -516,7 +557,12 @@ GetCudaPeerAccessPattern = GetGpuPeerAccessPattern
 
 
 def GetBlobSizeBytes(name: str) -> int:  # noqa: N802
-    """The bytes blob `name`'s data takes. Raises MissingBlobError if there is none."""
+    """The bytes blob `name`'s data takes (text: a pointer per string plus the strings' lengths).
+    Raises MissingBlobError if there is none."""
+    held = get_workspace().objects.get(name)
+    if held is not None:
+        texts = list(held.flat) if isinstance(held, np.ndarray) else [held]
+        return len(texts) * np.dtype(object).itemsize + sum(len(t) for t in texts)
     tensor = get_workspace().fetch_tensor(name)
     return tensor.numel() * tensor.element_size()
 
@@ -532,9 +578,9 @@ def FetchBlobs(names: list[str]) -> list[np.ndarray]:  # noqa: N802
 
 
 def CreateBlob(name: str) -> bool:  # noqa: N802
-    """Create blob `name` as an empty float tensor if it does not exist; returns True."""
-    if not HasBlob(name):
-        FeedBlob(name, np.zeros(0, dtype=np.float32))
+    """Create blob `name`, holding nothing, if it does not exist (as Caffe2); returns True. Nets may
+    be created that read it; feed it before they run."""
+    get_workspace().create_blob(name)
     return True
 
 
@@ -621,7 +667,7 @@ class _BlobsView(MutableMapping):
         return iter(Blobs())
 
     def __len__(self) -> int:
-        return len(get_workspace().blobs)
+        return len(Blobs())
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and HasBlob(name)

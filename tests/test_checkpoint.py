@@ -8,6 +8,8 @@ import json
 import os
 import stat
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -350,3 +352,26 @@ def test_identical_saves_write_identical_bytes_whatever_the_set_order(tmp_path, 
     checkpoint.save(second, _Ordered(reversed(names)), metadata={"b": 2, "a": 1})
     assert first.read_bytes() == second.read_bytes()
     assert checkpoint.read_metadata(first)["blobs"] == sorted(names)
+
+
+_SAVE_A_SET = """
+import sys
+import numpy as np
+from graphpar import checkpoint, workspace
+names = [f"cpu_0/blob_{i}" for i in range(12)] + ["optimizer_iteration"]
+for i, name in enumerate(names):
+    workspace.FeedBlob(name, np.full(3, i, np.float32))
+checkpoint.save(sys.argv[1], set(names), metadata={"epoch": 1, "run": "a"})
+"""
+
+
+@pytest.mark.slow
+def test_identical_runs_write_byte_identical_files(tmp_path):
+    """In separate processes, whose str hashes (and so set orders) differ."""
+    files = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"run_{seed}.safetensors"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", _SAVE_A_SET, str(path)], check=True, env=env, timeout=300)
+        files.append(path.read_bytes())
+    assert files[0] == files[1]

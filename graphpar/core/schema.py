@@ -84,6 +84,9 @@ class Trait(str, Enum):
 
     COLLECTIVE = "collective"  # one op over every device's copy; all of a net's collectives keep one order
     CROSS_DEVICE = "cross_device"  # reads or writes blobs of several devices (copies, collectives)
+    # talks to other processes through the communicator (or store) handle of input 0; the
+    # collectives of one communicator keep one order, those of different ones may overlap
+    DISTRIBUTED = "distributed"
     COUNTER = "counter"  # advances an iteration counter (checkpointed, never replicated)
     FILL = "fill"  # creates a tensor from its arguments (and at most an input's shape)
     RANDOM = "random"  # draws random numbers (from `KernelContext.random_stream`)

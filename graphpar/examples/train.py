@@ -2,6 +2,8 @@
 
     python -m graphpar.examples.train                 # 4 CPU devices (all GPUs when present)
     python -m graphpar.examples.train --resume        # continue from the checkpoint it wrote
+    python -m graphpar.examples.train --num-processes 2 --devices 2   # 2 processes x 2 devices, gloo
+    python -m graphpar.launch --nproc-per-node 2 -m graphpar.examples.train --devices 2   # the same
 
 The 1,797 8x8 digit images ship inside scikit-learn, so nothing is downloaded. Each step feeds one
 global batch split evenly over the devices; gradients are all-reduced, so N devices train exactly
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphpar import brew, checkpoint, model_helper, optimizer, workspace
+from graphpar import brew, checkpoint, launch, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.data import ArrayLoader, DeviceFeeder, feed, gather
 from graphpar.devices import num_cuda_devices
@@ -57,16 +59,19 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
 
-def build(devices: list[int], cpu: bool, lr: float, lr_step: int):
-    """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps) and a forward-only test model
-    that shares its params (any test-set size: chunks may differ by one row)."""
+def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
+          rendezvous: dict | None = None):
+    """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
+    `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
+    differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
+    updates anything (RunNet raises, naming the loss)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
         optimizer_builder_fun=lambda m: optimizer.build_sgd(
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        devices=devices, cpu_device=cpu)
+        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
                     devices=devices, cpu_device=cpu, uneven_batches=True)
@@ -95,7 +100,15 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--plot", action="store_true", help="write a loss/accuracy PNG at the end (matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-finite-check", action="store_true",
+                        help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
+    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built and each init/sync")
+    parser.add_argument("--num-processes", type=int, default=1,
+                        help="processes (shards) on this machine, each with --devices devices (gloo)")
     args = parser.parse_args(argv)
+    if args.num_processes < 1:
+        parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
+    shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
     if args.devices is None:
@@ -108,9 +121,11 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
     if not 1 <= args.batch_size <= train_size:
         parser.error(f"--batch-size must be between 1 and the {train_size} training samples, got {args.batch_size}")
-    if args.batch_size % args.devices:
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of --devices {args.devices} (every device "
-                     f"gets the same share), e.g. {max(args.devices, args.batch_size // args.devices * args.devices)}")
+    if args.batch_size % (args.devices * shards):
+        every = args.devices * shards
+        what = f"--devices {args.devices}" + (f" x {shards} processes" if shards > 1 else "")
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of {what} (every device gets the same "
+                     f"share), e.g. {max(every, args.batch_size // every * every)}")
     if args.lr <= 0 or args.lr_step_epochs < 1:
         parser.error(f"--lr must be > 0 and --lr-step-epochs >= 1, got {args.lr} and {args.lr_step_epochs}")
     if args.resume and not args.checkpoint.exists():
@@ -122,8 +137,9 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
 class EpochEnd(HookBase):
     """After each epoch: test accuracy, the checkpoint (atomic), and the epoch's line on the console."""
 
-    def __init__(self, test, x_test, y_test, path: Path, steps_per_epoch: int, epochs: int, progress) -> None:
-        self.test, self.x_test, self.y_test, self.path = test, x_test, y_test, path
+    def __init__(self, test, x_test, y_test, path: Path, steps_per_epoch: int, epochs: int, progress,
+                 say: bool = True) -> None:
+        self.test, self.x_test, self.y_test, self.path, self.say = test, x_test, y_test, path, say
         self.steps, self.epochs, self.progress = steps_per_epoch, epochs, progress
         self.accuracy = float("nan")
         self._bar = None
@@ -145,17 +161,46 @@ class EpochEnd(HookBase):
         self.accuracy = evaluate(self.test, self.x_test, self.y_test)
         storage.put_scalar("test_accuracy", self.accuracy)
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
-        checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model), metadata={"epoch": done // self.steps})
-        print(f"epoch {done // self.steps:2d}  loss {np.mean(losses):.4f}  test accuracy {self.accuracy:.2%}")
+        if self.say:  # one process writes the checkpoint (atomically); every process can load it
+            checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
+                            metadata={"epoch": done // self.steps})
+            print(f"epoch {done // self.steps:2d}  loss {np.mean(losses):.4f}  test accuracy {self.accuracy:.2%}")
 
     def after_train(self) -> None:
         if self._bar is not None:
             self._bar.close()
 
 
+class ShardOf:
+    """This process's contiguous share of each global batch of `loader` (its length and epochs too)."""
+
+    def __init__(self, loader: ArrayLoader, shard: int, shards: int) -> None:
+        self.loader, self.shard, self.shards = loader, shard, shards
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            share = len(next(iter(batch.values()))) // self.shards
+            yield {name: value[self.shard * share:(self.shard + 1) * share] for name, value in batch.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if args.num_processes > 1 and launch.get_world_size() == 1:
+        launch.launch(run, args.num_processes, args=(args,))
+        return 0
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train in this process: alone, or as one shard of launch.get_world_size()."""
+    shard, shards, say = launch.get_rank(), launch.get_world_size(), launch.is_main_process()
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     devices = list(range(args.devices))
     steps_per_epoch = len(y_train) // args.batch_size
@@ -168,40 +213,51 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
-    train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch)
-    print(f"graphpar: training a CNN on {len(y_train)} digits over {args.devices} "
-          f"{'CPU' if args.cpu else 'CUDA'} devices ({args.batch_size // args.devices} samples each per step)")
+    train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
+                        not args.no_finite_check, launch.rendezvous())
+    where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
+    if say:
+        print(f"graphpar: training a CNN on {len(y_train)} digits over {where} {'CPU' if args.cpu else 'CUDA'} "
+              f"devices ({args.batch_size // (args.devices * shards)} samples each per step)")
 
     metrics = args.checkpoint.parent / "metrics.json"
-    if not args.resume:
+    if say and not args.resume:
         metrics.unlink(missing_ok=True)
-    loader = ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed)
+    loader = ShardOf(ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed), shard, shards)
     with DeviceFeeder(loader, train) as feeder:
-        epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs, _progress_bar())
-        trainer = Trainer(train, feeder, [IterationTimer(), LRScheduler(), epoch_end,
-                                          PeriodicWriter(args.checkpoint.parent, steps_per_epoch, console=False)],
-                          max_iter=max_iter)
+        epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs,
+                             _progress_bar(say), say)
+        hooks = [IterationTimer(), LRScheduler(), epoch_end]
+        if say:
+            hooks.append(PeriodicWriter(args.checkpoint.parent, steps_per_epoch, console=False))
+        trainer = Trainer(train, feeder, hooks, max_iter=max_iter)
         trainer.initialize()
         dpm.RunInitNet(test)
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
-            print(f"resumed from {args.checkpoint} at epoch {trainer.iter // steps_per_epoch}")
+            if say:
+                print(f"resumed from {args.checkpoint} at epoch {trainer.iter // steps_per_epoch}")
         try:
             trainer.train()
         except KeyboardInterrupt:
             print(f"\ninterrupted at iteration {trainer.iter}; {args.checkpoint} holds the last finished epoch: "
                   f"continue with --resume", file=sys.stderr)
             return 130
+    dpm.Synchronize(train)  # the last checkpoint is written before any process returns
+    if not say:
+        return 0
     print(f"final test accuracy {epoch_end.accuracy:.2%}; checkpoint: {args.checkpoint}; metrics: {metrics}")
     if args.plot:
         _plot(metrics, args.checkpoint.parent / "training.png")
     return 0
 
 
-def _progress_bar():
+def _progress_bar(show: bool = True):
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
+        show = False
+    if not show:
         class _Quiet:
             def update(self) -> None: ...
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphpar.executor.failure import op_failure
-from graphpar.executor.frame import StateChanged, check_state, commit, open_frame
+from graphpar.executor.frame import StateChanged, commit, open_frame
 from graphpar.executor.simple import SimpleExecutor
 from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams
 from graphpar.executor.threads import thread_budget
@@ -129,7 +129,7 @@ class DagExecutor:
             try:
                 for schedule in schedules:
                     if schedule.staged:
-                        check_state(plan.state_checks, frame)
+                        plan.state_guard.check(frame)
                     self._run_phase(state, schedule)
             except StateChanged as exc:
                 state.failure = (exc.step, exc)

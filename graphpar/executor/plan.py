@@ -27,7 +27,7 @@ from graphpar.core.shapes import infer_specs
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
-from graphpar.executor.frame import FrameLayout, layout_frame
+from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
 from graphpar.executor.program import make_run
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
@@ -51,16 +51,6 @@ class Step(NamedTuple):
         return self._replace(kernel=kernel, run=make_run(kernel, self.inputs, self.outputs))
 
 
-class StateCheck(NamedTuple):
-    """A blob that update step `step` changes in place, and the shape and dtype it had at CreateNet."""
-
-    step: int
-    slot: int
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 class BlobStore(Protocol):
     """What compile_net needs of a workspace."""
 
@@ -82,7 +72,7 @@ class Plan:
 
     Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE). Every executor
     runs a plan in two phases: first every step that depends on no update (`order[:staged_from]`),
-    then, once they all succeeded and `state_checks` passed (`executor.frame.check_state`), the
+    then, once they all succeeded and `state_guard` passed (`executor.frame.StateGuard`), the
     updates and the steps that depend on them (`order[staged_from:]`); each phase respects
     `dependencies`. So a run that fails anywhere before its updates leaves the persistent state as it
     was, and an update never starts on state whose shape or dtype changed since CreateNet.
@@ -98,7 +88,7 @@ class Plan:
     updates: frozenset[int]
     order: tuple[int, ...]  # the steps in program order within each phase
     staged_from: int  # order[staged_from:] is the second phase (the updates and what depends on them)
-    state_checks: tuple[StateCheck, ...]
+    state_guard: StateGuard
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
@@ -141,20 +131,20 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     netdef = netdef.copy()
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
-    check_inputs_exist(netdef, set(workspace.blobs), workspace.name)
+    check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     infer_specs(netdef, workspace.blobs)
-    frame = layout_frame(netdef, keep_all)
+    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
+    dependencies = predecessors(netdef)
+    staged = _staged(dependencies, updates)
+    order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
+    frame = layout_frame(netdef, keep_all, order)
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
     cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
-    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
-    dependencies = predecessors(netdef)
-    staged = _staged(dependencies, updates)
-    order = tuple(j for j in range(len(steps)) if not staged[j]) + tuple(j for j in range(len(steps)) if staged[j])
     return Plan(netdef, steps, dependencies, {blob: span[1] for blob, span in lifetimes.items()},
                 frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
-                len(steps) - sum(staged), _state_checks(netdef, updates, frame, workspace.blobs))
+                len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)))
 
 
 def _staged(dependencies: tuple[tuple[int, ...], ...], updates: frozenset[int]) -> list[bool]:
@@ -176,7 +166,7 @@ def _state_checks(netdef: NetDef, updates: frozenset[int], frame: FrameLayout,
             for blob in set(op.inputs) & set(op.outputs):
                 if blob in loaded and blob not in written and blob in blobs and blob not in checks:
                     tensor = blobs[blob]
-                    checks[blob] = StateCheck(index, frame.slot[blob], blob, tuple(tensor.shape), tensor.dtype)
+                    checks[blob] = StateCheck(index, frame.slot[blob], blob, tensor.shape, tensor.dtype)
         written.update(op.outputs)
     return tuple(checks.values())
 

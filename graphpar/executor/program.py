@@ -3,9 +3,9 @@ straight-line Python function (`straight_line`), the "simple" executor's loop un
 
 `straight_line(plan)` generates, compiles and returns `program(frame)`, which calls every step's
 kernel in the plan's order (program order within each of its two phases, with the state check
-between them: `executor.plan.Plan`) on frame slots (`frame[3] = k2(frame[1], frame[0])`), frees each
-freeable value after its last user in that order, and on an exception raises `StepFailed` carrying
-the failing step's index.
+between them: `executor.plan.Plan`) on frame slots (`frame[3] = k2(frame[1], frame[0])`), frees what
+the plan frees after each step (`plan.frame.frees`, in that order), and on an exception raises
+`StepFailed` carrying the failing step's index.
 With no per-op loop, tuple unpacking or dispatch left, RunNet's per-op cost is that of the kernel
 call itself (torch.fx generates Python code from its graphs the same way). Generating costs about
 20 µs per op, once per plan, on its first run.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graphpar.executor.frame import StateChanged, check_state
+from graphpar.executor.frame import StateChanged
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan
@@ -31,14 +31,12 @@ class StepFailed(Exception):
 
 
 def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
-    """`program(frame)` running `plan`'s steps in `plan.order` (freeing values after their last use if
-    `frees`)."""
+    """`program(frame)` running `plan`'s steps in `plan.order` (freeing `plan.frame.frees` if `frees`)."""
     lines = []
-    after = _frees_in_order(plan) if frees else {}
     for position, j in enumerate(plan.order):
         step = plan.steps[j]
-        if position == plan.staged_from and plan.state_checks:
-            lines.append("check(checks, frame)")
+        if position == plan.staged_from and plan.state_guard.checks:
+            lines.append("check(frame)")
         call = f"k{j}({', '.join(f'frame[{i}]' for i in step.inputs)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
@@ -46,9 +44,10 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
             lines.append(f"i = {j}; store(frame, {step.outputs!r}, {call})")
         else:
             lines.append(f"i = {j}; {call}")
-        lines.extend(f"frame[{slot}] = None" for slot in after.get(j, ()))
+        if frees:
+            lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "StepFailed", "check", "StateChanged", "checks",
+    params = ", ".join(["store", "StepFailed", "check", "StateChanged",
                         *(f"k{step.index}" for step in plan.steps)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
@@ -61,22 +60,8 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, StepFailed, check_state, StateChanged, plan.state_checks,
+    return namespace["make"](store_all, StepFailed, plan.state_guard.check, StateChanged,
                              *(step.kernel for step in plan.steps))
-
-
-def _frees_in_order(plan: Plan) -> dict[int, list[int]]:
-    """{step: the slots to free after it}: each freeable version after its last user in `plan.order`."""
-    position = {j: p for p, j in enumerate(plan.order)}
-    last: dict[int, int] = {}
-    for j, versions in enumerate(plan.frame.releases):
-        for v in versions:
-            if v not in last or position[j] > position[last[v]]:
-                last[v] = j
-    frees: dict[int, list[int]] = {}
-    for v, j in last.items():
-        frees.setdefault(j, []).append(plan.frame.version_slots[v])
-    return frees
 
 
 def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable[[list], None]:

@@ -146,3 +146,27 @@ def test_plot_draws_loss_and_accuracy_per_epoch(tmp_path, monkeypatch, capsys):
     assert drawn == {"loss": ([22, 44], [0.5, 0.2]), "accuracy": ([22, 44], [0.9, 0.95]),
                      "file": tmp_path / "training.png"}
     assert "plot: " in capsys.readouterr().out
+
+
+def _checkpoint(path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def test_two_processes_train_and_resume_like_one_and_a_two_process_checkpoint_resumes_on_one(tmp_path, capsys):
+    """2 processes x 2 CPU devices (gloo) == 1 x 4 bit for bit, after a resume on 2 processes and after
+    resuming their checkpoint on 1 process."""
+    common = ["--epochs", "2", "--lr-step-epochs", "1"]
+    train.main([*common, "--devices", "4", "--checkpoint", str(tmp_path / "one.safetensors")])
+    uninterrupted = _checkpoint(tmp_path / "one.safetensors")
+    two = ["--devices", "2", "--num-processes", "2", "--lr-step-epochs", "1"]
+    assert train.main([*two, "--epochs", "1", "--checkpoint", str(tmp_path / "two.safetensors")]) == 0
+    (tmp_path / "copy.safetensors").write_bytes((tmp_path / "two.safetensors").read_bytes())
+    assert train.main([*two, "--epochs", "2", "--checkpoint", str(tmp_path / "two.safetensors"), "--resume"]) == 0
+    train.main([*common, "--devices", "4", "--checkpoint", str(tmp_path / "copy.safetensors"), "--resume"])
+    for name in ("two", "copy"):
+        resumed = _checkpoint(tmp_path / f"{name}.safetensors")
+        assert sorted(resumed) == sorted(uninterrupted)
+        for blob, value in uninterrupted.items():
+            np.testing.assert_array_equal(resumed[blob], value, err_msg=f"{name}: {blob}")

@@ -9,10 +9,13 @@ needs an entry.
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from graphpar import distributed
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -46,6 +49,11 @@ def probs(rows: int, cols: int) -> torch.Tensor:
     return torch.softmax(f(rows, cols), 1)
 
 
+# a communicator of one shard and a store, registered in this process, for the cross-shard ops
+_WORLD = torch.tensor(distributed.create_world("examples", None, None, 0, 1, "GLOO", 5.0), dtype=torch.int64)
+_STORE = torch.tensor(distributed.register_store(torch.distributed.HashStore()), dtype=torch.int64)
+_STORE_DIR = tempfile.mkdtemp(prefix="graphpar_examples_")
+
 _X4 = f(2, 3, 6, 6)
 _POOLED, _INDICES = F.max_pool2d(_X4, 2, 2, return_indices=True)
 _POOL = {"kernel": 2, "stride": 2}
@@ -58,6 +66,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "Accuracy": [ex(f(4, 3), ints(0, 2, 1, 1)), ex(f(4, 3, dtype=torch.float64), ints(0, 2, 1, 1), top_k=2)],
     "Adam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "Add": [ex(f(2, 3), f(3)), ex(f(2, 3, 4), f(3), broadcast=1, axis=1)],
+    "CheckFinite": [ex(f(1), outputs=0), ex(f(2, 3), f(1, dtype=torch.float64), outputs=0)],
     "AddGradient": [ex(f(2, 3), f(2, 3), f(3)), ex(f(2, 3, 4), f(2, 3, 4), f(3), broadcast=1, axis=1)],
     "Alias": [ex(f(2))],
     "AtomicIter": [ex(torch.zeros((), dtype=torch.uint8), ints(3, dtype=torch.int64))],
@@ -119,6 +128,8 @@ EXAMPLES: dict[str, list[Example]] = {
     "Log": [ex(pos(2, 3))],
     "LogGradient": [ex(pos(2, 3), f(2, 3))],
     "MSRAFill": [ex(shape=[4, 3, 2, 2]), ex(shape=[0, 3]), ex(ints(2, 3), input_as_shape=1, unknown=(0,))],
+    "Max": [ex(f(2, 3)), ex(f(2, 3), f(3), f(2, 1))],
+    "MaxGradient": [ex(f(2, 3), f(2, 3), f(2, 3), f(3), outputs=2)],
     "MaxPool": [ex(_X4, **_POOL), ex(_X4, outputs=2, **_POOL), ex(_X4, kernel=3, pads=[1, 0, 0, 1]),
                 ex(_X4, global_pooling=1)],
     "MaxPoolGradient": [ex(_X4, _POOLED, f(2, 3, 3, 3), **_POOL)],
@@ -132,11 +143,19 @@ EXAMPLES: dict[str, list[Example]] = {
                                         momentum=0.9),
                                      ex(f(3, 2), f(3, 2), f(3, 2), pos(1), outputs=3, momentum=0.5, nesterov=1)],
     "MulGradient": [ex(f(2, 3), f(2, 3), f(2, 1))],
+    "Allreduce": [ex(_WORLD, f(2, 3), outputs=1), ex(_WORLD, f(2), ints(3, 4), outputs=2)],
+    "Barrier": [ex(_WORLD, outputs=0)],
+    "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
+    "CreateCommonWorld": [ex(_STORE, size=1, rank=0, name="example_cw"), ex(size=1, rank=0, name="example_cw")],
+    "FileStoreHandlerCreate": [ex(path=_STORE_DIR, prefix="example")],
+    "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],
     "NCCLAllreduce": [ex(f(2, 3), f(2, 3), outputs=2), ex(f(4), outputs=1)],
     "NCCLBroadcast": [ex(f(2, 3), f(2, 3), f(2, 3), outputs=3, root=1)],
     "NCHW2NHWC": [ex(f(2, 3, 4, 5))],
     "NHWC2NCHW": [ex(f(2, 3, 4, 5))],
     "Negative": [ex(f(2, 3))],
+    "ReduceFrontSum": [ex(f(4, 3)), ex(f(2, 3, 4), num_reduce_dim=2)],
+    "ReduceFrontSumGradient": [ex(f(2, 3, 4), f(4), num_reduce_dim=2)],
     "Relu": [ex(f(2, 3))],
     "ReluGradient": [ex(f(2, 3), f(2, 3))],
     "Reshape": [ex(f(2, 3, 4), shape=[0, -1]), ex(f(2, 3, 4), ints(4, 6, dtype=torch.int64), unknown=(0,))],
