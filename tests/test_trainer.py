@@ -259,3 +259,28 @@ def test_lr_scheduler_multiplier_feeds_lr_injection():
     assert [v for _, v in frozen.storage.history["lr"]] == pytest.approx([0.0, 0.0, 0.1, 0.1])
     assert workspace.FetchBlob("lr_injection")[0] == 0.5
     assert not np.array_equal(_params(model)["cpu_0/fc1_w"], before["cpu_0/fc1_w"])
+
+
+def test_periodic_writer_sends_scalars_to_tensorboard_when_installed(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    events = []
+
+    class SummaryWriter:
+        def __init__(self, logdir):
+            events.append(("open", logdir))
+
+        def add_scalar(self, name, value, step):
+            events.append((name, step))
+
+        def close(self):
+            events.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    workspace.ResetWorkspace()
+    Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, period=2, console=False)], max_iter=3).train()
+    assert events == [("open", str(tmp_path)), ("scaled_loss", 1), ("scaled_loss", 2), ("close",)]
+    with pytest.raises(ImportError):  # asked for explicitly, but not installed
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+        Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, tensorboard=True)], max_iter=1).train()
