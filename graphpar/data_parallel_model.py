@@ -109,6 +109,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     average_computed_params: bool = False,
     uneven_batches: bool = False,
     check_finite_loss: bool = False,
+    accumulate_gradients: int = 1,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -157,6 +158,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             batch that is not a multiple of the device count): each replica's loss gradient is
             multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
             whole batch. `feed` must then feed every step (the train net reads the blob).
+        accumulate_gradients: k >= 1 micro-batches per update (DDP's `no_sync`): `model._accumulate_net`
+            runs forward and backward and adds the gradients to running sums (no all-reduce); the
+            train net adds its own micro-batch, all-reduces the mean once and updates. Run the
+            accumulate net k - 1 times, then `RunNet` (engine.Trainer does); the same update as one
+            step on the k-times batch. See `graphpar.passes.accumulate`.
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -217,7 +223,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
-        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec))
+        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
+        _accumulation(accumulate_gradients))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -802,6 +809,13 @@ def _blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in listed):
         raise TypeError(f"{what} must be a list of blob names, got {names!r}")
     return tuple(str(n) for n in listed)
+
+
+def _accumulation(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ParallelizeError(f"Parallelize: accumulate_gradients must be an int >= 1 (micro-batches per "
+                               f"update), got {k!r}")
+    return k
 
 
 def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -> None:
