@@ -254,7 +254,13 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
             raise RuntimeError(f"shard {rank} of {size}: could not create communicator {name!r} with "
                                f"{engine} within {timeout_sec:g} s (are all {size} shards running the same "
                                f"model with the same rendezvous?): {exc}") from None
+    return register_world(Communicator(name, rank, size, timeout_sec, group, prefixed))
+
+
+def register_world(world: Any) -> int:
+    """Keep communicator `world` (a `Communicator`, or anything with its methods) for this process;
+    returns its handle."""
     with _lock:
         handle = len(_worlds)
-        _worlds[handle] = Communicator(name, rank, size, timeout_sec, group, prefixed)
-    return handle
+        _worlds[handle] = world
+        return handle

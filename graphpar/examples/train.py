@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
             losses.append(sum(float(workspace.FetchBlob(f"{train._device_prefix}_{d}/loss"))
                               for d in devices) / count)
         accuracy = evaluate(test, x_test, y_test)  # every shard holds the same params
-        if say:  # one shard writes the checkpoint (atomically); every shard can load it
-            checkpoint.save(args.checkpoint, dpm.GetCheckpointParams(train), metadata={"epoch": epoch + 1})
+        dpm.save_checkpoint(train, args.checkpoint, metadata={"epoch": epoch + 1})  # shard 0 writes, atomically
+        if say:
             print(f"epoch {epoch + 1:2d}  loss {np.mean(losses):.4f}  test accuracy {accuracy:.2%}")
     dpm.Synchronize(train)  # the last checkpoint is written before any shard returns
     if say:

@@ -12,7 +12,9 @@ concurrency a plan has asked for (no threads are created per run); ready steps s
 order. A plan that may run only one step at a time (one CPU device, or a budget of one thread per
 kernel) runs in program order in the calling thread, as "simple" does. A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
-`num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
+`num_workers`. Collectives across processes (Trait.DISTRIBUTED) mostly wait for the network, so they
+take slots of their own, one per communicator they use, beyond that limit: communication overlaps
+computation even with a budget of one thread. When a step fails, no new step starts; the run waits for the steps already running,
 then raises the error "simple" would raise for that op, and the workspace is unchanged. Under
 dynamic memory management a value is freed once every step that uses it has finished, whatever
 their order (`executor.frame`). On GPUs each worker launches on CUDA streams of its own, ordered by
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphpar.core.schema import Trait, has_trait
 from graphpar.executor.failure import op_failure
 from graphpar.executor.frame import commit, open_frame
 from graphpar.executor.simple import SimpleExecutor
@@ -48,6 +51,8 @@ class Schedule:
     indegree: tuple[int, ...]
     roots: tuple[int, ...]
     concurrency: int
+    waits: frozenset[int] = frozenset()  # collectives across processes: they run in the slots below
+    wait_slots: int = 0  # one per communicator those collectives use
 
 
 def make_schedule(plan: Plan) -> Schedule:
@@ -70,8 +75,11 @@ def make_schedule(plan: Plan) -> Schedule:
     indegree = tuple(len(before) for before in dependencies)
     concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
                              len(plan.steps)))
+    ops = plan.netdef.ops
+    waits = frozenset(j for j, step in enumerate(plan.steps) if has_trait(ops[step.index], Trait.DISTRIBUTED))
+    channels = len({ops[plan.steps[j].index].inputs[0] for j in waits})
     return Schedule(tuple(map(tuple, successors)), indegree, tuple(j for j, n in enumerate(indegree) if n == 0),
-                    concurrency)
+                    concurrency, waits, channels)
 
 
 class _Run:
@@ -83,7 +91,9 @@ class _Run:
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.left = len(plan.steps)  # steps not finished (run, or skipped after a failure)
         self.running = 0
+        self.waiting = 0  # collectives across processes running (Schedule.waits)
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
+        self.wait_backlog: list[int] = []  # the same for Schedule.waits
         self.failure: tuple[int, Exception] | None = None
         self.lock = threading.Lock()
         self.finished = threading.Event()
@@ -104,12 +114,12 @@ class DagExecutor:
         if schedule is None:
             schedule = self._schedules[plan] = make_schedule(plan)
         backend = current_streams()
-        if schedule.concurrency == 1 and backend is NO_STREAMS:  # nothing to overlap: program order
+        if schedule.concurrency == 1 and not schedule.wait_slots and backend is NO_STREAMS:  # program order
             self._serial.run(plan, blobs)
             return
         frame = open_frame(plan, blobs)
         if plan.steps:
-            self._ensure_workers(schedule.concurrency)
+            self._ensure_workers(schedule.concurrency + schedule.wait_slots)
             streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
             state = _Run(plan, frame, schedule, streams)
             with state.lock:
@@ -136,11 +146,15 @@ class DagExecutor:
 
     def _release(self, state: _Run, ready: list[int]) -> None:
         """Hand ready steps to the workers, up to the plan's concurrency (call with state.lock held)."""
+        schedule = state.schedule
         for index in ready:
-            heapq.heappush(state.backlog, index)
-        while state.backlog and state.running < state.schedule.concurrency:
+            heapq.heappush(state.wait_backlog if index in schedule.waits else state.backlog, index)
+        while state.backlog and state.running < schedule.concurrency:
             state.running += 1
             self._tasks.put((state, heapq.heappop(state.backlog)))
+        while state.wait_backlog and state.waiting < schedule.wait_slots:
+            state.waiting += 1
+            self._tasks.put((state, heapq.heappop(state.wait_backlog)))
 
     @staticmethod
     def _free(state: _Run, index: int) -> None:
@@ -170,7 +184,10 @@ class DagExecutor:
                 except Exception as exc:  # reported by the thread that called run()
                     error = exc
             with state.lock:
-                state.running -= 1
+                if index in state.schedule.waits:
+                    state.waiting -= 1
+                else:
+                    state.running -= 1
                 state.left -= 1
                 if error is not None and state.failure is None:
                     state.failure = (index, error)
@@ -182,8 +199,9 @@ class DagExecutor:
                         if state.pending[j] == 0:
                             ready.append(j)
                     self._release(state, ready)
-                elif state.running == 0:
+                elif state.running == 0 and state.waiting == 0:
                     state.backlog.clear()
+                    state.wait_backlog.clear()
                     state.finished.set()
                     continue
                 if state.left == 0:

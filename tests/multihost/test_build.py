@@ -139,3 +139,41 @@ def test_save_checkpoint_writes_on_shard_0_or_a_lone_process_only(tmp_path: Path
     dpm.RunInitNet(alone)
     assert dpm.save_checkpoint(alone, tmp_path / "alone.safetensors", metadata={"epoch": 1}) is True
     assert checkpoint.read_metadata(tmp_path / "alone.safetensors")["metadata"] == {"epoch": 1}
+
+
+class _Rendezvous:
+    """A communicator stand-in: its allreduce on channel "wait" blocks until channel "set" ran."""
+
+    def __init__(self, event, role: str) -> None:
+        self.event, self.role = event, role
+
+    def allreduce(self, tensor) -> None:
+        if self.role == "set":
+            self.event.set()
+        elif not self.event.wait(10):
+            raise RuntimeError("the other collective never ran: collectives did not overlap")
+
+
+def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_with_one_thread(monkeypatch):
+    """The first collective (program order) can only finish once the second has run: a serial run
+    would time out. With a budget of one thread, cross-process collectives still get slots of their own."""
+    import threading
+
+    from graphpar import distributed, workspace
+    from graphpar.core.ir import NetDef, OperatorDef
+    from graphpar.executor.dag import make_schedule
+
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "1")
+    event = threading.Event()
+    for name, role in (("cw_wait", "wait"), ("cw_set", "set")):
+        workspace.FeedBlob(name, torch.tensor(distributed.register_world(_Rendezvous(event, role))))
+    workspace.FeedBlob("a", torch.ones(3))
+    workspace.FeedBlob("b", torch.ones(3))
+    net = NetDef("overlap", [OperatorDef("Allreduce", ["cw_wait", "a"], ["a"]), OperatorDef("Relu", ["b"], ["c"]),
+                             OperatorDef("Allreduce", ["cw_set", "b"], ["b"])], ["cw_wait", "cw_set", "a", "b"])
+    net.type, net.num_workers = "dag", 4
+    plan = workspace.get_workspace().create_net(net)
+    schedule = make_schedule(plan)
+    assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({0, 2}), 2)
+    workspace.RunNet("overlap")
+    assert event.is_set() and workspace.FetchBlob("c").tolist() == [1.0, 1.0, 1.0]
