@@ -401,8 +401,13 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
 def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
 
+    With a rendezvous the init net first creates the communicators and checks that every shard built
+    the same model, the broadcast comes from shard 0, and a barrier (`barrier_net_timeout_sec`) ends it.
+
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob).
+        ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob),
+            and an OperatorError naming the shard when the shards' models differ or a peer does not
+            join in time.
     """
     for net in _state_of(model).init_nets:
         workspace.RunNetOnce(net)

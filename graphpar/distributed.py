@@ -246,8 +246,10 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
         timeout = datetime.timedelta(seconds=timeout_sec)
         try:
             prefixed.set_timeout(timeout)
-            if engine == "NCCL":
-                group = torch.distributed.ProcessGroupNCCL(prefixed, rank, size)
+            if engine == "NCCL":  # not run on real multi-GPU hardware yet
+                options = torch.distributed.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
             else:
                 group = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
         except (RuntimeError, ValueError) as exc:
