@@ -37,5 +37,9 @@ class ParallelizeError(ValueError, GraphparError):
     """A misuse of Parallelize or one of its helpers, found before the model was changed."""
 
 
+class DeviceScopeError(ParallelizeError, AssertionError):
+    """Parallelize called inside a non-CPU DeviceScope: an AssertionError too, as Caffe2's assert."""
+
+
 class CheckpointError(ValueError, GraphparError):
     """A checkpoint file is corrupt or does not match the workspace or model."""

@@ -43,7 +43,14 @@ from graphpar.core.schema import get_schema, parse_args
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.core.shapes import infer_specs
 from graphpar.model_helper import fp32_master_name
-from graphpar.naming import LR_INJECTION, OPTIMIZER_ITERATION, adam_moment_names, momentum_name
+from graphpar.naming import (
+    LR_INJECTION,
+    OPTIMIZER_ITERATION,
+    adam_moment_names,
+    device_scope_name,
+    momentum_name,
+    parse_device_scope,
+)
 from graphpar.ops.optim import learning_rate_schedule
 
 if TYPE_CHECKING:
@@ -51,6 +58,8 @@ if TYPE_CHECKING:
     from graphpar.model_helper import ModelHelper
 
 _instance_count: defaultdict[str, int] = defaultdict(int)
+_optimizer_instance_count = _instance_count  # Caffe2's name, read by its tests
+NORM_SCOPE = "norm_clipped_grad_update"  # Caffe2's name scope of the gradient-clipping blobs
 
 
 def reset_optimizer_instance_count() -> None:
@@ -104,7 +113,7 @@ class Optimizer:
         self.policy = policy
         self.policy_args = policy_args
         self._lr_sign = lr_sign
-        self.lr_injection: BlobReference | None = None
+        self._lr_multiplier: BlobReference | dict[DeviceOption, BlobReference] | None = None
         self._created: list[tuple[str, list]] = []  # (param, the init ops its update created)
 
     def get_cpu_blob_name(self, name: str) -> str:
@@ -126,21 +135,28 @@ class Optimizer:
         kind = "gpu" if device.device_type == CUDA else "cpu"
         return f"{type(self).__name__}_{self._instance_num}_{name}_{kind}{device.device_id}"
 
+    def add_lr_multiplier(self, lr_multiplier: BlobReference | dict[DeviceOption, BlobReference] | None) -> None:
+        """Multiply every learning rate of this optimizer by `lr_multiplier` (Caffe2's method): a [1]
+        CPU blob (copied to each CUDA device that needs it), or {device: its blob on that device}."""
+        self._lr_multiplier = lr_multiplier
+
     def build_lr(self, net: Net, init_net: Net, device: DeviceOption) -> BlobReference:
-        """The learning-rate blob for `device`, recorded on first use (times `lr_injection` if enabled)."""
+        """The learning-rate blob for `device`, recorded on first use; times the LR multiplier if any
+        (`<Cls>_<n>_scaled_lr_<device>`, as Caffe2's `scaled_lr`)."""
         lr = BlobReference(self.blob_name("lr", device))
+        scaled = BlobReference(self.blob_name("scaled_lr", device))
         if net.BlobIsDefined(lr):
-            return lr if self.lr_injection is None else BlobReference(self.blob_name("scaled_lr", device))
+            return scaled if net.BlobIsDefined(scaled) else lr
         iteration = _iteration_counter(net, init_net)
         with DeviceScope(device):
             net.LearningRate([iteration], lr, base_lr=self._lr_sign * self.base_learning_rate,
                              policy=self.policy, **self.policy_args)
-            if self.lr_injection is None:
-                return lr
-            injection = self.lr_injection
-            if device.device_type == CUDA:
-                injection = net.CopyCPUToGPU([injection], BlobReference(self.blob_name("lr_injection", device)))
-            return net.Mul([lr, injection], BlobReference(self.blob_name("scaled_lr", device)))
+            multiplier = self._lr_multiplier
+            if isinstance(multiplier, dict):
+                multiplier = multiplier.get(device)
+            elif multiplier is not None and device.device_type == CUDA:  # a CPU blob
+                multiplier = net.CopyCPUToGPU([multiplier], BlobReference(self.blob_name("lr_multiplier", device)))
+            return lr if multiplier is None else net.Mul([lr, multiplier], scaled)
 
     def __call__(self, net: Net, init_net: Net, param: str, grad: str | GradientSlice) -> None:
         """Record the update of `param` from its gradient `grad` (dense, or a GradientSlice: the sparse
@@ -165,12 +181,16 @@ class Optimizer:
 
     def get_auxiliary_parameters(self) -> AuxOptimizerParams:
         """The blobs this optimizer created in the init net: `local` (per-param state such as
-        `<param>_momentum`) and `shared` (ONE, weight decay, the iteration counter)."""
+        `<param>_momentum`) and `shared` (ONE, weight decay; Adam's iteration counter), as in Caffe2."""
         aux = AuxOptimizerParams(local=[], shared=[])
         for param, ops in self._created:  # Caffe2's split: state named after its param is local
-            for blob in (b for op in ops for b in op.outputs):
+            for blob in (b for op in ops for b in op.outputs if b != OPTIMIZER_ITERATION):
                 (aux.local if blob.startswith(param + "_") else aux.shared).append(BlobReference(blob))
+        if self._iteration_is_aux and self._created:
+            aux.shared.append(BlobReference(OPTIMIZER_ITERATION))
         return aux
+
+    _iteration_is_aux = False  # whether the step counter is state of the update (Adam's, in Caffe2)
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -221,8 +241,9 @@ class SgdOptimizer(Optimizer):
                        device: DeviceOption) -> None:
         """Only the rows in the slice: ScatterWeightedSum (plain) or SparseMomentumSGDUpdate."""
         lr = self.build_lr(net, init_net, device)
+        one = _one(init_net, device)  # created either way, as Caffe2 (a shared auxiliary parameter)
         if self.momentum == 0:
-            net.ScatterWeightedSum([param, _one(init_net, device), grad.indices, grad.values, lr], param)
+            net.ScatterWeightedSum([param, one, grad.indices, grad.values, lr], param)
             return
         mom = BlobReference(momentum_name(param))
         init_net.ConstantFill([param], mom, value=0.0)
@@ -264,6 +285,8 @@ class FP16SgdOptimizer(MultiPrecisionSgdOptimizer):
 
 class AdamOptimizer(Optimizer):
     """Adam (torch.optim.Adam's update) with `<param>_first_moment` / `_second_moment` state."""
+
+    _iteration_is_aux = True
 
     def __init__(self, base_learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> None:
@@ -393,29 +416,75 @@ def _param_devices(model: ModelHelper, params: list[tuple[BlobReference, str]]) 
     return blob_devices([model.param_init_net.Proto(), model.net.Proto()])
 
 
-def _clip_by_global_norm(model: ModelHelper, optimizer: Optimizer, params: list[tuple[BlobReference, str]],
-                         devices: dict[str, DeviceOption], max_norm: float) -> None:
-    """Scale each device's gradients by min(1, max_norm / ‖its gradients‖₂) (torch clip_grad_norm_).
+def _replica_scope(param: str) -> str:
+    """'gpu_1/' for a replica's param, '' otherwise: the scope of that device's LR-multiplier blobs."""
+    replica = parse_device_scope(param)
+    return f"{device_scope_name(*replica)}/" if replica else ""
 
-    The norm is taken per device over the gradients living there; after Parallelize's all-reduce every
-    device holds the same gradients, so it is the global norm and no device reads another's blobs.
-    torch divides by norm + 1e-6 instead of norm: a relative difference of 1e-6 / norm.
-    """
-    sparse = [str(p) for p, grad in params if isinstance(grad, GradientSlice)]
-    if sparse:
-        raise NotImplementedError(f"max_gradient_norm: params {sparse} have sparse gradients (GradientSlice), "
-                                  f"whose norm clipping is not supported")
-    by_device: dict[DeviceOption, list[BlobReference]] = defaultdict(list)
+
+def _norm_ratio(model: ModelHelper, grads: list[str | GradientSlice], device: DeviceOption, scope: str,
+                max_norm: float) -> BlobReference:
+    """Caffe2's `norm_clipped_grad_update/norm_ratio` on `device`: clip_norm / max(‖grads‖₂, clip_norm),
+    the norm taken over the gradients living on the device (a GradientSlice counts by its values).
+    After Parallelize's all-reduce every device holds the same gradients, so it is the global norm."""
+    net, name = model.net, lambda blob: BlobReference(f"{scope}{NORM_SCOPE}/{blob}")
+    with DeviceScope(device):
+        squares = [net.SumSqrElements([g.values if isinstance(g, GradientSlice) else g], name(f"grad_{i}_squared_sum"))
+                   for i, g in enumerate(grads)]
+        total = net.Sum(squares, name("grad_squared_full_sum"))
+        norm = net.Sqrt([total], name("global_norm"))
+        clip_norm = model.param_init_net.ConstantFill([], name("clip_norm"), shape=[], value=float(max_norm))
+        max_norm_blob = net.Max([norm, clip_norm], name("max_norm"))
+        return net.Div([clip_norm, max_norm_blob], name("norm_ratio"))
+
+
+def _lr_multipliers(model: ModelHelper, params: list[tuple[BlobReference, str]], devices: dict[str, DeviceOption],
+                    max_norm: float | None, allow_lr_injection: bool) -> dict[DeviceOption, BlobReference] | None:
+    """{device: the blob every learning rate on it is multiplied by} (Caffe2's `lr_multiplier`):
+    `norm_ratio` with `max_gradient_norm`, the CPU blob `lr_injection` with `allow_lr_injection`, and
+    their product `lr_multiplier` with both. None when neither is asked for."""
+    if max_norm is None and not allow_lr_injection:
+        return None
+    by_device: dict[DeviceOption, list] = defaultdict(list)
     for param, grad in params:
-        by_device[devices[param]].append(BlobReference(grad))
-    net = model.net
-    for device, grads in by_device.items():
-        with DeviceScope(device):
-            squares = [net.SumSqrElements([g], BlobReference(f"{g}_sqr_sum")) for g in grads]
-            total = net.Sum(squares, BlobReference(optimizer.device_blob_name("grad_sqr_sum", device)))
-            norm = net.Sqrt([total], BlobReference(optimizer.device_blob_name("grad_norm", device)))
-            for grad in grads:
-                net.ClipTensorByScaling([grad, norm], grad, threshold=float(max_norm))
+        by_device[devices[param]].append((param, grad))
+    injection = _lr_injection(model) if allow_lr_injection else None
+    multipliers = {}
+    with NameScope(None, reset=True):
+        for device, pairs in by_device.items():
+            scope = _replica_scope(str(pairs[0][0]))
+            ratio = None if max_norm is None else _norm_ratio(model, [g for _, g in pairs], device, scope, max_norm)
+            on_device = injection
+            if injection is not None and device.device_type == CUDA:
+                with DeviceScope(device):
+                    on_device = model.net.CopyCPUToGPU([injection], BlobReference(
+                        f"{scope}{LR_INJECTION}_gpu{device.device_id}"))
+            if ratio is None or on_device is None:
+                multipliers[device] = ratio if on_device is None else on_device
+                continue
+            with DeviceScope(device):
+                multipliers[device] = model.net.Mul([on_device, ratio], BlobReference(f"{scope}lr_multiplier"))
+    return multipliers
+
+
+def _get_param_to_device(model: ModelHelper) -> dict[str, DeviceOption]:
+    """{blob: its device} over the model's net and init net, the init net's placement winning (Caffe2)."""
+    return {**blob_devices(model.net.Proto()), **blob_devices(model.param_init_net.Proto())}
+
+
+def get_param_device(param_name: str, grad: str | GradientSlice | None, param_to_device: dict | None = None,
+                     default_device: DeviceOption | None = None) -> DeviceOption:
+    """The device of `param_name` in `param_to_device`, else that of its gradient (a GradientSlice's
+    values or indices), else `default_device` (Caffe2's helper).
+
+    Raises: ValueError when none of them is known.
+    """
+    known = param_to_device or {}
+    names = [param_name, *([grad.values, grad.indices] if isinstance(grad, GradientSlice) else [grad])]
+    device = next((known[str(n)] for n in names if n is not None and str(n) in known), default_device)
+    if device is None:
+        raise ValueError(f"cannot infer the device of {param_name!r}: no op creates or reads it")
+    return device
 
 
 def _lr_injection(model: ModelHelper) -> BlobReference:
@@ -430,11 +499,10 @@ def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
     for param, grad in params:
         optimizer.check(model.param_init_net, param, grad)
     devices = _param_devices(model, params)
+    multipliers = _lr_multipliers(model, params, devices, max_gradient_norm, allow_lr_injection)
+    if multipliers is not None:
+        optimizer.add_lr_multiplier(multipliers)
     with NameScope(None, reset=True):
-        if max_gradient_norm is not None:
-            _clip_by_global_norm(model, optimizer, params, devices, max_gradient_norm)
-        if allow_lr_injection:
-            optimizer.lr_injection = _lr_injection(model)
         for device, run in groupby(params, key=lambda pair: devices[pair[0]]):
             with DeviceScope(device):  # one scope per run of consecutive params on the same device
                 for param, grad in run:
@@ -508,13 +576,16 @@ def _check_clip_norm(max_gradient_norm: float | None) -> None:
 
 def build_multi_precision_sgd(model: ModelHelper, base_learning_rate: float, momentum: float = 0.0,
                               policy: str = "fixed", nesterov: bool = False, weight_decay: float = 0.0,
-                              loss_scale: float = 1.0, **policy_args: Any) -> MultiPrecisionSgdOptimizer:
+                              loss_scale: float = 1.0, max_gradient_norm: float | None = None,
+                              allow_lr_injection: bool = False, **policy_args: Any) -> MultiPrecisionSgdOptimizer:
     """SGD that keeps float32 master copies of float16 params (`MultiPrecisionSgdOptimizer`); float32
     params get plain SGD. `loss_scale`: the factor the loss was multiplied by (static loss scaling);
-    gradients are divided by it in float32 before the update."""
+    gradients are divided by it in float32 before the update. `max_gradient_norm` and
+    `allow_lr_injection` as in `build_sgd`."""
+    _check_clip_norm(max_gradient_norm)
     optimizer = MultiPrecisionSgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay,
                                            loss_scale, **policy_args)
-    return _build(model, optimizer)
+    return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
 def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float = 1e-4, decay: float = 1.0,

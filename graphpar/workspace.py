@@ -1,4 +1,4 @@
-"""Workspaces: named blobs (always torch.Tensors), created nets and seeded random streams.
+"""Workspaces: named blobs (torch.Tensors, or host text), created nets and seeded random streams.
 
 The CamelCase module functions act on the current workspace (initially "default"), as in Caffe2;
 `Workspace` offers the same operations as PEP 8 methods. Every `net` argument accepts a `Net`
@@ -17,6 +17,19 @@ workspace only if every op succeeds (`graphpar.executor.frame`). Nets with the a
 Random ops draw from streams keyed by the workspace seed, the compile (its ordinal in the workspace),
 the op's index and the run, so draws never depend on the order ops execute in.
 
+Every call that raises leaves the workspace as it was (its blobs, nets and random streams): checks
+come first, and what acts on several nets runs inside `Workspace.unchanged_on_error()`. A failed run
+leaves every persistent blob as it was (`executor.frame`). One created net runs in one thread at a
+time: a second thread that calls RunNet on it while it runs gets a RuntimeError. The current
+workspace is per thread, as name and device scopes are (a new thread starts in "default").
+
+Values loaded from a checkpoint are remembered until they are used (`Workspace.loaded`), so that
+resuming in the wrong order raises (`graphpar.resume`).
+
+Text blobs, as in Caffe2: `bytes`, `str` and numpy arrays of strings (or of bytes/str objects) are kept
+as host objects in `Workspace.objects` and fetched back as fed; no operator reads them. `CreateBlob`
+makes a blob that exists but holds nothing yet (it counts as present when a net is created).
+
 Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's random streams; `Workspaces()`
 lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
 dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v` feeds,
@@ -28,7 +41,10 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -40,6 +56,7 @@ from graphpar.devices import device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
+from graphpar.resume import check_run
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
@@ -50,11 +67,15 @@ class Workspace:
     def __init__(self, name: str, seed: int = 0) -> None:
         self.name = name
         self.blobs: dict[str, torch.Tensor] = {}
+        self.objects: dict[str, Any] = {}  # blobs that are not tensors: text, or None (CreateBlob)
         self.nets: dict[str, Plan] = {}
         self.seed = _check_seed(seed)
         self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
         self._compiles = 0  # plans compiled since the streams were last restarted
         self._epoch = 0  # bumped when the streams restart (SetSeed, reset)
+        self.loaded: dict[str, str] = {}  # blobs loaded from a checkpoint and not used yet -> the file
+        self._running: set[str] = set()  # the nets running now (in some thread)
+        self._running_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
@@ -98,8 +119,25 @@ class Workspace:
     def reset(self) -> None:
         """Remove every blob and net and restart the random streams from the seed."""
         self.blobs.clear()
+        self.objects.clear()
         self.nets.clear()
+        self.loaded.clear()
         self._restart_streams()
+
+    @contextmanager
+    def unchanged_on_error(self) -> Iterator[None]:
+        """Put back the blobs (the same tensors), text blobs, nets, load records and random-stream state if
+        the block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
+        saved = [(m, dict(m)) for m in (self.blobs, self.objects, self.nets, self.loaded)]
+        compiles = self._compiles
+        try:
+            yield
+        except BaseException:
+            for mapping, before in saved:
+                mapping.clear()
+                mapping.update(before)
+            self._compiles = compiles
+            raise
 
     def _restart_streams(self) -> None:
         self._compiles = 0
@@ -114,14 +152,30 @@ class Workspace:
             RuntimeError: the target CUDA device does not exist.
         """
         key = _blob_key(name)
+        if _is_text(value):
+            self.objects[key] = value.copy() if isinstance(value, np.ndarray) else value
+            self.blobs.pop(key, None)
+            return
         option = _feed_device_option(key, device_option)
         device = checked_torch_device(option, f"FeedBlob({key!r})")
         self.blobs[key] = _to_tensor(key, value, device)
+        self.loaded.pop(key, None)
+        self.objects.pop(key, None)
+
+    def create_blob(self, name: str) -> None:
+        """Make blob `name` exist, holding nothing, unless it exists (Caffe2's CreateBlob)."""
+        key = _blob_key(name)
+        if not self.has_blob(key):
+            self.objects[key] = None
 
     def fetch_tensor(self, name: str) -> torch.Tensor:
         """The live tensor of blob `name`. Raises MissingBlobError if there is none."""
         key = _blob_key(name)
         tensor = self.blobs.get(key)
+        if tensor is None and key in self.objects:
+            held = self.objects[key]
+            what = "nothing yet (CreateBlob)" if held is None else f"a {type(held).__name__} (text)"
+            raise TypeError(f"blob {key!r} holds {what}, not a tensor")
         if tensor is None:
             freed = next((plan.name for plan in self.nets.values() if key in plan.frame.drops), None)
             if freed is not None:
@@ -141,6 +195,9 @@ class Workspace:
             MissingBlobError: there is no such blob.
             TypeError: its dtype has no numpy equivalent (e.g. bfloat16); use fetch_tensor.
         """
+        held = self.objects.get(name) if isinstance(name, str) else None
+        if held is not None:
+            return held.copy() if isinstance(held, np.ndarray) else held
         host = self.fetch_tensor(name).detach().to("cpu", copy=True)
         try:
             return host.numpy()
@@ -151,16 +208,20 @@ class Workspace:
 
     def has_blob(self, name: str) -> bool:
         """Whether blob `name` exists."""
-        return isinstance(name, str) and name in self.blobs
+        return isinstance(name, str) and (name in self.blobs or name in self.objects)
 
     def blob_names(self) -> list[str]:
         """The sorted blob names."""
-        return sorted(self.blobs)
+        return sorted({*self.blobs, *self.objects})
 
     def remove_blob(self, name: str) -> None:
         """Delete blob `name`. Raises MissingBlobError if there is none."""
+        key = _blob_key(name)
+        if self.objects.pop(key, _ABSENT) is not _ABSENT:
+            return
         self.fetch_tensor(name)
-        del self.blobs[_blob_key(name)]
+        del self.blobs[key]
+        self.loaded.pop(key, None)
 
     def create_net(self, net: Any, overwrite: bool = False) -> Plan:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
@@ -173,7 +234,8 @@ class Workspace:
         if netdef.name in self.nets and not overwrite:
             raise RuntimeError(f"net {netdef.name!r} already exists in workspace {self.name!r}; pass "
                                f"overwrite=True to replace it.")
-        plan = compile_net(netdef, self, self.keep_all)
+        with self.unchanged_on_error():  # a failed compile must not advance the random streams
+            plan = compile_net(netdef, self, self.keep_all)
         self.nets[netdef.name] = plan
         return plan
 
@@ -181,9 +243,11 @@ class Workspace:
         """Run a created net (by name, Net or NetDef) `num_iter` times.
 
         Raises:
-            RuntimeError: the net was never created in this workspace.
+            RuntimeError: the net was never created in this workspace, or it is running in another thread.
             ValueError: `num_iter` is not a non-negative int (checked before anything runs).
-            OperatorError, MissingBlobError: an op failed (see executor.run).
+            CheckpointError: the run would misuse values loaded from a checkpoint (`graphpar.resume`).
+            OperatorError, MissingBlobError: an op failed (see executor.run); persistent blobs are as
+                they were after the last run that succeeded.
         """
         name = net_or_name if isinstance(net_or_name, str) else _as_netdef(net_or_name).name
         plan = self.nets.get(name)
@@ -193,14 +257,42 @@ class Workspace:
         if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 0:
             raise ValueError(f"RunNet({name!r}): num_iter must be a non-negative int, got {num_iter!r}")
         executor = get_executor(plan.type)
-        for _ in range(num_iter):
-            executor.run(plan, self.blobs)
+        with self._running_lock:
+            if name in self._running:
+                raise RuntimeError(f"net {name!r} is already running in another thread; a net runs one "
+                                   f"step at a time (its steps update shared state): run it from one thread, "
+                                   f"or wait for the other run to return")
+            self._running.add(name)
+        try:
+            if self.loaded and num_iter:
+                self._check_load_order(plan)
+            for _ in range(num_iter):
+                executor.run(plan, self.blobs)
+            if self.loaded and num_iter:
+                self._mark_used(plan)
+        finally:
+            self._running.discard(name)
 
     def run_net_once(self, net: Any) -> None:
         """Compile and run `net` once without keeping it (typical for init nets); raises as
         create_net and run_net."""
-        plan = compile_net(_as_netdef(net), self, self.keep_all)
-        get_executor(plan.type).run(plan, self.blobs)
+        with self.unchanged_on_error():  # a failed compile or run must not advance the random streams
+            plan = compile_net(_as_netdef(net), self, self.keep_all)
+            if self.loaded:
+                self._check_load_order(plan)
+            get_executor(plan.type).run(plan, self.blobs)
+            if self.loaded:
+                self._mark_used(plan)
+
+    def _check_load_order(self, plan: Plan) -> None:
+        """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
+        reads = {load.name for load in plan.frame.loads}
+        check_run(plan.name, reads, [name for name in plan.frame.names if name not in reads], self.loaded)
+
+    def _mark_used(self, plan: Plan) -> None:
+        """After a successful run: the loaded blobs it read or wrote are in use."""
+        for name in plan.frame.names:
+            self.loaded.pop(name, None)
 
     def run_operator_once(self, op: OperatorDef) -> None:
         """Compile and run a single operator once; TypeError if `op` is not an OperatorDef (graphpar's,
@@ -262,6 +354,18 @@ def _feed_device_option(name: str, device_option: DeviceOption | None) -> Device
     return device_option or CurrentDeviceScope() or device_option_for_blob(name) or DeviceOption()
 
 
+_ABSENT = object()
+
+
+def _is_text(value: Any) -> bool:
+    """Whether `value` is one of Caffe2's string blobs: bytes, str, or a numpy array of them."""
+    if isinstance(value, (bytes, str)):
+        return True
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "SUO":
+        return False
+    return value.dtype.kind != "O" or all(isinstance(v, (bytes, str)) for v in value.flat)
+
+
 def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
     """A fresh tensor on `device` holding `value`; raise TypeError for anything but numeric data."""
     if isinstance(value, torch.Tensor):
@@ -283,12 +387,17 @@ def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
 
 
 _workspaces: dict[str, Workspace] = {"default": Workspace("default")}
-_current = "default"
+_thread = threading.local()  # the current workspace's name, per thread
+
+
+def _current() -> str:
+    return getattr(_thread, "current", "default")
 
 
 def get_workspace(name: str | None = None) -> Workspace:
-    """The `Workspace` called `name` (default: the current one). Raises KeyError if it does not exist."""
-    key = _current if name is None else name
+    """The `Workspace` called `name` (default: this thread's current one). Raises KeyError if it does
+    not exist."""
+    key = _current() if name is None else name
     if key not in _workspaces:
         raise KeyError(f"workspace {key!r} does not exist (workspaces: {sorted(_workspaces)})")
     return _workspaces[key]
@@ -301,8 +410,9 @@ def FeedBlob(name: str, value: Any, device_option: DeviceOption | None = None) -
     blobs); Python floats and lists of floats become float32, ints int64, bools bool.
 
     Device: `device_option`, else the current DeviceScope, else the name's replica scope
-    ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Raises TypeError for values that are not
-    numeric data (None, str, dict, object arrays, ragged lists) and RuntimeError for a CUDA device
+    ('gpu_3/x' -> CUDA 3, 'cpu_1/x' -> CPU), else CPU. Text (bytes, str, numpy arrays of strings) is
+    kept as a host object and fetched back as fed. Raises TypeError for other values that are not
+    numeric data (None, dict, mixed object arrays, ragged lists) and RuntimeError for a CUDA device
     that does not exist; the workspace is then unchanged.
     """
     get_workspace().feed_blob(name, value, device_option)
@@ -374,26 +484,26 @@ def ResetWorkspace(root_folder: str | None = None) -> bool:  # noqa: N802
     get_workspace().reset()
     if root_folder is not None:
         os.makedirs(root_folder, exist_ok=True)
-        _root_folders[_current] = root_folder
+        _root_folders[_current()] = root_folder
     return True
 
 
 def RootFolder() -> str:  # noqa: N802
     """The current workspace's root folder (Caffe2's; "." unless ResetWorkspace set one). Nothing in
     graphpar reads files relative to it."""
-    return _root_folders.get(_current, ".")
+    return _root_folders.get(_current(), ".")
 
 
 _root_folders: dict[str, str] = {}
 
 
 def SwitchWorkspace(name: str, create_if_missing: bool = False) -> None:  # noqa: N802
-    """Make workspace `name` current; with `create_if_missing=True`, create it (seed 0) if needed.
+    """Make workspace `name` current in this thread; with `create_if_missing=True`, create it (seed 0)
+    if needed.
 
     Raises RuntimeError if it does not exist and `create_if_missing` is False (Caffe2's default);
     TypeError for a bad name.
     """
-    global _current
     if not isinstance(name, str) or not name:
         raise TypeError(f"a workspace name must be a non-empty str, got {name!r}")
     if name not in _workspaces:
@@ -401,12 +511,12 @@ def SwitchWorkspace(name: str, create_if_missing: bool = False) -> None:  # noqa
             raise RuntimeError(f"workspace {name!r} does not exist (workspaces: {sorted(_workspaces)}); pass "
                            f"create_if_missing=True to create it")
         _workspaces[name] = Workspace(name)
-    _current = name
+    _thread.current = name
 
 
 def CurrentWorkspace() -> str:  # noqa: N802
-    """The name of the current workspace."""
-    return _current
+    """The name of this thread's current workspace."""
+    return _current()
 
 
 def Workspaces() -> list[str]:  # noqa: N802
@@ -447,7 +557,12 @@ GetCudaPeerAccessPattern = GetGpuPeerAccessPattern
 
 
 def GetBlobSizeBytes(name: str) -> int:  # noqa: N802
-    """The bytes blob `name`'s data takes. Raises MissingBlobError if there is none."""
+    """The bytes blob `name`'s data takes (text: a pointer per string plus the strings' lengths).
+    Raises MissingBlobError if there is none."""
+    held = get_workspace().objects.get(name)
+    if held is not None:
+        texts = list(held.flat) if isinstance(held, np.ndarray) else [held]
+        return len(texts) * np.dtype(object).itemsize + sum(len(t) for t in texts)
     tensor = get_workspace().fetch_tensor(name)
     return tensor.numel() * tensor.element_size()
 
@@ -463,9 +578,9 @@ def FetchBlobs(names: list[str]) -> list[np.ndarray]:  # noqa: N802
 
 
 def CreateBlob(name: str) -> bool:  # noqa: N802
-    """Create blob `name` as an empty float tensor if it does not exist; returns True."""
-    if not HasBlob(name):
-        FeedBlob(name, np.zeros(0, dtype=np.float32))
+    """Create blob `name`, holding nothing, if it does not exist (as Caffe2); returns True. Nets may
+    be created that read it; feed it before they run."""
+    get_workspace().create_blob(name)
     return True
 
 
@@ -511,6 +626,11 @@ def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802
     return True
 
 
+# Caffe2's C++ binding module, as far as its Python tests read it (build flags). graphpar has no C++
+# Workspace/Blob/Tensor objects: use this module's functions (docs/caffe2_tests.md).
+C = SimpleNamespace(use_mkldnn=False, use_ideep=False, has_mkldnn=False, is_asan=False)
+
+
 def GlobalInit(args: list[str]) -> bool:  # noqa: N802
     """Accept Caffe2's process flags (`--caffe2_log_level=...`); graphpar has none, so they are logged."""
     if args[1:]:
@@ -525,10 +645,9 @@ def SetSeed(seed: int) -> None:  # noqa: N802
 
 def reset_all(seed: int = 0) -> None:
     """Drop every workspace but a fresh "default" (seeded with `seed`) and make it current (for tests)."""
-    global _current
     _workspaces.clear()
     _workspaces["default"] = Workspace("default", seed)
-    _current = "default"
+    _thread.current = "default"
     _root_folders.clear()
 
 
@@ -548,7 +667,7 @@ class _BlobsView(MutableMapping):
         return iter(Blobs())
 
     def __len__(self) -> int:
-        return len(get_workspace().blobs)
+        return len(Blobs())
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and HasBlob(name)

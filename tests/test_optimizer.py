@@ -219,15 +219,21 @@ def test_blobs_stay_unscoped_inside_a_name_scope():
 
 
 def test_gradient_clipping_ops():
+    """Caffe2's mechanism and names: the LR is multiplied by clip_norm / max(global norm, clip_norm)."""
     model = _model()
-    _, net, opt = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1, max_gradient_norm=2.0))
-    squares = [f"{p}_grad_sqr_sum" for p in PARAMS]
-    total, norm = opt.device_blob_name("grad_sqr_sum", CPU0), opt.device_blob_name("grad_norm", CPU0)
-    assert norm == "SgdOptimizer_0_grad_norm_cpu0"
-    assert _io(net[:10]) == [*[("SumSqrElements", [f"{p}_grad"], [s]) for p, s in zip(PARAMS, squares)],
-                             ("Sum", squares, [total]), ("Sqrt", [total], [norm]),
-                             *[("ClipTensorByScaling", [f"{p}_grad", norm], [f"{p}_grad"]) for p in PARAMS]]
-    assert all(op.args == {"threshold": 2.0} for op in net[6:10])
+    init, net, opt = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1, max_gradient_norm=2.0))
+    scoped = [f"norm_clipped_grad_update/{b}" for b in ("grad_squared_full_sum", "global_norm", "clip_norm",
+                                                         "max_norm", "norm_ratio")]
+    total, norm, clip, max_norm, ratio = scoped
+    squares = [f"norm_clipped_grad_update/grad_{i}_squared_sum" for i in range(len(PARAMS))]
+    assert _io(net[:8]) == [*[("SumSqrElements", [f"{p}_grad"], [s]) for p, s in zip(PARAMS, squares)],
+                            ("Sum", squares, [total]), ("Sqrt", [total], [norm]),
+                            ("Max", [norm, clip], [max_norm]), ("Div", [clip, max_norm], [ratio])]
+    clip_fill = next(op for op in init if op.outputs == [clip])
+    assert clip_fill.args == {"shape": [], "value": 2.0}
+    lr, scaled = opt.get_cpu_blob_name("lr"), opt.get_cpu_blob_name("scaled_lr")
+    assert ("Mul", [lr, ratio], [scaled]) in _io(net)
+    assert all(op.inputs[3] == scaled for op in net if op.type == "WeightedSum")
 
 
 def test_lr_injection_multiplies_every_lr():
@@ -236,10 +242,18 @@ def test_lr_injection_multiplies_every_lr():
     assert _fill("lr_injection") in _io(init)
     injection_fill = next(op for op in init if op.outputs == ["lr_injection"])
     assert injection_fill.device_option == CPU0 and injection_fill.args["value"] == 1.0
-    copy, scaled = opt.get_gpu_blob_name("lr_injection", 0), opt.get_gpu_blob_name("scaled_lr", 0)
-    assert _io(net[2:4]) == [("CopyCPUToGPU", ["lr_injection"], [copy]),
-                             ("Mul", [opt.get_gpu_blob_name("lr", 0), copy], [scaled])]
+    scaled = opt.get_gpu_blob_name("scaled_lr", 0)
+    assert ("CopyCPUToGPU", ["lr_injection"], ["gpu_0/lr_injection_gpu0"]) in _io(net)
+    assert ("Mul", [opt.get_gpu_blob_name("lr", 0), "gpu_0/lr_injection_gpu0"], [scaled]) in _io(net)
     assert all(op.inputs[3] == scaled for op in net if op.type == "WeightedSum")
+
+
+def test_lr_injection_and_clipping_multiply_into_lr_multiplier():
+    model = _model()
+    _, net, opt = _new_ops(model, lambda m: optimizer.build_sgd(m, 0.1, max_gradient_norm=1.0,
+                                                                  allow_lr_injection=True))
+    assert ("Mul", ["lr_injection", "norm_clipped_grad_update/norm_ratio"], ["lr_multiplier"]) in _io(net)
+    assert ("Mul", [opt.get_cpu_blob_name("lr"), "lr_multiplier"], [opt.get_cpu_blob_name("scaled_lr")]) in _io(net)
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -280,7 +294,6 @@ def test_bad_adam_arguments_and_models_without_gradients_raise():
 
 @pytest.mark.parametrize(("build", "match"), [
     (lambda m: optimizer.build_sgd(m, 0.1, weight_decay=0.1), "weight_decay with the sparse gradient"),
-    (lambda m: optimizer.build_sgd(m, 0.1, max_gradient_norm=1.0), "max_gradient_norm"),
     (lambda m: optimizer.add_weight_decay(m, 0.1), "WeightDecayBuilder has no sparse update"),
     (lambda m: optimizer.build_adagrad(m, 0.1, rowWise=True), "rowWise Adagrad is for sparse gradients"),
 ])
@@ -397,16 +410,17 @@ def test_lr_injection_scales_the_step():
     np.testing.assert_allclose(quarter, 0.25 * full, rtol=1e-5, atol=1e-7)
 
 
-def test_gradient_clipping_scales_the_gradients_to_the_max_norm():
+def test_gradient_clipping_scales_the_step_to_the_max_norm():
     model = _model()
     optimizer.build_sgd(model, 1.0, max_gradient_norm=0.05)
     workspace.RunNetOnce(model.param_init_net)
     _feed_batch()
     before = {p: workspace.FetchTensor(p).clone() for p in PARAMS}
     workspace.RunNetOnce(model.net)
-    grads = [workspace.FetchTensor(f"{p}_grad") for p in PARAMS]  # clipped in place
-    raw = [(before[p] - workspace.FetchTensor(p)) for p in PARAMS]  # lr = 1: the step is the clipped grad
-    total = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
-    assert total == pytest.approx(0.05, rel=1e-5)
-    for step, grad in zip(raw, grads):
-        torch.testing.assert_close(step, grad, rtol=1e-5, atol=1e-7)
+    grads = [workspace.FetchTensor(f"{p}_grad") for p in PARAMS]  # left as they are
+    steps = [(before[p] - workspace.FetchTensor(p)) for p in PARAMS]  # lr = 1: the step is ratio * grad
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    assert norm > 0.05
+    assert workspace.FetchBlob("norm_clipped_grad_update/norm_ratio") == pytest.approx(0.05 / norm, rel=1e-5)
+    for step, grad in zip(steps, grads):
+        torch.testing.assert_close(step, grad * (0.05 / norm), rtol=1e-5, atol=1e-7)

@@ -85,10 +85,8 @@ def test_feed_scalars_and_lists(value: object, dtype: torch.dtype, shape: tuple[
 
 
 @pytest.mark.parametrize("bad", [
-    None, "text", {"a": 1}, object(), np.array([1, "a"], dtype=object), np.array(["a", "b"]),
-    [[1, 2], [3]], [1, None], ["a", "b"], b"bytes",
-], ids=["None", "str", "dict", "object", "object-array", "str-array", "ragged", "None-in-list",
-        "str-list", "bytes"])
+    None, {"a": 1}, object(), np.array([1, "a"], dtype=object), [[1, 2], [3]], [1, None], ["a", "b"],
+], ids=["None", "dict", "object", "object-array", "ragged", "None-in-list", "str-list"])
 def test_bad_feed_raises_type_error_and_changes_nothing(bad: object) -> None:
     workspace.FeedBlob("keep", np.ones(2, dtype=np.float32))
     with pytest.raises(TypeError, match="'keep'"):

@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from graphpar.ops.fill import DataType
 
         return DataType
+    if name == "_REGISTERED_OPERATORS":  # Caffe2's set of registered op types, read by its tests
+        from graphpar.core.schema import registered_types
+
+        return frozenset(registered_types())
     raise AttributeError(f"module 'graphpar.core' has no attribute {name!r}")
 
 
@@ -53,9 +57,13 @@ def IsOperator(op_type: str) -> bool:  # noqa: N802 - Caffe2 name
     return True
 
 
+ENGINES = frozenset({"", "DEFAULT", "CUDNN", "MKLDNN", "IDEEP", "NNPACK", "EIGEN", "CUDA", "NCCL"})
+
+
 def IsOperatorWithEngine(op_type: str, engine: str) -> bool:  # noqa: N802 - Caffe2 name
-    """Whether `op_type` is registered; engines (CUDNN, ...) are hints graphpar accepts for every op."""
-    return IsOperator(op_type)
+    """Whether `op_type` is registered and `engine` is one of Caffe2's (ENGINES). Engines are hints
+    graphpar accepts for every op: PyTorch picks the kernels."""
+    return engine in ENGINES and IsOperator(op_type)
 
 
 def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802 - Caffe2 name

@@ -32,7 +32,7 @@ from graphpar.core.ir import (
     OperatorDef,
     as_device_option,
 )
-from graphpar.core.schema import check_operator, get_schema
+from graphpar.core.schema import check_operator, get_schema, is_registered
 from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
 from graphpar.errors import UnknownOperatorError
 
@@ -108,9 +108,9 @@ def _plain_arg(value: Any) -> Any:
 
 def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
               device_option: DeviceOption | None, engine: str, control_inputs: list[str],
-              args: dict[str, Any], net_name: str | None) -> OperatorDef:
-    """Validate against the registry and build the OperatorDef (for the net named `net_name`, if
-    any: error messages say so); nothing is recorded anywhere."""
+              args: dict[str, Any], net_name: str | None, check: bool = True) -> OperatorDef:
+    """Validate against the registry (unless `check` is False) and build the OperatorDef (for the net
+    named `net_name`, if any: error messages say so); nothing is recorded anywhere."""
     device_option = as_device_option(device_option)
     if device_option is not None and not isinstance(device_option, DeviceOption):
         raise TypeError(f"{_where(op_type, net_name)}: device_option must be a DeviceOption, got "
@@ -123,7 +123,8 @@ def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
     op = OperatorDef(op_type, inputs, outputs, args,
                      device_option if device_option is not None else CurrentDeviceScope(),
                      name, engine, control_inputs, source=_call_site())
-    _check(op, net_name)
+    if check:
+        _check(op, net_name)
     return op
 
 
@@ -152,14 +153,18 @@ def CreateOperator(  # noqa: N802 - Caffe2 name
 
     Args: the op type; input, output and control-input blob names (a name or a list); an optional
     op name, device option (default: the current DeviceScope) and engine; the op's arguments.
-    Raises: UnknownOperatorError (an AttributeError) for an unregistered type, naming close matches;
-    TypeError for a wrong or unknown argument or a bad blob name; ValueError for wrong input/output
-    counts or a forbidden in-place pair.
+    As in Caffe2, an unregistered type (a placeholder op, or one another library registers) is built
+    unchecked; a net holding it fails at CreateNet/RunNet with UnknownOperatorError.
+
+    Raises: TypeError for a wrong or unknown argument of a registered op or a bad blob name or type;
+    ValueError for a forbidden in-place pair.
     """
-    _schema(type)
+    if not isinstance(type, str):
+        _schema(type)  # the TypeError naming it
     scope = CurrentNameScope()
     return _build_op(type, _names(inputs, "inputs", type, scope), _names(outputs, "outputs", type, scope), name,
-                     device_option, engine, _names(control_input, "control_input", type, scope), args, None)
+                     device_option, engine, _names(control_input, "control_input", type, scope), args, None,
+                     check=is_registered(type))
 
 
 def _schema(op_type: str) -> Any:
@@ -400,7 +405,7 @@ class Net:
 
         Inputs, outputs, control inputs and external inputs/outputs are all renamed. `op_id_mask`
         keeps only the ops at those indices; `update_external_list=True` then recomputes the
-        external inputs (read before written) and keeps only external outputs still produced.
+        external inputs (read before written) and outputs (written, never read afterwards), as Caffe2.
         `remap_funcs` and `keep_schema` (Caffe2's hooks for nested nets and record schemas) are
         accepted and ignored: graphpar nets have neither.
         """
@@ -610,14 +615,20 @@ def _backward_slice(ops: list[OperatorDef], inputs: list[str], outputs: list[str
 
 
 def _recompute_externals(netdef: NetDef) -> None:
-    """External inputs = blobs read before any op writes them; external outputs still produced."""
-    produced: set[str] = set()
+    """Caffe2's rule: external inputs = blobs read before any op writes them; external outputs =
+    blobs the ops write that no op of the net reads afterwards."""
+    produced: list[str] = []
     external: list[str] = []
+    used: set[str] = set()
     for op in netdef.ops:
-        external += [b for b in op.inputs if b not in produced and b not in external]
-        produced.update(op.outputs)
+        for blob in op.inputs:
+            if blob in produced:
+                used.add(blob)
+            elif blob not in external:
+                external.append(blob)
+        produced += [b for b in op.outputs if b not in produced]
     netdef.external_inputs = external
-    netdef.external_outputs = [b for b in netdef.external_outputs if b in produced]
+    netdef.external_outputs = [b for b in produced if b not in used]
 
 
 def _op_line(op: OperatorDef) -> str:

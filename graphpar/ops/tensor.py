@@ -203,6 +203,34 @@ for _name, _fn, _inplace, _grads, _formula in _BINARY:
                       doc=f"(dA, dB) of {_name}, each summed to its input's shape.")
 
 
+def _max_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
+    grads = [GI(op, i) for i in range(len(op.inputs))]
+    return [gradient_op("MaxGradient", [op.outputs[0], g[0], *op.inputs], grads)], grads
+
+
+def _max_grad(_a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def run(y: torch.Tensor, dy: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.where(x == y, dy, 0).sum_to_size(x.shape).to(x.dtype) for x in xs)
+
+    return run
+
+
+register_op("Max", inputs=(1, None), inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda *xs: _elementwise_max(xs),
+            gradient=_max_maker,
+            doc="Y = the element-wise maximum of X0, X1, ... (NumPy broadcasting). Gradient "
+                "`MaxGradient(Y, dY, X0, ...)`: each Xi gets dY where it equals Y (ties: every maximal input, "
+                "as Caffe2).")
+register_gradient("MaxGradient", "Max", _max_grad, inputs=(3, None), outputs=(1, None),
+                  doc="(dX0, dX1, ...) of Max: dY where Xi equals Y, summed to Xi's shape.")
+
+
+def _elementwise_max(xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    out = xs[0]
+    for x in xs[1:]:
+        out = torch.maximum(out, x)
+    return out if len(xs) > 1 else out.clone()
+
+
 _UNARY = (
     # name, forward, in place ok, what the gradient reads, gradient formula (saved, dY) -> dX
     ("Sqr", lambda x: x * x, False, "X", lambda x, dy: 2 * x * dy),
@@ -435,6 +463,24 @@ register_op("AveragedLoss", kernel=lambda _a, _ctx: torch.mean,
             doc="Y (0-d) = mean of X's elements.")
 elementwise_grad("AveragedLossGradient", "AveragedLoss", _expand_grad(True),
                  doc="dX of AveragedLoss: dY / numel everywhere.")
+
+
+def _reduce_front_sum(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not 0 < a.num_reduce_dim <= x.dim():
+            raise ValueError(f"{op_label(ctx.op)}: num_reduce_dim={a.num_reduce_dim} needs 1..{x.dim()} for "
+                             f"an input of shape {tuple(x.shape)}")
+        return x.sum(dim=tuple(range(a.num_reduce_dim)))
+
+    return run
+
+
+register_op("ReduceFrontSum", args={"num_reduce_dim": 1}, kernel=_reduce_front_sum,
+            gradient=one_input_gradient("ReduceFrontSumGradient", "X"),
+            doc="Y = X summed over its first num_reduce_dim dimensions (Caffe2's op).")
+register_gradient("ReduceFrontSumGradient", "ReduceFrontSum",
+                  lambda a, _ctx: lambda x, dy: dy.expand(x.shape).contiguous(),
+                  doc="dX of ReduceFrontSum: dY repeated over the reduced leading dimensions.")
 
 
 def _sum_sqr(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -16,6 +16,7 @@ with `input_as_shape`) raises `ParallelizeError` naming it, rather than guessing
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
@@ -27,6 +28,8 @@ from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
 from graphpar.passes.state import ParallelState
+
+log = logging.getLogger(__name__)
 
 
 def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
@@ -105,7 +108,12 @@ def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], param
     ops: list[OperatorDef] = [op for name in singles for op in reducer.allreduce(name, groups.pop(name), to_all)]
     sizes = param_specs(init_net, [params[name] for name in groups])
     specs = {name: sizes[params[name]] for name in groups}
-    for k, bucket in enumerate(plan_buckets(list(groups), specs, bucket_bytes, first_bucket_bytes)):
+    buckets = plan_buckets(list(groups), specs, bucket_bytes, first_bucket_bytes)
+    log.info("gradient buckets: %d gradients in %d buckets of %s bytes (limit %d, first %d)", len(groups),
+             len(buckets), [sum(specs[name].nbytes for name in bucket) for bucket in buckets], bucket_bytes,
+             first_bucket_bytes)
+    for k, bucket in enumerate(buckets):
+        log.debug("gradient bucket %d: %s", k, bucket)
         if len(bucket) == 1:
             ops.extend(reducer.allreduce(bucket[0], groups[bucket[0]], to_all))
         else:

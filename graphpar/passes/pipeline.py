@@ -24,6 +24,7 @@ from graphpar.passes import (
     broadcast_computed,
     bucketing,
     builders,
+    check_losses,
     distributed,
     finish,
     fuse_updates,
@@ -86,6 +87,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("validate_params", analyze.validate_params),
     Pass("group_params", group_by_device.group_params),
     Pass("transform_before_gradients", builders.transform_before_gradients, _given("pre_grad_net_transformer_fun")),
+    Pass("check_finite_losses", check_losses.check_finite_losses, _option("check_finite_loss")),
     Pass("add_gradients", loss_gradients.add_gradients, training),
     Pass("transform_nets", builders.transform_nets, _given("net_transformer_fun")),
     # forward-only models stop here: devices, the cross-replica check, net lists

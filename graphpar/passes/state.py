@@ -48,6 +48,8 @@ class ParallelizeOptions:
     dynamic_memory_management: bool = False
     optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
+    uneven_batches: bool = False
+    check_finite_loss: bool = False
     max_concurrent_distributed_ops: int = 16
     barrier_net_timeout_sec: float = 300.0
 
@@ -88,6 +90,7 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     checkpoint_net: Any = None
+    feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
     sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
 
     @property

@@ -41,7 +41,9 @@ def test_auxiliary_parameters_split_local_and_shared() -> None:
     opt = optimizer.build_sgd(model, 0.1, momentum=0.9)
     aux = opt.get_auxiliary_parameters()
     assert sorted(aux.local) == ["fc_b_momentum", "fc_w_momentum"]
-    assert {"ONE_0_0", "optimizer_iteration"} <= set(aux.shared)
+    assert aux.shared == ["ONE_0_0"]  # as Caffe2: the step counter is not SGD's state
+    adam = optimizer.build_adam(_model(), 0.1).get_auxiliary_parameters()
+    assert "optimizer_iteration" in adam.shared and "fc_w_first_moment" in adam.local
 
 
 def test_lr_injection_get_and_set() -> None:

@@ -80,7 +80,27 @@ def test_root_folder(tmp_path) -> None:  # noqa: ANN001
 def test_reset_workspace() -> None:
     workspace.RunNetOnce(_fill_net())
     assert workspace.ResetWorkspace() and not workspace.HasBlob("testblob")
-    assert workspace.CreateBlob("made") and workspace.FetchBlob("made").shape == (0,)
+    assert workspace.CreateBlob("made") and workspace.HasBlob("made") and "made" in workspace.Blobs()
+    with pytest.raises(TypeError, match="holds nothing yet"):
+        workspace.FetchTensor("made")
+
+
+def test_text_blobs_round_trip_and_created_blobs_count_as_present() -> None:
+    strings = np.array([b"Hello World!", b"abcd"])
+    for name, value in (("plain", b"a \0 b"), ("text", "abc"), ("strings", strings)):
+        assert workspace.FeedBlob(name, value)
+        fetched = workspace.FetchBlob(name)
+        assert type(fetched) is type(value) and np.array_equal(fetched, value)
+    assert workspace.GetBlobSizeBytes("strings") == 2 * np.dtype(object).itemsize + 16
+    workspace.FeedBlob("plain", np.ones(2, np.float32))  # a tensor replaces the text
+    assert workspace.FetchBlob("plain").tolist() == [1.0, 1.0]
+    net = core.Net("reads_created")
+    net.Relu("later", "out")
+    workspace.CreateBlob("later")
+    workspace.CreateNet(net)  # "later" exists (Caffe2), though it holds nothing yet
+    workspace.FeedBlob("later", np.array([-1.0, 2.0], np.float32))
+    workspace.RunNet(net)
+    assert workspace.FetchBlob("out").tolist() == [0.0, 2.0]
 
 
 def test_name_scope_stringify_and_repeated_runs() -> None:

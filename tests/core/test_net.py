@@ -99,9 +99,12 @@ def test_create_operator_stores_plain_argument_values() -> None:
     assert [o.type for o in op.args["body"].ops] == ["Relu"]
 
 
-def test_create_operator_unknown_type_suggests_close_names() -> None:
+def test_create_operator_unknown_type_is_built_and_fails_at_create_net_suggesting_close_names() -> None:
+    op = CreateOperator("Rleu", "x", "y", some_arg=[1, 2])  # as Caffe2: placeholder ops are fine here
+    assert (op.type, op.inputs, op.outputs, op.args) == ("Rleu", ["x"], ["y"], {"some_arg": [1, 2]})
+    workspace.FeedBlob("x", np.ones(2, np.float32))
     with pytest.raises(UnknownOperatorError, match="unknown operator type 'Rleu'.*Relu") as info:
-        CreateOperator("Rleu", "x", "y")
+        workspace.RunOperatorOnce(op)
     assert isinstance(info.value, AttributeError)
     with pytest.raises(TypeError, match="must be a str"):
         CreateOperator(3, "x", "y")  # type: ignore[arg-type]

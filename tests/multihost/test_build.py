@@ -161,7 +161,7 @@ def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_wi
 
     from graphpar import distributed, workspace
     from graphpar.core.ir import NetDef, OperatorDef
-    from graphpar.executor.dag import make_schedule
+    from graphpar.executor.dag import make_schedules
 
     monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "1")
     event = threading.Event()
@@ -173,7 +173,7 @@ def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_wi
                              OperatorDef("Allreduce", ["cw_set", "b"], ["b"])], ["cw_wait", "cw_set", "a", "b"])
     net.type, net.num_workers = "dag", 4
     plan = workspace.get_workspace().create_net(net)
-    schedule = make_schedule(plan)
+    (schedule,) = make_schedules(plan)
     assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({0, 2}), 2)
     workspace.RunNet("overlap")
     assert event.is_set() and workspace.FetchBlob("c").tolist() == [1.0, 1.0, 1.0]
