@@ -180,7 +180,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
             broadcast from shard 0's first device (average_computed_params averages over every
             replica of every shard). `RunInitNet` checks that every shard built the same model and
-            ends at a barrier. Not with shared_model, combine_spatial_bn or sparse gradients.
+            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch. Not with
+            shared_model or sparse gradients.
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
@@ -207,7 +208,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model, combine_spatial_bn=combine_spatial_bn)
+                            shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
