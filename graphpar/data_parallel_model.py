@@ -180,8 +180,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
             broadcast from shard 0's first device (average_computed_params averages over every
             replica of every shard). `RunInitNet` checks that every shard built the same model and
-            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch. Not with
-            shared_model or sparse gradients.
+            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse
+            gradients are gathered across shards (`Allgather`). Not with shared_model.
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.

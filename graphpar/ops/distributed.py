@@ -198,6 +198,32 @@ register_op(
     doc="Output i = shard `root`'s input i + 1 (input 0: the communicator); in place enforced.")
 
 
+def _allgather(_a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def run(world: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        comm = distributed.get_world(int(world))
+        sizes = [int(n) for n in comm.allgather(torch.tensor([x.shape[0]], dtype=torch.int64))]
+        if max(sizes) == 0:
+            return x.clone()
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))  # gloo gathers equal shapes: pad, then cut
+        padded[:x.shape[0]] = x
+        return torch.cat([part[:n] for part, n in zip(comm.allgather(padded), sizes)])
+
+    return run
+
+
+def _allgather_infer(_a: SimpleNamespace, _ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    if not inputs[1].shape:
+        raise ValueError("Allgather: X needs an axis 0 to concatenate along")
+    return [None]  # the length depends on the other shards
+
+
+register_op(
+    "Allgather", inputs=2, outputs=1, inplace={(1, 0)}, kernel=_allgather, infer=_allgather_infer,
+    gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    doc="Y = every shard's X (input 1; input 0: the communicator) concatenated along axis 0 in shard order; "
+        "the lengths may differ (sparse gradients' indices and values).")
+
+
 def _barrier(_a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], tuple]:
     def run(world: torch.Tensor) -> tuple:
         distributed.get_world(int(world)).barrier()

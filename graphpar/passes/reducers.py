@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
-from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DPM_SUM_NAME, BlobDevices, DeviceLayout, Group, copy_device, make_op
 
 PeerAccess = Callable[[int, int], bool]  # (root device id, peer device id) -> may root read peer's memory
@@ -178,9 +177,14 @@ class DistributedReducer:
         return ops
 
     def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
-        raise ParallelizeError(f"gradient {name!r} is sparse (GradientSlice): sparse gradients across shards "
-                               f"(rendezvous) are not supported yet; use a dense gradient (e.g. Gather "
-                               f"through a dense path) or train on one process")
+        """The local concatenation on the first device, then one cross-shard `Allgather` of it (shard
+        order, so device order over all shards), then copies to the other outputs."""
+        first = outputs[0]
+        ops = self.local.allgather(name, group, outputs[:1])
+        ops.append(make_op("Allgather", [self.world(), first], [first], self._device(first)))
+        if len(outputs) > 1:
+            ops.extend(self.local.broadcast(dict(zip(self.layout.devices, outputs))))
+        return ops
 
     def _device(self, blob: str) -> DeviceOption:
         return self.blob_devices.get(blob) or self.layout.option(self.layout.master)

@@ -100,15 +100,18 @@ def test_add_distributed_blob_sync_all_reduces_across_shards_only(tmp_path: Path
     assert len(plain.net.Proto().ops) == before
 
 
-def test_sparse_gradients_across_shards_are_refused_and_the_model_left_unchanged(tmp_path: Path) -> None:
+def test_sparse_gradients_are_gathered_locally_then_across_shards(tmp_path: Path) -> None:
     from graphpar.models.dlrm import dlrm
 
     model = model_helper.ModelHelper(name="sparse")
-    with pytest.raises(ParallelizeError, match="sparse gradients across shards"):
-        dpm.Parallelize(model, lambda m: None, lambda m, s: dlrm(m, s), devices=[0, 1], cpu_device=True,
-                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
-                        rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "store"})
-    assert getattr(model, "_parallel", None) is None and not model.net.Proto().ops
+    dpm.Parallelize(model, lambda m: None, lambda m, s: dlrm(m, s), devices=[0, 1], cpu_device=True,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                    rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "store"})
+    ops = model.net.Proto().ops
+    k = next(i for i, op in enumerate(ops) if op.type == "Allgather")
+    assert [op.type for op in ops[k - 2:k + 2]] == ["Copy", "Concat", "Allgather", "Copy"]
+    assert ops[k].inputs[1] == ops[k].outputs[0] == ops[k - 1].outputs[0] == "cpu_0/indices_1_concat"
+    assert ops[k + 1].outputs == ["cpu_1/indices_1_concat"]
 
 
 def test_without_kv_handler_shards_come_from_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,13 +21,14 @@ from tests.multihost.helpers import assert_identical, load, run_processes
 STEPS = 10
 RUNS = [{"kind": "mlp"}, {"kind": "mlp", "gradient_bucket_bytes": 64, "first_bucket_bytes": 64},
         {"kind": "cnn"}, {"kind": "cnn", "gradient_bucket_bytes": 1 << 20, "average_computed_params": True},
-        {"kind": "mlp", "bmuf": True}, {"kind": "cnn", "combine_spatial_bn": True}]
+        {"kind": "mlp", "bmuf": True}, {"kind": "cnn", "combine_spatial_bn": True}, {"kind": "dlrm"}]
 
 
 @pytest.mark.slow
 def test_two_shards_of_two_devices_train_bit_identically_to_one_shard_of_four(tmp_path: Path) -> None:
     """MLP and CNN with batch norm, with and without buckets (and averaged computed params), 10 momentum
-    SGD steps, synchronised batch norm (combine_spatial_bn: statistics of all 4 replicas), and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
+    SGD steps, synchronised batch norm (combine_spatial_bn: statistics of all 4 replicas), DLRM (sparse embedding
+    gradients, gathered across shards), and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
     every shard); shard 1 is seeded differently and still starts from shard 0's params. Every replica
     of every shard equals the 1 x 4 run's after init and after every step."""
     single = tmp_path / "single"

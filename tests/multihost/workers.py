@@ -33,7 +33,12 @@ def forward(kind: str, hidden: int = 8):  # noqa: ANN201
         h = brew.max_pool(model, h, "pool1", kernel=2, stride=2)
         return softmax_loss(model, brew.fc(model, h, "pred", dim_in=3 * 2 * 2, dim_out=3), "label", loss_scale)
 
-    return {"mlp": mlp, "cnn": cnn}[kind]
+    def dlrm(model, loss_scale):  # noqa: ANN001, ANN202
+        from graphpar.models.dlrm import dlrm
+
+        return dlrm(model, loss_scale, num_dense=3, table_rows=(40, 30), dim=4, bottom=(6,), top=(5,))
+
+    return {"mlp": mlp, "cnn": cnn, "dlrm": dlrm}[kind]
 
 
 def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +79,14 @@ def feed(kind: str, step: int, shard: int, num_shards: int, devices: list[int]) 
     """Shard `shard`'s local devices get global slices shard*D .. shard*D + D - 1 of the batch."""
     from graphpar import workspace
 
+    if kind == "dlrm":  # sparse lookups: every global device gets its examples' indices
+        from graphpar.models.dlrm import split_clicks, synthetic_clicks
+
+        chunks = split_clicks(synthetic_clicks(GLOBAL_BATCH, 3, (40, 30), seed=100 + step), len(devices) * num_shards)
+        for d, device in enumerate(devices):
+            for name, value in chunks[shard * len(devices) + d].items():
+                workspace.FeedBlob(f"cpu_{device}/{name}", value)
+        return
     x, y = batch(kind, step)
     parts = np.split(np.arange(GLOBAL_BATCH), len(devices) * num_shards)
     for d, device in enumerate(devices):
