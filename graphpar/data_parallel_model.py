@@ -226,7 +226,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout), options.num_shards,
-                               max_concurrent_distributed_ops)
+                               max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
@@ -314,7 +314,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
                                  barrier_net_timeout_sec=float(barrier_net_timeout_sec))
     blob_to_device: dict[str, DeviceOption] = {}
-    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops)
+    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
+                       order=rdv.reduce_order if rdv else "ring")
     bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
                         _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)

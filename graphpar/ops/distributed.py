@@ -34,6 +34,7 @@ from graphpar.core.schema import (
     register_op,
 )
 from graphpar.ops.common import op_label
+from graphpar.passes.reducers import tree_levels
 
 _HANDLE = TensorSpec((), torch.int64)
 _DISTRIBUTED = (Trait.COLLECTIVE, Trait.CROSS_DEVICE, Trait.DISTRIBUTED, Trait.HOST_SYNC)
@@ -177,12 +178,30 @@ def _shifted(i: int, o: int) -> bool:
     return i == o + 1
 
 
+def _allreduce(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
+    if a.order not in distributed.REDUCE_ORDERS:
+        raise ValueError(f"Allreduce: order must be one of {distributed.REDUCE_ORDERS}, got {a.order!r}")
+    if a.order == "ring" or comm.size == 1:
+        comm.allreduce(x)
+        return
+    parts = comm.allgather(x)  # every shard adds the same values in the same tree order
+    for level in tree_levels(len(parts)):
+        for positions in level:
+            total = parts[positions[0]]
+            for position in positions[1:]:
+                total = total + parts[position]
+            parts[positions[0]] = total
+    x.copy_(parts[0])
+
+
 register_op(
-    "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted,
-    kernel=_collective(lambda comm, x, _a: comm.allreduce(x)), infer=_copies_rule,
+    "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted, args={"order": "ring"},
+    kernel=_collective(_allreduce), infer=_copies_rule,
     gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
     doc="Output i = the sum over the shards of input i + 1 (input 0: the communicator); each input is "
-        "reduced on its own, in place enforced.")
+        "reduced on its own, in place enforced. order='ring': the backend's all-reduce; 'tree': an "
+        "all-gather, then Parallelize's Sum tree over shard positions (pairwise for 4, 8, 16 shards), so "
+        "shards x devices sum exactly as one process's tree over all devices.")
 
 
 def _broadcast(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:

@@ -147,8 +147,9 @@ class DistributedReducer:
     """Local reduction onto the first device, one collective across shards, local broadcast back."""
 
     def __init__(self, local: Reducer, num_shards: int, max_concurrent: int,
-                 blob_devices: BlobDevices) -> None:
+                 blob_devices: BlobDevices, order: str = "ring") -> None:
         self.layout = local.layout
+        self.order = order  # the cross-shard Allreduce's order ("ring" or "tree")
         self.local = local
         self.num_shards = num_shards
         self.blob_devices = blob_devices
@@ -164,7 +165,7 @@ class DistributedReducer:
     def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
         layout, root = self.layout, group[0]
         ops = self.local.allreduce(name, group, to_all=False) if len(group) > 1 else []
-        ops.append(make_op("Allreduce", [self.world(), root], [root], self._device(root)))
+        ops.append(make_op("Allreduce", [self.world(), root], [root], self._device(root), order=self.order))
         if to_all and len(group) > 1:
             ops.extend(self.local.broadcast(dict(zip(layout.devices, group))))
         return ops
@@ -192,7 +193,7 @@ class DistributedReducer:
 
 def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool = False,
                  peer_access: PeerAccess | None = None, num_shards: int = 1,
-                 max_concurrent: int = 1) -> Reducer:
+                 max_concurrent: int = 1, order: str = "ring") -> Reducer:
     """The reducer for Parallelize's options: NCCL for CUDA replicas with `use_nccl`, else Sum trees;
     wrapped in a `DistributedReducer` over `max_concurrent` communicators for several shards."""
     local: Reducer
@@ -201,7 +202,7 @@ def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool
     else:
         local = TreeReducer(layout, blob_devices, peer_access)
     if num_shards > 1:
-        return DistributedReducer(local, num_shards, max_concurrent, blob_devices)
+        return DistributedReducer(local, num_shards, max_concurrent, blob_devices, order)
     return local
 
 

@@ -71,6 +71,26 @@ def test_one_shard_of_two_devices_and_two_shards_of_one_match_one_device(tmp_pat
         np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_path: Path) -> None:
+    """reduce_order='tree' sums (g0 + g1) + (g2 + g3) on every shard, as one process's tree over 4
+    devices: bit for bit. gloo's ring all-reduce of 4 shards adds in another order: float tolerance."""
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    runs = [{"kind": "mlp", "steps": 4, "reduce_order": "tree"}, {"kind": "mlp", "steps": 4}]
+    codes = run_processes(workers.train_all, [(str(ref_dir / "four"), runs[:1])] + [
+        (str(tmp_path / f"shard{r}"), runs) for r in range(4)],
+        [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(ref_dir))] + [
+            dict(shard=r, num_shards=4, devices=[0], store=str(tmp_path), seed=r) for r in range(4)])
+    assert codes == [0] * 5
+    four = load(ref_dir / "four_0.npz")
+    for r in range(4):
+        assert_identical(load(tmp_path / f"shard{r}_0.npz"), four)
+        ring = load(tmp_path / f"shard{r}_1.npz")
+        for key, value in ring.items():
+            np.testing.assert_allclose(value, four[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_identical(load(tmp_path / "shard3_1.npz"), load(tmp_path / "shard0_1.npz"))  # ranks agree
+
+
 def test_a_shard_that_dies_makes_the_other_raise_within_its_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],

@@ -107,7 +107,7 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
-          bmuf: bool = False, **options: Any) -> None:
+          bmuf: bool = False, reduce_order: str = "ring", **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
@@ -125,7 +125,7 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
     rendezvous = None
     if num_shards > 1:
         rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards,
-                      "engine": "GLOO", "timeout_sec": timeout_sec}
+                      "engine": "GLOO", "timeout_sec": timeout_sec, "reduce_order": reduce_order}
     try:
         model = build(kind, devices, rendezvous, bmuf=bmuf, **options)
         feed(kind, 0, shard, num_shards, devices)

@@ -143,7 +143,7 @@ EXAMPLES: dict[str, list[Example]] = {
                                         momentum=0.9),
                                      ex(f(3, 2), f(3, 2), f(3, 2), pos(1), outputs=3, momentum=0.5, nesterov=1)],
     "MulGradient": [ex(f(2, 3), f(2, 3), f(2, 1))],
-    "Allreduce": [ex(_WORLD, f(2, 3), outputs=1), ex(_WORLD, f(2), ints(3, 4), outputs=2)],
+    "Allreduce": [ex(_WORLD, f(2, 3), outputs=1), ex(_WORLD, f(2), ints(3, 4), outputs=2, order="tree")],
     "Allgather": [ex(_WORLD, f(3, 2), unknown=(0,)), ex(_WORLD, ints(4, 5, dtype=torch.int64), unknown=(0,))],
     "Barrier": [ex(_WORLD, outputs=0)],
     "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
