@@ -91,6 +91,33 @@ def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_p
     assert_identical(load(tmp_path / "shard3_1.npz"), load(tmp_path / "shard0_1.npz"))  # ranks agree
 
 
+def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_exactly(tmp_path: Path) -> None:
+    """2 shards x 2 devices train 3 steps and save (shard 0 writes); 4 shards x 1 device (tree order)
+    and 1 process x 4 devices each load it, FinalizeAfterCheckpoint and train steps 3..5: both equal the
+    uninterrupted 1 x 4 run of 6 steps."""
+    ckpt = str(tmp_path / "two.safetensors")
+    for d in ("two", "four", "one"):
+        (tmp_path / d).mkdir()
+    codes = run_processes(workers.train_all, [(str(tmp_path / "two" / f"shard{r}"), [{"kind": "mlp", "steps": 3}])
+                                              for r in range(2)] + [
+        (str(tmp_path / "one" / "full"), [{"kind": "mlp", "steps": 6}])],
+        [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path / "two"), save_to=ckpt) for r in range(2)]
+        + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
+    assert codes == [0, 0, 0] and not list(tmp_path.glob("*/*.error"))
+    resume = {"kind": "mlp", "steps": 6, "resume_from": ckpt}
+    codes = run_processes(workers.train_all, [(str(tmp_path / "four" / f"shard{r}"), [resume]) for r in range(4)] + [
+        (str(tmp_path / "one" / "resumed"), [resume])],
+        [dict(shard=r, num_shards=4, devices=[0], store=str(tmp_path / "four"), reduce_order="tree", seed=r)
+         for r in range(4)] + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
+    assert codes == [0] * 5, [p.read_text() for p in tmp_path.glob("*/*.error")]
+    full = load(tmp_path / "one" / "full_0.npz")
+    for got in [load(tmp_path / "four" / f"shard{r}_0.npz") for r in range(4)] + [
+            load(tmp_path / "one" / "resumed_0.npz")]:
+        steps = [key for key in got if key.split("/")[0] in ("3", "4", "5")]
+        assert len(steps) >= 12
+        assert_identical(got, full, steps)
+
+
 def test_a_shard_that_dies_makes_the_other_raise_within_its_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],

@@ -107,11 +107,13 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
-          bmuf: bool = False, reduce_order: str = "ring", **options: Any) -> None:
+          bmuf: bool = False, reduce_order: str = "ring", save_to: str | None = None,
+          resume_from: str | None = None, **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
-    `hang_at` makes it sleep there for three timeouts, then exit."""
+    `hang_at` makes it sleep there for three timeouts, then exit. `save_to` writes a checkpoint after
+    the last step (shard 0 only); `resume_from` loads one after init and continues from its step."""
     import torch
 
     from graphpar import data_parallel_model as dpm
@@ -131,7 +133,14 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
         feed(kind, 0, shard, num_shards, devices)
         dpm.RunInitNet(model)
         saved = {f"init/{k}": v for k, v in state(model).items()}
-        for step in range(steps):
+        first = 0
+        if resume_from is not None:
+            from graphpar import checkpoint
+
+            checkpoint.load(resume_from)
+            dpm.FinalizeAfterCheckpoint(model)
+            first = int(workspace.FetchBlob("optimizer_iteration")[0])
+        for step in range(first, steps):
             if die_at is not None and step == die_at:
                 os._exit(3)
             if hang_at is not None and step == hang_at:
@@ -140,6 +149,8 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
             feed(kind, step, shard, num_shards, devices)
             dpm.RunNet(model, 2 if bmuf else 1)
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
+        if save_to is not None:
+            dpm.save_checkpoint(model, save_to)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         with open(out + ".error", "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")
