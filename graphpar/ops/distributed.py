@@ -33,8 +33,8 @@ from graphpar.core.schema import (
     Trait,
     register_op,
 )
+from graphpar.core.trees import tree_levels
 from graphpar.ops.common import op_label
-from graphpar.passes.reducers import tree_levels
 
 _HANDLE = TensorSpec((), torch.int64)
 _DISTRIBUTED = (Trait.COLLECTIVE, Trait.CROSS_DEVICE, Trait.DISTRIBUTED, Trait.HOST_SYNC)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
+from graphpar.core.trees import tree_levels
 from graphpar.passes.common import DPM_SUM_NAME, BlobDevices, DeviceLayout, Group, copy_device, make_op
 
 PeerAccess = Callable[[int, int], bool]  # (root device id, peer device id) -> may root read peer's memory
@@ -53,22 +54,6 @@ class Reducer(Protocol):
         single output) holds the copies of `group` concatenated along axis 0 in device order. Used for
         sparse gradients (indices and values), whose rows differ per device; `name` names temporaries."""
         ...
-
-
-def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
-    """The Sum tree over `count` device positions: levels of position tuples, root first in each.
-
-    4, 8 and 16 devices reduce pairwise, doubling the stride each level (16: (0,1)…(14,15), then
-    (0,2),(4,6),(8,10),(12,14), then (0,4),(8,12), then (0,8)), as Caffe2 did; any other count is
-    one flat Sum of every position onto position 0. The root of the last level is position 0.
-    """
-    if count not in (4, 8, 16):
-        return [[tuple(range(count))]]
-    levels, stride = [], 1
-    while stride < count:
-        levels.append([(i, i + stride) for i in range(0, count, 2 * stride)])
-        stride *= 2
-    return levels
 
 
 class TreeReducer:
