@@ -186,7 +186,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
             broadcast from shard 0's first device (average_computed_params averages over every
             replica of every shard). `RunInitNet` checks that every shard built the same model and
-            ends at a barrier. Not with shared_model, combine_spatial_bn or sparse gradients.
+            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse
+            gradients are gathered across shards (`Allgather`). Not with shared_model.
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
@@ -213,7 +214,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model, combine_spatial_bn=combine_spatial_bn)
+                            shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
@@ -232,7 +233,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout), options.num_shards,
-                               max_concurrent_distributed_ops)
+                               max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
@@ -320,7 +321,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
                                  barrier_net_timeout_sec=float(barrier_net_timeout_sec))
     blob_to_device: dict[str, DeviceOption] = {}
-    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops)
+    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
+                       order=rdv.reduce_order if rdv else "ring")
     bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
                         _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
@@ -428,6 +430,10 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
 
 def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
+
+    With a rendezvous the init net first creates the communicators and checks that every shard built
+    the same model (an OperatorError naming the shards otherwise), the broadcast comes from shard 0,
+    and a barrier (`barrier_net_timeout_sec`) ends it.
 
     Everything that can be checked is checked before the first init net runs (the model's nets must
     not exist yet: a second RunInitNet would reset trained params, optimizer state and counters;
