@@ -539,15 +539,45 @@ def GetNameScope() -> str:  # noqa: N802
     return CurrentNameScope()
 
 
-def StringifyProto(obj: Any) -> str:  # noqa: N802
-    """A str as is; a Net, NetDef or OperatorDef in Caffe2's protobuf text format (needs protobuf)."""
-    if isinstance(obj, str):
+def StringifyProto(obj: Any) -> str | bytes:  # noqa: N802
+    """A str or bytes as is; a Net, NetDef or OperatorDef (or a caffe2_pb2 message) serialized in Caffe2's
+    wire format, as Caffe2's `SerializeToString()` (needs protobuf)."""
+    if isinstance(obj, (str, bytes)):
         return obj
-    from google.protobuf import text_format
+    if hasattr(obj, "Proto"):
+        obj = obj.Proto()
+    if not hasattr(obj, "SerializeToString"):
+        raise ValueError(f"Unexpected argument to StringifyProto of type {type(obj).__name__}")
+    return obj.SerializeToString()
 
-    from graphpar.proto.convert import to_proto
 
-    return text_format.MessageToString(obj if hasattr(obj, "DESCRIPTOR") else to_proto(obj))
+class Predictor:
+    """Caffe2's `workspace.Predictor(init_net, predict_net)`: a private workspace where `init_net` has run;
+    `run(inputs)` feeds the predict net's external inputs that the init net did not create (a list in
+    their order, or a {name: value} dict), runs it and returns its external outputs as numpy arrays.
+    Either net may be a Net, NetDef, caffe2_pb2.NetDef or its serialized bytes."""
+
+    _count = 0
+
+    def __init__(self, init_net: Any, predict_net: Any) -> None:
+        Predictor._count += 1
+        self._ws = Workspace(f"Predictor#{Predictor._count}")
+        self._net = _as_netdef(predict_net)
+        self._ws.run_net_once(_as_netdef(init_net))
+        self.input_names = [b for b in self._net.external_inputs if not self._ws.has_blob(b)]
+        self.output_names = list(self._net.external_outputs)
+
+    def run(self, inputs: list | dict) -> list[np.ndarray]:
+        """The external outputs after one run on `inputs`. Raises ValueError for a wrong input count."""
+        if not isinstance(inputs, dict):
+            if len(inputs) != len(self.input_names):
+                raise ValueError(f"Predictor.run: expected {len(self.input_names)} inputs "
+                                 f"{self.input_names}, got {len(inputs)}")
+            inputs = dict(zip(self.input_names, inputs))
+        for name, value in inputs.items():
+            self._ws.feed_blob(name, value)
+        self._ws.run_net_once(self._net)
+        return [self._ws.fetch_blob(name) for name in self.output_names]
 
 
 def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphpar import core, workspace
+from graphpar import brew, core, model_helper, workspace
 
 
 def _fill_net() -> core.Net:
@@ -111,5 +111,19 @@ def test_name_scope_stringify_and_repeated_runs() -> None:
     assert workspace.RunOperatorMultiple(op, 3)
     assert workspace.FetchBlob("x").tolist() == [8.0, 8.0]
     assert workspace.StringifyProto("as is") == "as is"
-    pytest.importorskip("google.protobuf", reason="text format needs the optional protobuf package")
-    assert 'type: "Scale"' in workspace.StringifyProto(op)
+    pytest.importorskip("google.protobuf", reason="serializing needs the optional protobuf package")
+    assert workspace.StringifyProto(op) == op.SerializeToString()  # Caffe2's wire format
+
+
+def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
+    model = model_helper.ModelHelper(name="predictor_model")
+    y = brew.fc(model, "data", "y", dim_in=4, dim_out=2, weight_init=("ConstantFill", {"value": 1.0}),
+                bias_init=("ConstantFill", {"value": 0.5}))
+    model.net.AddExternalOutput(y)
+    predictor = workspace.Predictor(workspace.StringifyProto(model.param_init_net),
+                                    workspace.StringifyProto(model.net))
+    assert predictor.input_names == ["data"] and not workspace.HasBlob("y_w")
+    (out,) = predictor.run([np.array([[1, 3, 256, 256]], np.float32)])
+    np.testing.assert_array_equal(out, [[516.5, 516.5]])
+    with pytest.raises(ValueError, match="expected 1 inputs"):
+        predictor.run([])
