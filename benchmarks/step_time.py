@@ -8,7 +8,10 @@ Models: an overhead-bound MLP (batch 32, 64-128-10), a compute-bound MLP (batch 
 small CNN (batch 32, 3x32x32: conv-bn-relu-pool twice, then fc) and the zoo's ResNet-18 (width 32,
 batch 16, 3x64x64; the eager copy starts from its own weights, so only its time is compared).
 
-    python -m benchmarks.step_time [--repeats 30] [--warmup 5] [--threads 1]
+    python -m benchmarks.step_time [--repeats 30] [--warmup 5] [--threads 1] [--check-finite]
+
+`--check-finite` adds the check that `Parallelize(check_finite_loss=True)` adds (a CheckFinite op on
+the loss, before the gradients), to measure its cost.
 """
 
 from __future__ import annotations
@@ -104,13 +107,15 @@ CASES = [
 ]
 
 
-def graphpar_step(case: Case, x: np.ndarray, y: np.ndarray) -> Callable[[], object]:
+def graphpar_step(case: Case, x: np.ndarray, y: np.ndarray, check_finite: bool = False) -> Callable[[], object]:
     """Build, initialise and create the graphpar train net; return one RunNet call."""
     workspace.ResetWorkspace()
     model = ModelHelper(name="step_time")
     pred = case.forward(model)
     loss = "loss" if model.net.BlobIsDefined("loss") else model.net.SoftmaxWithLoss([pred, "label"],
                                                                                     ["softmax", "loss"])[1]
+    if check_finite:
+        model.net.CheckFinite([loss], [])
     model.AddGradientOperators([loss])
     optimizer.build_sgd(model, LR, momentum=MOMENTUM)
     workspace.RunNetOnce(model.param_init_net)
@@ -146,11 +151,11 @@ def check_same_step(case: Case, graphpar: Callable[[], object], eager: Callable[
         torch.testing.assert_close(workspace.FetchTensor(blob), state[key], rtol=1e-4, atol=1e-5)
 
 
-def measure(case: Case, repeats: int, warmup: int) -> dict[str, float]:
+def measure(case: Case, repeats: int, warmup: int, check_finite: bool = False) -> dict[str, float]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((case.batch, *case.input_shape)).astype(np.float32)
     y = rng.integers(0, 10, case.batch).astype(np.int32)
-    graphpar = graphpar_step(case, x, y)
+    graphpar = graphpar_step(case, x, y, check_finite)
     eager, module = eager_step(case, x, y)
     check_same_step(case, graphpar, eager, module)
     times = compare({"graphpar": graphpar, "eager": eager}, repeats=repeats, warmup=warmup)
@@ -165,10 +170,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both sides)")
     parser.add_argument("--save", action="store_true",
                         help="write benchmarks/results/ (tracked files: only when asked)")
+    parser.add_argument("--check-finite", action="store_true", help="add a CheckFinite op on the loss")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    results = {case.name: measure(case, opts.repeats, opts.warmup) for case in CASES}
+    results = {case.name: measure(case, opts.repeats, opts.warmup, opts.check_finite) for case in CASES}
     rows = [(name, r["graphpar_ms"], r["eager_ms"], r["ratio"]) for name, r in results.items()]
     print(markdown_table(["model (one SGD-momentum step, CPU)", "graphpar ms", "eager ms", "ratio"], rows))
     if opts.save:

@@ -1,13 +1,20 @@
 """Checkpoint files: named blobs in a safetensors file (no pickle, so loading never runs code).
 
 The file's safetensors metadata holds one JSON document under the key "graphpar":
-`{"format_version": 1, "blobs": [...], "iteration": int | null, "sha256": hex, "metadata": {...}}`.
+`{"format_version": 2, "blobs": [...], "iteration": int | null, "sha256": hex, "metadata": {...}}`.
 `iteration` is the value of the optimizer's `optimizer_iteration` counter when it is saved; `sha256` covers
-the tensors' bytes in blob order, so a flipped byte anywhere in the data is caught on load.
+the whole header (format version, blob names, iteration, user metadata, and each tensor's dtype and shape)
+and then the tensors' bytes in blob order, so an edited dtype or shape, a flipped bit in the metadata or
+anywhere in the data is caught on load. (Version 1 files, whose checksum covers the data only, still load.)
+
+Files are deterministic: identical blobs and metadata give byte-identical files (an unordered collection
+of names, such as `GetCheckpointParams`'s set, is sorted). The name `__metadata__` (safetensors' own
+header key) is refused before the file is touched.
 
 `save` writes atomically (a temporary file in the same directory, flushed and fsynced, then renamed over
-the target and the directory fsynced), so a crash never leaves a truncated file under the final name.
-`load` reads and checks everything before it feeds a single blob, so a bad file changes nothing.
+the target and the directory fsynced), so a crash never leaves a truncated file under the final name; an
+existing target keeps its permission bits. `load` reads and checks everything before it feeds a single
+blob, so a bad file changes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+import stat
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import torch
@@ -26,11 +34,13 @@ from safetensors.torch import save as serialize
 from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.devices import device_option_for_blob
 from graphpar.errors import CheckpointError
-from graphpar.naming import OPTIMIZER_ITERATION
+from graphpar.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.workspace import Workspace, get_workspace
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, FORMAT_VERSION)  # version 1: the checksum covers the tensor data only
 _KEY = "graphpar"
+_RESERVED = "__metadata__"  # safetensors' header key: a tensor of that name makes an unreadable file
 
 
 def _workspace(workspace: Workspace | str | None) -> Workspace:
@@ -43,13 +53,22 @@ def _names(blobs: Iterable[str], what: str) -> list[str]:
         raise TypeError(f"checkpoint.{what}: blobs must be a list of blob names, not the single string "
                         f"{blobs!r}; wrap it in a list")
     names = list(dict.fromkeys(str(b) for b in blobs))
+    if isinstance(blobs, Set):  # no order of its own: sort, so that identical runs write identical files
+        names.sort()
     if not names:
         raise ValueError(f"checkpoint.{what}: no blob names given")
     return names
 
 
-def _digest(tensors: Mapping[str, torch.Tensor], names: list[str]) -> str:
+def _digest(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of the header (all but the checksum itself, with each tensor's dtype and shape), then of
+    the tensors' bytes in blob order; version 1 hashed the bytes only."""
     digest = hashlib.sha256()
+    names = header["blobs"]
+    if header["format_version"] != 1:
+        covered = {key: value for key, value in header.items() if key != "sha256"}
+        covered["tensors"] = [[str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
+        digest.update(json.dumps(covered, sort_keys=True).encode())
     for name in names:  # the tensors are contiguous CPU copies: hash their bytes in place
         digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -66,6 +85,8 @@ def _atomic_write(path: str, data: bytes) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask, as open() would
     try:
+        if os.path.exists(path):  # a re-save keeps the target's permissions (never widens 0600)
+            os.chmod(fd, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as file:
             file.write(data)
             file.flush()
@@ -100,17 +121,22 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
     """
     ws = _workspace(workspace)
     names = _names(blobs, "save")
+    if _RESERVED in names:
+        raise CheckpointError(f"checkpoint.save({os.fspath(path)!r}): a blob named {_RESERVED!r} cannot be "
+                              f"saved (safetensors reserves the name); rename the blob")
     missing = [n for n in names if not ws.has_blob(n)]
     if missing:
         raise CheckpointError(f"checkpoint.save({os.fspath(path)!r}): blobs {missing} do not exist in the "
                               f"workspace; run the init net first or check the names")
     tensors = {n: _host_copy(ws.fetch_tensor(n)) for n in names}
     iteration = tensors.get(OPTIMIZER_ITERATION)
-    header = {"format_version": FORMAT_VERSION, "blobs": names, "sha256": _digest(tensors, names),
+    header = {"format_version": FORMAT_VERSION, "blobs": names,
               "iteration": None if iteration is None else int(iteration.reshape(-1)[0]),
               "metadata": dict(metadata or {})}
     try:
-        text = json.dumps(header)
+        header = json.loads(json.dumps(header))  # what load will parse (tuples become lists...)
+        header["sha256"] = _digest(header, tensors)
+        text = json.dumps(header, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint.save: metadata must be JSON-serialisable: {exc}") from None
     _atomic_write(os.fspath(path), serialize(tensors, metadata={_KEY: text}))
@@ -136,9 +162,9 @@ def _read(path: str, tensors: bool = True) -> tuple[dict[str, Any], dict[str, to
     except Exception as exc:  # safetensors raises its own error types, OSError, ValueError...
         raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc}); "
                               f"the file is missing, truncated or not a safetensors file") from exc
-    if tensors and _digest(data, header["blobs"]) != header["sha256"]:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: its tensor data does not match the "
-                              f"checksum written with it")
+    if tensors and _digest(header, data) != header["sha256"]:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: its header or tensor data does not match "
+                              f"the checksum written with it")
     return header, data
 
 
@@ -150,7 +176,7 @@ def _parse_header(path: str, text: str | None, keys: set[str]) -> dict[str, Any]
         header = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"checkpoint {path!r} has corrupt metadata: {exc}") from None
-    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+    if not isinstance(header, dict) or header.get("format_version") not in _READABLE_VERSIONS:
         version = header.get("format_version") if isinstance(header, dict) else None
         raise CheckpointError(f"checkpoint {path!r} has format version {version!r}; this graphpar "
                               f"reads version {FORMAT_VERSION}")
@@ -182,23 +208,30 @@ def _conflicts(ws: Workspace, data: Mapping[str, torch.Tensor], names: list[str]
 
 
 def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
-         workspace: Workspace | str | None = None) -> list[str]:
+         workspace: Workspace | str | None = None, model: Any = None) -> list[str]:
     """Feed blobs from a checkpoint into a workspace, onto their devices; return the names fed.
 
     Everything is read and checked first; only then are the blobs fed, so any error leaves the
     workspace unchanged. A blob goes to the device its name scope implies (`gpu_1/...` -> CUDA 1),
-    else to the device of the existing blob of that name, else to the CPU.
+    else to the device of the existing blob of that name, else to the CPU. The workspace remembers
+    the loaded blobs until they are used, so that resuming in the wrong order raises
+    (`graphpar.resume`): load after RunInitNet, then call FinalizeAfterCheckpoint.
 
     Args:
         path: a file written by `save`.
-        blobs: the names to load (default: every blob in the file).
+        blobs: the names to load, as in the file (default: every blob in the file).
         workspace: a Workspace, a workspace name, or None for the current workspace.
+        model: a parallelized model to resume: the file's replica-scoped blobs (`gpu_0/fc_w`, saved
+            with any first device of any type) are fed under the model's first device's scope
+            (`cpu_2/fc_w`), onto its device; unscoped blobs keep their names.
 
     Raises:
         CheckpointError: the file is unreadable, corrupt or of another format version; a requested blob
-            is not in it; or a tensor's shape or dtype differs from the existing blob of the same name.
+            is not in it; a tensor's shape or dtype differs from the existing blob of the same name; or,
+            with `model`, the blobs come from several replica scopes.
         KeyError: `workspace` names a workspace that does not exist.
         TypeError: `blobs` is a single string.
+        ParallelizeError: `model` was not parallelized.
     """
     path = os.fspath(path)
     ws = _workspace(workspace)
@@ -207,12 +240,30 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
     absent = [n for n in names if n not in data]
     if absent:
         raise CheckpointError(f"checkpoint {path!r} has no blobs {absent}; it holds {header['blobs']}")
+    if model is not None:
+        renamed = _onto_first_device(path, model, names)
+        data = {renamed[n]: data[n] for n in names}
+        names = [renamed[n] for n in names]
     problems = _conflicts(ws, data, names)
     if problems:
         raise CheckpointError(f"checkpoint {path!r} does not match the workspace (shape/dtype):\n  "
                               + "\n  ".join(problems))
     _feed_all(ws, path, {n: data[n] for n in names})
+    ws.loaded.update(dict.fromkeys(names, path))
     return names
+
+
+def _onto_first_device(path: str, model: Any, names: list[str]) -> dict[str, str]:
+    """{file name: name in the model}: replica-scoped names move to the model's first device's scope."""
+    from graphpar.data_parallel_model import first_device_scope  # the model layer builds on this one
+
+    scope = first_device_scope(model)
+    scopes = sorted({device_scope_name(*parsed) for n in names if (parsed := parse_device_scope(n))})
+    if len(scopes) > 1:
+        raise CheckpointError(f"checkpoint {path!r} holds blobs of several devices ({', '.join(scopes)}), so "
+                              f"they cannot be mapped onto model {model.name!r}'s first device; save "
+                              f"GetCheckpointParams(model) (the first device's) or pass blobs=[...]")
+    return {n: scope + stripBlobName(n) if parse_device_scope(n) else n for n in names}
 
 
 def _feed_all(ws: Workspace, path: str, data: Mapping[str, torch.Tensor]) -> None:

@@ -1,14 +1,540 @@
-"""Feeding batches to a data-parallel model: split along the batch axis, one contiguous chunk per device."""
+"""Feeding batches to a data-parallel model: scatter nested batches over the devices, feed them, gather outputs.
+
+The rules (docs/feeding.md has the long form):
+
+- *Leaves.* numpy arrays and torch tensors with a batch axis are split along `dim`; every other leaf
+  (str, number, None, metadata dicts of those, 0-d arrays) is replicated: each device gets the same
+  object, as `torch.nn.parallel.scatter` does. A `DataContainer` is split by its own rules.
+- *Chunk sizes.* A batch of n rows over N devices gives device i `n // N + (i < n % N)` rows (the
+  first `n % N` devices one more), or the sizes passed. Every array leaf must have the same n.
+- *Feeding.* Blob names come from the keys: `{"img": x, "meta": {"boxes": b}}` feeds `img` and
+  `meta_boxes`; list and tuple items add their index (`boxes_0`). `feed` writes `{prefix}_{id}/{name}`.
+  Leaves that are not arrays are not fed; `feed` hands them back per device (`Fed.host`).
+- *Uneven chunks* are refused, naming the fix, unless the model was parallelized with
+  `uneven_batches=True`; then each device's loss gradient is weighted by its real share.
+  Empty chunks and arrays of different batch sizes are always refused.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from graphpar import workspace
-from graphpar.naming import device_scoped
+from graphpar.naming import BATCH_WEIGHT, device_scoped
+
+__all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
+           "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
+           "minibatches", "prepare", "scatter", "split_batch"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeviceFeeder":  # imported on first use: it needs threads and torch
+        from graphpar.feeder import DeviceFeeder
+
+        return DeviceFeeder
+    raise AttributeError(f"module 'graphpar.data' has no attribute {name!r}")
+
+
+# ---- leaves ----------------------------------------------------------------------------------------
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # no tensor can exist before torch is imported
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_array(value: Any) -> bool:
+    """A leaf that is split along the batch axis: a numpy array or tensor with at least one axis."""
+    return (isinstance(value, np.ndarray) or _is_tensor(value)) and value.ndim > 0
+
+
+def _take(value: Any, dim: int, start: int, stop: int) -> Any:
+    if isinstance(value, np.ndarray):
+        return value[(slice(None),) * dim + (slice(start, stop),)]
+    return value.narrow(dim, start, stop - start)
+
+
+@dataclass
+class DataContainer:
+    """A field of a batch with its own feeding rules, as MMCV's `DataContainer`.
+
+    Args:
+        data: an array / tensor (or, after `collate`, a list with one entry per device chunk).
+        stack: `collate` pads the samples to a common shape and stacks them into one array per chunk;
+            otherwise it keeps a list of the samples per chunk.
+        padding_value: the value padding fills with.
+        pad_dims: how many trailing axes are padded to the largest sample of the chunk (None: none,
+            the samples must have equal shapes).
+        cpu_only: kept on the host: never fed as a blob; `feed` hands it to the caller per device
+            (for hooks and Python ops), e.g. image metadata.
+    """
+
+    data: Any
+    stack: bool = False
+    padding_value: float = 0
+    cpu_only: bool = False
+    pad_dims: int | None = 2
+
+    def __post_init__(self) -> None:
+        if self.pad_dims not in (None, 1, 2, 3):
+            raise ValueError(f"DataContainer: pad_dims must be None, 1, 2 or 3, got {self.pad_dims!r}")
+
+    @property
+    def fed(self) -> bool:
+        """Whether `feed` writes it as a blob (stacked arrays that are not cpu_only)."""
+        return self.stack and not self.cpu_only
+
+
+# ---- chunk sizes and scatter -----------------------------------------------------------------------
+
+
+def chunk_sizes(n: int, num_devices: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """Rows per device: `sizes` checked, or n // N + (i < n % N) for device position i.
+
+    Raises:
+        ValueError: `num_devices` is not a positive int; `sizes` has the wrong length, a size < 1 or a
+            sum other than n; or n < N (a device would get no rows: an empty batch trains nothing
+            and would bias the gradient towards the others).
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int (the device count), got {num_devices!r}")
+    if sizes is not None:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != num_devices or min(sizes) < 1 or sum(sizes) != n:
+            raise ValueError(f"chunk sizes {sizes} must be {num_devices} sizes >= 1 that add up to the batch "
+                             f"of {n}")
+        return sizes
+    if n < num_devices:
+        raise ValueError(f"a batch of {n} rows cannot give each of {num_devices} devices at least one row; "
+                         f"use a batch of at least {num_devices} (drop_last=True in the DataLoader drops a "
+                         f"short last batch)")
+    return [n // num_devices + (i < n % num_devices) for i in range(num_devices)]
+
+
+def flatten(batch: Any, prefix: str = "") -> dict[str, Any]:
+    """{blob name: leaf} of a nested batch: dict keys joined by '_', list/tuple items by their index.
+
+    Raises:
+        ValueError: two paths give the same name ({"a_b": x, "a": {"b": y}}), or a key is not a
+            non-empty str without '/'.
+    """
+    out: dict[str, Any] = {}
+
+    def visit(value: Any, name: str) -> None:
+        if isinstance(value, Mapping) and value:
+            for key, item in value.items():
+                if not isinstance(key, str) or not key or "/" in key:
+                    raise ValueError(f"batch key {key!r} under {name or 'the top'} must be a non-empty str "
+                                     f"without '/' (it becomes part of a blob name)")
+                visit(item, f"{name}_{key}" if name else key)
+        elif isinstance(value, (list, tuple)) and value and not isinstance(value, str):
+            for k, item in enumerate(value):
+                visit(item, f"{name}_{k}" if name else str(k))
+        else:
+            if name in out:
+                raise ValueError(f"two fields of the batch both become blob {name!r}; rename one")
+            out[name] = value
+
+    visit(batch, prefix)
+    return out
+
+
+def _batch_size(batch: Any, dim: int) -> int | None:
+    """The common size of axis `dim` of the array leaves (None if there are none).
+
+    Raises:
+        ValueError: leaves of different sizes (naming them), or an array leaf with too few axes.
+    """
+    sizes: dict[str, int] = {}
+    for name, leaf in flatten(_unwrap_for_size(batch)).items():
+        if _is_array(leaf):
+            if leaf.ndim <= dim:
+                raise ValueError(f"batch field {name!r} of shape {tuple(leaf.shape)} has no axis {dim} to split")
+            sizes[name] = int(leaf.shape[dim])
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the fields of a batch must have the same batch size (axis {dim}), got {sizes}; "
+                         f"fix the loader so every field has one row per sample")
+    return next(iter(sizes.values()), None)
+
+
+def _unwrap_for_size(batch: Any) -> Any:
+    """The batch with DataContainers holding one array replaced by it (collated ones, split by
+    chunk already, and cpu_only ones are left out of the size check)."""
+    if isinstance(batch, DataContainer):
+        return batch.data if batch.fed and not isinstance(batch.data, list) else None
+    if isinstance(batch, Mapping):
+        return {k: _unwrap_for_size(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [_unwrap_for_size(v) for v in batch]
+    return batch
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | None = None) -> list[Any]:
+    """Split a nested batch into one structure per device, as `torch.nn.parallel.scatter` does.
+
+    dicts, lists, tuples and namedtuples are rebuilt per device with their own type; arrays and
+    tensors are split along `dim` into views (see `chunk_sizes`); other leaves are shared by every
+    device. A `DataContainer` whose `data` is a list (from `collate`) gives device i its item i;
+    one holding an array is split like an array. The result keeps DataContainers (with per-device
+    data) so `feed` can tell which fields stay on the host.
+
+    Raises:
+        ValueError: see `chunk_sizes`; array leaves of different batch sizes; a collated
+            DataContainer with a number of chunks other than `num_devices`.
+    """
+    n = _batch_size(batch, dim)
+    if n is None:  # nothing to split by rows (collated DataContainers are split by chunk)
+        chunk_sizes(num_devices, num_devices)  # checks num_devices
+        bounds: list[int] = []
+    else:
+        bounds = np.cumsum([0, *chunk_sizes(n, num_devices, sizes)]).tolist()
+
+    def split(value: Any) -> list[Any]:
+        if isinstance(value, DataContainer):
+            if isinstance(value.data, list):
+                if len(value.data) != num_devices:
+                    raise ValueError(f"a collated DataContainer has {len(value.data)} chunks for {num_devices} "
+                                     f"devices; collate with samples_per_device = batch / devices")
+                parts = value.data
+            else:
+                parts = split(value.data)
+            return [DataContainer(p, value.stack, value.padding_value, value.cpu_only, value.pad_dims)
+                    for p in parts]
+        if _is_array(value):
+            return [_take(value, dim, bounds[i], bounds[i + 1]) for i in range(num_devices)]
+        if isinstance(value, Mapping) and value:
+            columns = {k: split(v) for k, v in value.items()}
+            return [type(value)((k, columns[k][i]) for k in value) for i in range(num_devices)]
+        if _is_namedtuple(value):
+            columns = [split(v) for v in value]
+            return [type(value)(*(c[i] for c in columns)) for i in range(num_devices)]
+        if isinstance(value, (list, tuple)) and value:
+            columns = [split(v) for v in value]
+            return [type(value)(c[i] for c in columns) for i in range(num_devices)]
+        return [value for _ in range(num_devices)]
+
+    return split(batch)
+
+
+# ---- feeding ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What `feed` did: the unscoped blob names it wrote, the rows per device, and per device the
+    leaves it did not feed (cpu_only DataContainers, metadata) under their flattened names."""
+
+    names: list[str]
+    sizes: list[int]
+    host: list[dict[str, Any]]
+
+
+@dataclass
+class Prepared:
+    """A batch scattered and checked for one model's devices, ready to feed (`prepare`'s result, a
+    `DeviceFeeder`'s items). `blobs[i]`: device i's {scoped blob name: value}. `ready[i]`, when set,
+    is an event that `feed` makes device i's current stream wait for (a host-to-device copy on a
+    side stream, through `copier`) before it feeds that device."""
+
+    devices: tuple[int, ...]
+    prefix: str
+    blobs: list[dict[str, Any]]
+    names: list[str]
+    rows: list[int]
+    host: list[dict[str, Any]]
+    ready: list[Any] | None = None
+    copier: Any = None
+
+
+def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Prepared:
+    """Everything `feed` does but writing: scatter `batch` over the model's devices and check it.
+
+    Touches no workspace, so a `DeviceFeeder` runs it on its own thread. Raises as `feed`.
+    """
+    devices = model.GetDevices()
+    count = len(devices)
+    allowed = bool(getattr(getattr(getattr(model, "_parallel", None), "options", None), "uneven_batches", False))
+    n = _batch_size(batch, dim)
+    if n == 0:
+        raise ValueError(_EMPTY.format(what="has no rows"))
+    if n is not None and sizes is None and n % count and not allowed:
+        raise ValueError(f"feed: a batch of {n} cannot be split evenly over {count} devices; use a batch size "
+                         f"that is a multiple of {count} (drop_last=True drops a short last batch), or "
+                         f"Parallelize(..., uneven_batches=True) to weight each device's loss by its rows")
+    blobs: list[dict[str, Any]] = []
+    host: list[dict[str, Any]] = []
+    for chunk in scatter(batch, count, dim, sizes):
+        fed, kept = {}, {}
+        for name, leaf in flatten(chunk).items():
+            target = fed if _feedable(leaf) else kept
+            target[name] = leaf.data if isinstance(leaf, DataContainer) else leaf
+        blobs.append(fed)
+        host.append(kept)
+    if not blobs[0]:
+        raise ValueError(_EMPTY.format(what="has no array to feed"))
+    rows = [_rows(per_device, dim) for per_device in blobs]
+    if min(rows) == 0:
+        raise ValueError(_EMPTY.format(what=f"gives a device no rows (rows per device: {rows})"))
+    total = sum(rows)
+    if len(set(rows)) > 1 and not allowed:
+        raise ValueError(f"feed: rows per device {rows} differ; Parallelize(..., uneven_batches=True) is needed "
+                         f"so each device's loss is weighted by its rows (or give every device {total // count})")
+    prefix = model._device_prefix
+    scoped = [{device_scoped(prefix, d, name): value for name, value in per_device.items()}
+              for d, per_device in zip(devices, blobs)]
+    if allowed:
+        for d, r, per_device in zip(devices, rows, scoped):
+            per_device[device_scoped(prefix, d, BATCH_WEIGHT)] = np.float32(count * r / total)
+    return Prepared(tuple(devices), prefix, scoped, list(blobs[0]), rows, host)
+
+
+def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
+    """Scatter `batch` over the model's devices and feed each device its chunk as `{prefix}_{id}/{name}`.
+
+    Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
+    checked before the first blob is written, so a batch that is refused feeds nothing. With
+    `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
+    `batch` may be a `Prepared` one (from `prepare` or a `DeviceFeeder`) for this model.
+
+    Raises:
+        RuntimeError: the model was not parallelized.
+        ValueError: an empty batch (no rows, a device without rows, or no array to feed); fields
+            of different batch sizes; chunks of different sizes when the model does not allow them
+            (the message names the fixes); see `chunk_sizes`; a batch prepared for other devices.
+        TypeError: a value cannot be fed (see workspace.FeedBlob).
+    """
+    if not isinstance(batch, Prepared):
+        batch = prepare(model, batch, dim, sizes)
+    elif batch.devices != tuple(model.GetDevices()) or batch.prefix != model._device_prefix:
+        raise ValueError(f"feed: the batch was prepared for devices {batch.prefix}_{list(batch.devices)}, not this "
+                         f"model's {model._device_prefix}_{model.GetDevices()}; give the DeviceFeeder this model")
+    if batch.ready is not None:
+        for d, event, per_device in zip(batch.devices, batch.ready, batch.blobs):
+            batch.copier.wait(d, event, per_device.values())
+    _feed_all([item for per_device in batch.blobs for item in per_device.items()])
+    return Fed(batch.names, batch.rows, batch.host)
+
+
+_EMPTY = ("feed: the batch {what}; an empty batch trains nothing, and on one replica it would bias the "
+          "gradient towards the others: drop it in the loader (drop_last=True, or filter empty batches)")
+
+
+def _rows(blobs: Mapping[str, Any], dim: int) -> int:
+    sizes = {name: int(value.shape[dim]) for name, value in blobs.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the fields of a batch must have the same batch size (axis {dim}), got {sizes}; "
+                         f"fix the loader so every field has one row per sample")
+    return next(iter(sizes.values()))
+
+
+def _feedable(leaf: Any) -> bool:
+    if isinstance(leaf, DataContainer):
+        return leaf.fed and _is_array(leaf.data)
+    return _is_array(leaf)
+
+
+def _feed_all(prepared: list[tuple[str, Any]]) -> None:
+    """Feed every (name, value); if one fails, restore what was there before (nothing changes)."""
+    ws = workspace.get_workspace()
+    before = {name: ws.blobs.get(name) for name, _ in prepared}
+    try:
+        for name, value in prepared:
+            workspace.FeedBlob(name, value)
+    except BaseException:
+        for name, old in before.items():
+            if old is None:
+                ws.blobs.pop(name, None)
+            else:
+                ws.blobs[name] = old
+        raise
+
+
+def feed_batch(model: Any, blobs: Mapping[str, np.ndarray]) -> None:
+    """Feed each unscoped blob (e.g. {"data": x, "label": y}) to every replica of a parallelized model.
+
+    Device i of `model._devices` gets the i-th contiguous chunk of the batch, so N devices together
+    see exactly the batch one device would. `feed` with a flat mapping; nothing is fed if it raises.
+
+    Raises:
+        RuntimeError: the model was not parallelized (see ModelHelper.GetDevices).
+        ValueError: an empty batch (zero rows), blobs with different batch sizes, or a batch size
+            that is not a multiple of the device count (without uneven_batches); see `feed`.
+        TypeError: a value cannot be fed (see workspace.FeedBlob).
+    """
+    feed(model, {name: np.asarray(value) if not _is_tensor(value) else value for name, value in blobs.items()})
+
+
+def gather(model: Any, names: str | Sequence[str], dim: int = 0) -> Any:
+    """Concatenate each named output of every replica along `dim`, in device order, on the host.
+
+    0-d outputs (a loss per replica) are stacked into a vector, one value per device, as
+    `DataParallel`'s gather does. `names` is one unscoped name (returns an array) or a list (returns
+    {name: array}).
+
+    Raises:
+        RuntimeError: the model was not parallelized. MissingBlobError: a replica lacks the blob.
+    """
+    devices = model.GetDevices()
+    single = isinstance(names, str)
+    out = {}
+    for name in [names] if single else list(names):
+        parts = [workspace.FetchBlob(device_scoped(model._device_prefix, d, name)) for d in devices]
+        out[name] = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=dim)
+    return out[names] if single else out
+
+
+# ---- collate ---------------------------------------------------------------------------------------
+
+
+def collate(samples: Sequence[Any], samples_per_device: int = 1) -> Any:
+    """Batch a list of samples (dicts / tuples of arrays, numbers, DataContainers), as MMCV's collate.
+
+    Plain arrays and numbers are stacked (np.stack: equal shapes). A `DataContainer` field becomes one
+    DataContainer whose `data` has one entry per device chunk of `samples_per_device` samples: with
+    `stack`, the chunk's samples padded with `padding_value` on their last `pad_dims` axes to the
+    largest of the chunk, then stacked; otherwise the list of samples. Other leaves (str, None, ...)
+    become a list. `scatter` / `feed` give chunk i to device i.
+
+    Raises:
+        ValueError: no samples, samples_per_device < 1, samples whose structures differ, stacked
+            samples whose unpadded axes differ.
+    """
+    if not samples:
+        raise ValueError("collate: no samples")
+    if isinstance(samples_per_device, bool) or not isinstance(samples_per_device, int) or samples_per_device < 1:
+        raise ValueError(f"collate: samples_per_device must be a positive int, got {samples_per_device!r}")
+    first = samples[0]
+    if isinstance(first, DataContainer):
+        chunks = [samples[i:i + samples_per_device] for i in range(0, len(samples), samples_per_device)]
+        if first.stack:
+            data = [_pad_and_stack([s.data for s in chunk], first.padding_value, first.pad_dims) for chunk in chunks]
+        else:
+            data = [[s.data for s in chunk] for chunk in chunks]
+        return DataContainer(data, first.stack, first.padding_value, first.cpu_only, first.pad_dims)
+    if isinstance(first, Mapping):
+        if any(not isinstance(s, Mapping) or s.keys() != first.keys() for s in samples):
+            raise ValueError(f"collate: every sample must have the keys {list(first)}")
+        return type(first)((k, collate([s[k] for s in samples], samples_per_device)) for k in first)
+    if isinstance(first, (list, tuple)) and not isinstance(first, str):
+        if any(len(s) != len(first) for s in samples):
+            raise ValueError("collate: samples of different lengths")
+        columns = [collate([s[k] for s in samples], samples_per_device) for k in range(len(first))]
+        return type(first)(*columns) if _is_namedtuple(first) else type(first)(columns)
+    if _is_tensor(first):
+        import torch
+
+        return torch.stack(list(samples))
+    if isinstance(first, (np.ndarray, np.generic, int, float, bool)):
+        return np.stack([np.asarray(s) for s in samples])
+    return list(samples)
+
+
+def _pad_and_stack(arrays: list[Any], value: float, pad_dims: int | None) -> Any:
+    tensors = _is_tensor(arrays[0])
+    shapes = [tuple(a.shape) for a in arrays]
+    keep = len(shapes[0]) - (pad_dims or 0)
+    if any(len(s) != len(shapes[0]) or s[:keep] != shapes[0][:keep] for s in shapes):
+        raise ValueError(f"collate: stacked samples of shapes {shapes} differ outside the last {pad_dims or 0} "
+                         f"padded axes")
+    target = tuple(max(s[k] for s in shapes) for k in range(len(shapes[0])))
+    if tensors:
+        out = arrays[0].new_full((len(arrays), *target), value)
+    else:
+        out = np.full((len(arrays), *target), value, dtype=np.asarray(arrays[0]).dtype)
+    for k, a in enumerate(arrays):
+        out[(k, *(slice(0, d) for d in a.shape))] = a
+    return out
+
+
+# ---- samplers and a loader for arrays ---------------------------------------------------------------
+
+
+class EpochSampler:
+    """The indices of `size` samples, one pass per iteration: a permutation that depends only on
+    `seed` and the epoch (`set_epoch`, which `engine.Trainer` calls), so a resumed run sees the
+    same order; in order without `shuffle`. Usable as a `torch.utils.data.DataLoader` sampler."""
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"EpochSampler: size must be an int >= 1, got {size!r}")
+        self.size, self.shuffle, self.seed, self.epoch = size, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist())
+
+
+class InferenceSampler:
+    """Every index of `size` samples exactly once, in order, as contiguous shards (Detectron2's):
+    shard k of `num_shards` holds indices [k·size/num_shards, (k+1)·size/num_shards)."""
+
+    def __init__(self, size: int, num_shards: int = 1, shard: int = 0) -> None:
+        if size < 0 or num_shards < 1 or not 0 <= shard < num_shards:
+            raise ValueError(f"InferenceSampler: need size >= 0 and 0 <= shard < num_shards, got {size}, "
+                             f"{shard}, {num_shards}")
+        self.range = range(size * shard // num_shards, size * (shard + 1) // num_shards)
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.range)
+
+
+class ArrayLoader:
+    """Batches of in-memory arrays: `{name: array[indices]}` for `batch_size` indices at a time of
+    `sampler` (default `EpochSampler(len, shuffle, seed)`); a final partial batch is dropped with
+    `drop_last`. Has a length (batches per epoch) and `set_epoch`, as `engine.Trainer` expects.
+
+    Raises:
+        ValueError: no arrays, arrays of different lengths, batch_size < 1, or no full batch.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, sampler: Any = None) -> None:
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if not lengths or len(set(lengths.values())) > 1:
+            raise ValueError(f"ArrayLoader: needs arrays of one length, got {lengths}")
+        n = next(iter(lengths.values()))
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"ArrayLoader: batch_size must be an int >= 1, got {batch_size!r}")
+        if drop_last and batch_size > n:
+            raise ValueError(f"ArrayLoader: batch_size {batch_size} is larger than the {n} samples; use at most {n}")
+        self.arrays, self.batch_size, self.drop_last = dict(arrays), batch_size, drop_last
+        self.sampler = sampler if sampler is not None else EpochSampler(n, shuffle, seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        order = np.fromiter(self.sampler, dtype=np.int64)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start:start + self.batch_size]
+            yield {name: a[index] for name, a in self.arrays.items()}
+
+
+# ---- minibatch indices -----------------------------------------------------------------------------
 
 
 def split_batch(array: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -27,25 +553,6 @@ def split_batch(array: np.ndarray, parts: int) -> list[np.ndarray]:
                          f"use a batch size that is a multiple of {parts}")
     size = len(array) // parts
     return [array[i * size:(i + 1) * size] for i in range(parts)]
-
-
-def feed_batch(model: Any, blobs: Mapping[str, np.ndarray]) -> None:
-    """Feed each unscoped blob (e.g. {"data": x, "label": y}) to every replica of a parallelized model.
-
-    Device i of `model._devices` gets the i-th contiguous chunk of the batch, so N devices together
-    see exactly the batch one device would. Every blob is split before any is fed, so a batch that
-    does not split feeds nothing.
-
-    Raises:
-        RuntimeError: the model was not parallelized (see ModelHelper.GetDevices).
-        ValueError: a batch size is not a multiple of the device count (see split_batch).
-        TypeError: a value cannot be fed (see workspace.FeedBlob).
-    """
-    devices = model.GetDevices()
-    chunks = {name: split_batch(np.asarray(value), len(devices)) for name, value in blobs.items()}
-    for name, parts in chunks.items():
-        for device_id, part in zip(devices, parts):
-            workspace.FeedBlob(device_scoped(model._device_prefix, device_id, name), part)
 
 
 def minibatches(n: int, batch_size: int, rng: np.random.Generator | None = None,

@@ -33,26 +33,30 @@ import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import cache
-from typing import Any, NoReturn
+from functools import cache, partial
+from typing import Any
 
 from graphpar import workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import cuda_is_simulated, num_cuda_devices
-from graphpar.errors import DeviceScopeError, ParallelizeError
+from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
+from graphpar.distributed import Rendezvous, parse_rendezvous
+from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
+from graphpar.executor.plan import check_inputs_exist
+from graphpar.feeds import FeedTracker
 from graphpar.model_helper import ModelHelper
-from graphpar.naming import device_prefix, stripBlobName
+from graphpar.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
-from graphpar.passes.common import DeviceLayout, declare_external_inputs
+from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
+from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
-from graphpar.passes.reducers import PeerAccess, make_reducer
+from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
 from graphpar.passes.state import ParallelizeOptions, ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
@@ -61,6 +65,7 @@ from graphpar.passes.sync import (
     replica_init_outputs,
     sync_blobs,
 )
+from graphpar.resume import check_run
 
 __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
@@ -102,6 +107,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
+    uneven_batches: bool = False,
+    check_finite_loss: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -143,9 +150,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             use oneDNN themselves), replicas named `cpu_<id>`.
         shared_model: CPU only: every replica reads the first device's params (one copy updated).
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums all-reduced); forward-only models ignore it. As in
-            Caffe2, every device must be fed a batch of the same size (not checked: batch norm counts
-            N times its own batch).
+            (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
+            batches of different sizes still get the whole batch's statistics); forward-only models
+            ignore it.
+        uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
+            batch that is not a multiple of the device count): each replica's loss gradient is
+            multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
+            whole batch. `feed` must then feed every step (the train net reads the blob).
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -155,9 +166,27 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
             gradients are never shared. Same results; may be combined with dynamic_memory_management
             (Caffe2 refused the combination).
-        max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted for Caffe2 compatibility;
-            they matter only with multi-host training, not supported yet.
-        rendezvous: not supported yet (NotImplementedError).
+        check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
+            `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
+            an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
+            reads each loss on the host (one device sync per replica and step); graphpar's example
+            trainer turns it on. See docs/errors.md.
+        rendezvous: train over several processes (shards, on one machine or many), each owning
+            `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
+            ...}` (see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
+            the name of a blob written by FileStoreHandlerCreate / TCPStoreHandlerCreate, or None for
+            torch.distributed's default group or env://). loss_scale becomes 1/(devices * num_shards);
+            every gradient (or bucket) is summed onto the first device, all-reduced across shards and
+            copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
+            broadcast from shard 0's first device (average_computed_params averages over every
+            replica of every shard). `RunInitNet` checks that every shard built the same model and
+            ends at a barrier. Not with shared_model, combine_spatial_bn or sparse gradients.
+        max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
+            take turns on: up to that many are in flight at once (an int >= 1).
+        barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
+
+    Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
+    (`devices.check_balance`, as `DataParallel` does).
 
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
@@ -165,36 +194,42 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             builders, shared_model on CUDA, a builder returning something other than a list of loss
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
-            gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell.
+            gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
+            a bad rendezvous (unknown key, bad value) or one combined with an unsupported option.
             The model is left as it was.
-        TypeError: a model that is not a ModelHelper, non-int device ids, builders that are not callable,
+        TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes.
-        NotImplementedError: an option listed above as not supported yet.
     """
     _check_no_device_scope("Parallelize")
     cpu_device = cpu_device or bool(ideep)
-    _refuse_unsupported(rendezvous=rendezvous is not None)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
+    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
+                            shared_model=shared_model, combine_spatial_bn=combine_spatial_bn)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    if not cpu_device and not cuda_is_simulated():
+        check_balance(layout.devices)
     options = ParallelizeOptions(
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
-        post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rendezvous, net_type,
+        post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rdv, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"))
+        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
+        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
                     "or running its init net will overwrite the trained params", model.name)
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
-        model._parallel = ParallelState(
-            model, options, layout, make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout)),
-            blob_to_device, non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout), options.num_shards,
+                               max_concurrent_distributed_ops)
+        model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
+                                        non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -255,14 +290,17 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
         add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
         max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
-        max_concurrent_distributed_ops, barrier_net_timeout_sec: accepted; multi-host only.
+        rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
+            several shards the global net averages the params of every replica of every shard (local
+            sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
+            master computes the same global model; block_momentum defaults to 1 - 1/(devices *
+            num_shards) and loss_scale is 1/(devices * num_shards), as in Caffe2.
 
     Raises:
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
-        NotImplementedError: a rendezvous (multi-host is not supported yet).
     """
     _check_no_device_scope("Parallelize_BMUF")
-    _refuse_unsupported(rendezvous=rendezvous is not None)
+    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF")
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     if not callable(param_update_builder_fun):
         raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
@@ -270,17 +308,21 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     _check_options(cpu_device, param_update_builder_fun, None, False, net_type, num_threads_per_device)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     options = ParallelizeOptions(input_builder_fun, forward_pass_builder_fun, param_update_builder_fun,
-                                 net_type=net_type, num_threads_per_device=num_threads_per_device,
-                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory)
+                                 rendezvous=rdv, net_type=net_type, num_threads_per_device=num_threads_per_device,
+                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
+                                 max_concurrent_distributed_ops=max_concurrent_distributed_ops,
+                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec))
     blob_to_device: dict[str, DeviceOption] = {}
-    bmuf = bmuf_options(layout, make_reducer, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
+    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops)
+    bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
-                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm)
+                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
     with _gc_paused(), _unchanged_on_error(model):
-        reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout))
+        reducer = reducers(layout, blob_to_device, use_nccl, _peer_access(layout))
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+    _log_built(model._parallel)
 
 
 def Parallelize_CPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -309,19 +351,49 @@ def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
 
 
 def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N802
-    """Caffe2's cross-host barrier. Training is single-host here (no `rendezvous`), where Caffe2's
-    Synchronize returns at once: so does this."""
-    _state_of(model)
-
-
-def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> NoReturn:  # noqa: N802
-    """All-reduce blobs across hosts (needs a rendezvous): not supported yet.
+    """Wait until every shard has called Synchronize (a barrier across shards). Returns at once on one
+    process (no rendezvous, or one shard), as in Caffe2.
 
     Raises:
-        NotImplementedError: always; multi-host training is not supported yet.
+        ParallelizeError: the model was not parallelized, or `timeout_sec` differs from the first call's.
+        OperatorError: a shard did not arrive within `timeout_sec` (naming this shard and the barrier).
     """
-    raise NotImplementedError("AddDistributedBlobSync needs multi-host training (rendezvous), which is not "
-                              "supported yet; AddBlobSync syncs blobs across the devices of one host")
+    state = _state_of(model)
+    rdv = state.options.rendezvous
+    if rdv is None or rdv.num_shards <= 1:
+        return
+    if state.sync_barrier is None:
+        init = barrier_net("sync_barrier_init", rdv, timeout_sec, store_of(rdv), world=SYNC_WORLD)
+        net = NetDef("sync_barrier", [init.ops.pop()], [SYNC_WORLD])
+        workspace.RunNetOnce(init)
+        state.sync_barrier = (timeout_sec, Net(net))
+    elif state.sync_barrier[0] != timeout_sec:
+        raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {state.sync_barrier[0]} "
+                               f"s, this one {timeout_sec} s)")
+    workspace.RunNetOnce(state.sync_barrier[1])
+
+
+def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> None:  # noqa: N802
+    """Append to `model.net` an all-reduce (sum) of each blob across shards, not across local devices
+    (as Caffe2; names are used as given, e.g. `cpu_0/x` or a global `x`). Nothing without a rendezvous
+    or with one shard. Call it before `RunInitNet` creates the nets.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+        TypeError: `blobs` is not a list of blob names.
+    """
+    state = _state_of(model)
+    names = _blob_names(blobs, "AddDistributedBlobSync: blobs")
+    reducer = state.reducer
+    if not isinstance(reducer, DistributedReducer) or not names:
+        return
+    netdef = model.net.Proto()
+    for name in names:
+        device = state.blob_to_device.get(name) or state.layout.option(state.layout.replica_of(name)
+                                                                       or state.layout.master)
+        netdef.ops.append(make_op("Allreduce", [reducer.world(), name], [name], device))
+    chain_collectives(netdef.ops)
+    declare_external_inputs(netdef)
 
 
 def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blobs: Iterable[str],  # noqa: N802
@@ -350,34 +422,89 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
 def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
 
+    Everything that can be checked is checked before the first init net runs (the model's nets must
+    not exist yet: a second RunInitNet would reset trained params, optimizer state and counters;
+    every input must exist once the init nets ran; no blob loaded from a checkpoint may be
+    overwritten); if anything still fails, the workspace is put back as it was.
+
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate (e.g. a missing blob).
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: the model's nets were created already (RunInitNet or CreateNet was called).
+        MissingBlobError: an input of a net is neither fed nor created by an init net.
+        CheckpointError: a checkpoint was loaded before RunInitNet (`graphpar.resume`).
+        Workspace errors of the runs propagate, with the workspace unchanged.
     """
-    for net in _state_of(model).init_nets:
-        workspace.RunNetOnce(net)
-    CreateNet(model)
+    state = _state_of(model)
+    ws = workspace.get_workspace()
+    defined = {*ws.blobs, *ws.objects}
+    for net in state.init_nets:
+        netdef = net.Proto()
+        check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
+        check_run(netdef.name, (), [b for op in netdef.ops for b in op.outputs], ws.loaded)
+    _check_can_create(model, ws, defined, False, "RunInitNet")
+    with ws.unchanged_on_error():
+        for net in state.init_nets:
+            ws.run_net_once(net)
+        CreateNet(model)
+    _log_init(model)
 
 
 def CreateNet(model: ModelHelper, overwrite: bool = False) -> None:  # noqa: N802
-    """Create (compile) every net of a parallelized model in the current workspace.
+    """Create (compile) every net of a parallelized model in the current workspace (all or none).
 
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate (a net that exists
-            without `overwrite`, a missing input blob).
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: a net exists and `overwrite` is False. MissingBlobError: a missing input blob.
+        Other workspace errors propagate; no net is created then.
     """
-    for entry in _state_of(model).nets:
-        workspace.CreateNet(entry[0] if isinstance(entry, tuple) else entry, overwrite)
+    ws = workspace.get_workspace()
+    _check_can_create(model, ws, set(ws.blobs), overwrite, "CreateNet")
+    with ws.unchanged_on_error():
+        for entry in _state_of(model).nets:
+            ws.create_net(entry[0] if isinstance(entry, tuple) else entry, overwrite)
+
+
+def _check_can_create(model: ModelHelper, ws: workspace.Workspace, defined: set[str], overwrite: bool,
+                      what: str) -> None:
+    """Raise before acting if a net of the model exists (without `overwrite`) or misses an input."""
+    netdefs = [(entry[0] if isinstance(entry, tuple) else entry).Proto() for entry in _state_of(model).nets]
+    taken = [netdef.name for netdef in netdefs if netdef.name in ws.nets]
+    if taken and not overwrite:
+        raise RuntimeError(f"{what}({model.name!r}): nets {taken} already exist in workspace {ws.name!r}: the "
+                           f"model was initialised already (a second RunInitNet would reset its trained params, "
+                           f"optimizer state and counters). To start again, ResetWorkspace() first; to only "
+                           f"recompile, CreateNet(model, overwrite=True)")
+    for netdef in netdefs:
+        check_inputs_exist(netdef, set(defined), ws.name, what)
 
 
 def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     """Run the model's nets `num_iterations` times (a `(net, n)` entry runs n times).
 
+    Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
+    net and one iteration: as before the call).
+
     Raises:
-        ParallelizeError: the model was not parallelized. Workspace errors propagate.
+        ParallelizeError: the model was not parallelized.
+        RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
+            called there), or some replicas were fed a new batch since the last run and others not
+            (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
     """
-    for entry in _state_of(model).nets:
-        net, count = entry if isinstance(entry, tuple) else (entry, num_iterations)
+    state = _state_of(model)
+    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in state.nets]
+    ws = workspace.get_workspace()
+    missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
+    if missing:
+        raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
+                           f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
+                           f"nets, which create the params, then creates the model's nets)")
+    if state.feeds is None:
+        state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
+                                  state.param_names)
+    state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
+    for net, count in entries:
         workspace.RunNet(net, count)
+    state.feeds.remember(ws.blobs)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------
@@ -415,21 +542,60 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
     also returns `optimizer_iteration`; Caffe2 raised on it). `cpu_mode` is accepted for Caffe2
     compatibility: each copy already runs on its blob's device.
 
+    The blobs loaded from a checkpoint for this model count as used afterwards (`graphpar.resume`).
+
     Raises:
         ParallelizeError: the model was not parallelized, or a name is in the scope of a device that is
             not a replica (a checkpoint saved with other devices); nothing is built then.
+        CheckpointError: blobs of the model were loaded under another device's scope (a checkpoint saved
+            with another first device: load it with `checkpoint.load(path, model=model)`).
         MissingBlobError: a first-device blob is missing.
+        The model and workspace are left as they were when it raises.
     """
     state = _state_of(model)
     net, layout = state.checkpoint_net, state.layout
+    ws = workspace.get_workspace()
+    grouped = dict(state.grouped)
     if net is None:
-        names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, state.grouped, layout)
+        names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         for name in names:
-            state.grouped.setdefault(name, layout.group(name))
+            grouped.setdefault(name, layout.group(name))
         net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer))
-        state.checkpoint_net = net
-    workspace.CreateNet(net, overwrite=True)  # also right after a workspace switch or reset
-    workspace.RunNet(net)
+    _check_loaded_for(model, ws, grouped)
+    with ws.unchanged_on_error():
+        for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:
+            del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
+        ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
+        ws.run_net(net.Proto().name)
+    state.checkpoint_net = net
+    state.grouped.update(grouped)
+    log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
+             len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
+             ws.name)
+
+
+def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
+    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope."""
+    layout = _state_of(model).layout
+    orphans = [n for n in ws.loaded
+               if parse_device_scope(n) is not None and layout.replica_of(n) is None and stripBlobName(n) in grouped]
+    if orphans:
+        raise CheckpointError(
+            f"FinalizeAfterCheckpoint({model.name!r}): blobs {orphans[:3]} were loaded from checkpoint "
+            f"{ws.loaded[orphans[0]]!r} under the scope of a device that is not one of the model's "
+            f"({layout.scope(layout.master)} first): the checkpoint was saved with another first device, and "
+            f"the model would train from its initial values. Load it with checkpoint.load(path, model=model), "
+            f"which maps its names onto the model's first device")
+
+
+def first_device_scope(model: ModelHelper) -> str:
+    """The name scope of the model's first device, e.g. 'gpu_0/'.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    layout = _state_of(model).layout
+    return layout.scoped(layout.master, "")
 
 
 def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802
@@ -457,6 +623,8 @@ def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | No
     sync_blobs(netdef, names, state.reducer)
     chain_collectives(netdef.ops)
     declare_external_inputs(netdef)
+    log.info("AddBlobSync(%r): net %r copies %s from %s to %s", model.name, netdef.name, names,
+             state.layout.scoped(state.layout.master, ""), _replica_scopes(state.layout, 1))
 
 
 # ---- nets for other uses -----------------------------------------------------------------------
@@ -551,13 +719,6 @@ def _check_no_device_scope(what: str) -> None:
                                f"it was called inside DeviceScope({scope})")
 
 
-def _refuse_unsupported(**options: bool) -> None:
-    used = [name for name, on in options.items() if on]
-    if used:
-        raise NotImplementedError(f"Parallelize: {', '.join(used)} not supported yet; leave "
-                                  f"{'it' if len(used) == 1 else 'them'} at the default")
-
-
 def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: Any) -> ModelHelper:
     if not isinstance(model, ModelHelper):
         raise TypeError(f"Parallelize needs a graphpar.model_helper.ModelHelper, got {type(model).__name__}")
@@ -576,7 +737,10 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
     if devices is None:
         devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
     try:
-        ids = tuple(operator.index(d) for d in devices)
+        listed = list(devices)
+        if any(isinstance(d, bool) for d in listed):  # True is index 1: [True, False] would be devices 1, 0
+            raise TypeError
+        ids = tuple(operator.index(d) for d in listed)
     except TypeError:
         raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
     if not ids:
@@ -630,6 +794,21 @@ def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -
             raise ParallelizeError(f"Parallelize: {name} must be >= 1 byte, got {value}")
 
 
+def _check_rendezvous(rendezvous: Any, max_concurrent: Any, barrier_timeout: Any, what: str = "Parallelize",
+                      **unsupported: bool) -> Rendezvous | None:
+    """The parsed rendezvous, after checking it and the options that go with it (before any change)."""
+    rdv = parse_rendezvous(rendezvous, what)
+    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
+        raise ParallelizeError(f"{what}: max_concurrent_distributed_ops must be an int >= 1, got {max_concurrent!r}")
+    if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or not barrier_timeout > 0:
+        raise ParallelizeError(f"{what}: barrier_net_timeout_sec must be a number of seconds > 0, "
+                               f"got {barrier_timeout!r}")
+    used = [name for name, on in unsupported.items() if on]
+    if rdv is not None and rdv.num_shards > 1 and used:
+        raise ParallelizeError(f"{what}: {', '.join(used)} across shards (rendezvous) is not supported yet")
+    return rdv
+
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while building (the caller's setting is restored).
@@ -678,6 +857,50 @@ def can_access_peer(root: int, peer: int) -> bool:
     import torch
 
     return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
+
+
+def _replica_scopes(layout: DeviceLayout, start: int = 0) -> str:
+    """'cpu_1/, cpu_2/' for the replicas from position `start` on (for log messages)."""
+    return ", ".join(layout.scoped(d, "") for d in layout.devices[start:]) or "no other replica"
+
+
+def _log_built(state: ParallelState) -> None:
+    """INFO: what Parallelize built (replicas, reducer, collectives, nets); DEBUG: each net's ops by type."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    layout, options = state.layout, state.options
+    train, init = state.model.net.Proto(), state.model.param_init_net.Proto()
+    moves = [op for op in train.ops if has_trait(op, Trait.CROSS_DEVICE)]
+    collectives = sum(has_trait(op, Trait.COLLECTIVE) for op in moves)
+    log.info("Parallelize(%r): %d replica(s) %s on %s; %s", state.model.name, len(layout.devices),
+             _replica_scopes(layout), layout.device_type.name,
+             "training" if state.training else "forward only")
+    log.info("Parallelize(%r): %d params, %d computed params, %d gradients all-reduced by %s (%s); "
+             "%d cross-device ops in net %r (%d collectives), %d ops in all, type %r, %d workers",
+             state.model.name, len(state.param_names), len(state.computed_param_names), len(state.grad_names),
+             type(state.reducer).__name__,
+             f"buckets of <= {options.gradient_bucket_bytes} bytes" if options.gradient_bucket_bytes
+             else "one collective per gradient", len(moves), train.name, collectives, len(train.ops),
+             train.type, train.num_workers)
+    log.info("Parallelize(%r): init net %r: %d ops, then broadcasts %d blobs from %s to %s",
+             state.model.name, init.name, len(init.ops), len(state.sync_names), layout.scoped(layout.master, ""),
+             _replica_scopes(layout, 1))
+    if log.isEnabledFor(logging.DEBUG):
+        for net in state.netdefs():
+            counts: dict[str, int] = {}
+            for op in net.ops:
+                counts[op.type] = counts.get(op.type, 0) + 1
+            log.debug("Parallelize(%r): net %r ops by type: %s", state.model.name, net.name, counts)
+
+
+def _log_init(model: ModelHelper) -> None:
+    """INFO: what RunInitNet ran and created."""
+    state = model._parallel
+    log.info("RunInitNet(%r): ran %s (fills, then every replica's state broadcast from %s) and created %s "
+             "in workspace %r", model.name, [net.Proto().name for net in state.init_nets],
+             state.layout.scoped(state.layout.master, ""),
+             [(entry[0] if isinstance(entry, tuple) else entry).Proto().name for entry in state.nets],
+             workspace.CurrentWorkspace())
 
 
 def _state_of(model: ModelHelper) -> ParallelState:

@@ -8,7 +8,8 @@ machines without GPUs. Semantics are identical; only the placement changes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -55,3 +56,24 @@ def device_option_for_blob(name: str) -> DeviceOption | None:
 def num_cuda_devices() -> int:
     """Real CUDA devices visible to torch (0 on machines without GPUs)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_balance(device_ids: Sequence[int], threshold: float = 0.75) -> bool:
+    """Warn (as `torch.nn.DataParallel` does) when the CUDA devices differ a lot: one has less than
+    `threshold` of the memory, or else of the multiprocessor count, of another. Data parallelism runs
+    at the pace of the slowest device. Returns whether it warned.
+    """
+    if len(device_ids) < 2 or not torch.cuda.is_available():
+        return False
+    props = [torch.cuda.get_device_properties(d) for d in device_ids]
+    for what, value in (("memory", lambda p: p.total_memory), ("cores", lambda p: p.multi_processor_count)):
+        values = [value(p) for p in props]
+        low, high = values.index(min(values)), values.index(max(values))
+        if values[low] < threshold * values[high]:
+            warnings.warn(
+                f"There is an imbalance between your GPUs: GPU {device_ids[low]} has less than "
+                f"{threshold:.0%} of the {what} of GPU {device_ids[high]} ({values[low]} vs {values[high]}); "
+                f"every step waits for the slowest device. You may want to leave GPU {device_ids[low]} "
+                f"out of Parallelize's devices (or of CUDA_VISIBLE_DEVICES).", stacklevel=3)
+            return True
+    return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from graphpar.core.ir import GradientSlice
 
 SCOPE_SEPARATOR = "/"
+BATCH_WEIGHT = "_batch_weight"  # per replica, with Parallelize(uneven_batches=True): N·n_d/n, fed by data.feed
 
 
 def grad_name(blob: str) -> str:

@@ -17,6 +17,15 @@ workspace only if every op succeeds (`graphpar.executor.frame`). Nets with the a
 Random ops draw from streams keyed by the workspace seed, the compile (its ordinal in the workspace),
 the op's index and the run, so draws never depend on the order ops execute in.
 
+Every call that raises leaves the workspace as it was (its blobs, nets and random streams): checks
+come first, and what acts on several nets runs inside `Workspace.unchanged_on_error()`. A failed run
+leaves every persistent blob as it was (`executor.frame`). One created net runs in one thread at a
+time: a second thread that calls RunNet on it while it runs gets a RuntimeError. The current
+workspace is per thread, as name and device scopes are (a new thread starts in "default").
+
+Values loaded from a checkpoint are remembered until they are used (`Workspace.loaded`), so that
+resuming in the wrong order raises (`graphpar.resume`).
+
 Text blobs, as in Caffe2: `bytes`, `str` and numpy arrays of strings (or of bytes/str objects) are kept
 as host objects in `Workspace.objects` and fetched back as fed; no operator reads them. `CreateBlob`
 makes a blob that exists but holds nothing yet (it counts as present when a net is created).
@@ -32,7 +41,9 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +56,7 @@ from graphpar.devices import device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
+from graphpar.resume import check_run
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
@@ -61,6 +73,9 @@ class Workspace:
         self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
         self._compiles = 0  # plans compiled since the streams were last restarted
         self._epoch = 0  # bumped when the streams restart (SetSeed, reset)
+        self.loaded: dict[str, str] = {}  # blobs loaded from a checkpoint and not used yet -> the file
+        self._running: set[str] = set()  # the nets running now (in some thread)
+        self._running_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
@@ -106,7 +121,23 @@ class Workspace:
         self.blobs.clear()
         self.objects.clear()
         self.nets.clear()
+        self.loaded.clear()
         self._restart_streams()
+
+    @contextmanager
+    def unchanged_on_error(self) -> Iterator[None]:
+        """Put back the blobs (the same tensors), text blobs, nets, load records and random-stream state if
+        the block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
+        saved = [(m, dict(m)) for m in (self.blobs, self.objects, self.nets, self.loaded)]
+        compiles = self._compiles
+        try:
+            yield
+        except BaseException:
+            for mapping, before in saved:
+                mapping.clear()
+                mapping.update(before)
+            self._compiles = compiles
+            raise
 
     def _restart_streams(self) -> None:
         self._compiles = 0
@@ -128,6 +159,7 @@ class Workspace:
         option = _feed_device_option(key, device_option)
         device = checked_torch_device(option, f"FeedBlob({key!r})")
         self.blobs[key] = _to_tensor(key, value, device)
+        self.loaded.pop(key, None)
         self.objects.pop(key, None)
 
     def create_blob(self, name: str) -> None:
@@ -189,6 +221,7 @@ class Workspace:
             return
         self.fetch_tensor(name)
         del self.blobs[key]
+        self.loaded.pop(key, None)
 
     def create_net(self, net: Any, overwrite: bool = False) -> Plan:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
@@ -201,7 +234,8 @@ class Workspace:
         if netdef.name in self.nets and not overwrite:
             raise RuntimeError(f"net {netdef.name!r} already exists in workspace {self.name!r}; pass "
                                f"overwrite=True to replace it.")
-        plan = compile_net(netdef, self, self.keep_all)
+        with self.unchanged_on_error():  # a failed compile must not advance the random streams
+            plan = compile_net(netdef, self, self.keep_all)
         self.nets[netdef.name] = plan
         return plan
 
@@ -209,9 +243,11 @@ class Workspace:
         """Run a created net (by name, Net or NetDef) `num_iter` times.
 
         Raises:
-            RuntimeError: the net was never created in this workspace.
+            RuntimeError: the net was never created in this workspace, or it is running in another thread.
             ValueError: `num_iter` is not a non-negative int (checked before anything runs).
-            OperatorError, MissingBlobError: an op failed (see executor.run).
+            CheckpointError: the run would misuse values loaded from a checkpoint (`graphpar.resume`).
+            OperatorError, MissingBlobError: an op failed (see executor.run); persistent blobs are as
+                they were after the last run that succeeded.
         """
         name = net_or_name if isinstance(net_or_name, str) else _as_netdef(net_or_name).name
         plan = self.nets.get(name)
@@ -221,14 +257,42 @@ class Workspace:
         if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 0:
             raise ValueError(f"RunNet({name!r}): num_iter must be a non-negative int, got {num_iter!r}")
         executor = get_executor(plan.type)
-        for _ in range(num_iter):
-            executor.run(plan, self.blobs)
+        with self._running_lock:
+            if name in self._running:
+                raise RuntimeError(f"net {name!r} is already running in another thread; a net runs one "
+                                   f"step at a time (its steps update shared state): run it from one thread, "
+                                   f"or wait for the other run to return")
+            self._running.add(name)
+        try:
+            if self.loaded and num_iter:
+                self._check_load_order(plan)
+            for _ in range(num_iter):
+                executor.run(plan, self.blobs)
+            if self.loaded and num_iter:
+                self._mark_used(plan)
+        finally:
+            self._running.discard(name)
 
     def run_net_once(self, net: Any) -> None:
         """Compile and run `net` once without keeping it (typical for init nets); raises as
         create_net and run_net."""
-        plan = compile_net(_as_netdef(net), self, self.keep_all)
-        get_executor(plan.type).run(plan, self.blobs)
+        with self.unchanged_on_error():  # a failed compile or run must not advance the random streams
+            plan = compile_net(_as_netdef(net), self, self.keep_all)
+            if self.loaded:
+                self._check_load_order(plan)
+            get_executor(plan.type).run(plan, self.blobs)
+            if self.loaded:
+                self._mark_used(plan)
+
+    def _check_load_order(self, plan: Plan) -> None:
+        """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
+        reads = {load.name for load in plan.frame.loads}
+        check_run(plan.name, reads, [name for name in plan.frame.names if name not in reads], self.loaded)
+
+    def _mark_used(self, plan: Plan) -> None:
+        """After a successful run: the loaded blobs it read or wrote are in use."""
+        for name in plan.frame.names:
+            self.loaded.pop(name, None)
 
     def run_operator_once(self, op: OperatorDef) -> None:
         """Compile and run a single operator once; TypeError if `op` is not an OperatorDef (graphpar's,
@@ -323,12 +387,17 @@ def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
 
 
 _workspaces: dict[str, Workspace] = {"default": Workspace("default")}
-_current = "default"
+_thread = threading.local()  # the current workspace's name, per thread
+
+
+def _current() -> str:
+    return getattr(_thread, "current", "default")
 
 
 def get_workspace(name: str | None = None) -> Workspace:
-    """The `Workspace` called `name` (default: the current one). Raises KeyError if it does not exist."""
-    key = _current if name is None else name
+    """The `Workspace` called `name` (default: this thread's current one). Raises KeyError if it does
+    not exist."""
+    key = _current() if name is None else name
     if key not in _workspaces:
         raise KeyError(f"workspace {key!r} does not exist (workspaces: {sorted(_workspaces)})")
     return _workspaces[key]
@@ -415,26 +484,26 @@ def ResetWorkspace(root_folder: str | None = None) -> bool:  # noqa: N802
     get_workspace().reset()
     if root_folder is not None:
         os.makedirs(root_folder, exist_ok=True)
-        _root_folders[_current] = root_folder
+        _root_folders[_current()] = root_folder
     return True
 
 
 def RootFolder() -> str:  # noqa: N802
     """The current workspace's root folder (Caffe2's; "." unless ResetWorkspace set one). Nothing in
     graphpar reads files relative to it."""
-    return _root_folders.get(_current, ".")
+    return _root_folders.get(_current(), ".")
 
 
 _root_folders: dict[str, str] = {}
 
 
 def SwitchWorkspace(name: str, create_if_missing: bool = False) -> None:  # noqa: N802
-    """Make workspace `name` current; with `create_if_missing=True`, create it (seed 0) if needed.
+    """Make workspace `name` current in this thread; with `create_if_missing=True`, create it (seed 0)
+    if needed.
 
     Raises RuntimeError if it does not exist and `create_if_missing` is False (Caffe2's default);
     TypeError for a bad name.
     """
-    global _current
     if not isinstance(name, str) or not name:
         raise TypeError(f"a workspace name must be a non-empty str, got {name!r}")
     if name not in _workspaces:
@@ -442,12 +511,12 @@ def SwitchWorkspace(name: str, create_if_missing: bool = False) -> None:  # noqa
             raise RuntimeError(f"workspace {name!r} does not exist (workspaces: {sorted(_workspaces)}); pass "
                            f"create_if_missing=True to create it")
         _workspaces[name] = Workspace(name)
-    _current = name
+    _thread.current = name
 
 
 def CurrentWorkspace() -> str:  # noqa: N802
-    """The name of the current workspace."""
-    return _current
+    """The name of this thread's current workspace."""
+    return _current()
 
 
 def Workspaces() -> list[str]:  # noqa: N802
@@ -606,10 +675,9 @@ def SetSeed(seed: int) -> None:  # noqa: N802
 
 def reset_all(seed: int = 0) -> None:
     """Drop every workspace but a fresh "default" (seeded with `seed`) and make it current (for tests)."""
-    global _current
     _workspaces.clear()
     _workspaces["default"] = Workspace("default", seed)
-    _current = "default"
+    _thread.current = "default"
     _root_folders.clear()
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import collections.abc
+import hashlib
 import json
 import os
+import stat
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -259,3 +264,114 @@ def test_a_resumed_run_continues_exactly(tmp_path):
     _steps(model, 3, first=1)
     for name in state:
         np.testing.assert_array_equal(workspace.FetchBlob(name), expected[name], err_msg=name)
+
+
+# ---- issue 15: the header is checksummed, names and permissions, deterministic files ---------------
+
+
+def _edit_header(good: bytes, old: bytes, new: bytes) -> bytes:
+    """The file with `old` replaced by `new` (same length) in the safetensors header."""
+    assert len(old) == len(new)
+    header_len = struct.unpack("<Q", good[:8])[0]
+    header = good[8:8 + header_len]
+    assert header.count(old) == 1, header
+    return good[:8] + header.replace(old, new) + good[8 + header_len:]
+
+
+def test_edits_to_the_header_are_caught(tmp_path):
+    workspace.FeedBlob("w", np.arange(12, dtype=np.float32).reshape(4, 3))
+    workspace.FeedBlob("optimizer_iteration", np.array([7], np.int64))
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["w", "optimizer_iteration"], metadata={"epoch": 3})
+    good = path.read_bytes()
+    edits = {"dtype": (b'"F32"', b'"I32"'), "shape": (b"[4,3]", b"[3,4]"),
+             "iteration": (b'\\"iteration\\": 7', b'\\"iteration\\": 6'),
+             "metadata": (b'\\"epoch\\": 3', b'\\"epoch\\": 4')}
+    workspace.ResetWorkspace()
+    for what, (old, new) in edits.items():
+        bad = tmp_path / f"{what}.safetensors"
+        bad.write_bytes(_edit_header(good, old, new))
+        with pytest.raises(CheckpointError, match="corrupt"):
+            checkpoint.load(bad)
+        assert workspace.Blobs() == []
+    assert checkpoint.load(path) == ["w", "optimizer_iteration"]
+
+
+def test_version_1_files_still_load(tmp_path, blobs):
+    path = tmp_path / "v1.safetensors"
+    tensors = {n: torch.as_tensor(v).contiguous() for n, v in blobs.items()}
+    digest = hashlib.sha256()
+    for t in tensors.values():
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    header = {"format_version": 1, "blobs": list(tensors), "sha256": digest.hexdigest(), "iteration": 7,
+              "metadata": {}}
+    save_file(tensors, path, metadata={"graphpar": json.dumps(header)})
+    workspace.ResetWorkspace()
+    assert checkpoint.load(path) == list(blobs)
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/fc_w"), blobs["cpu_0/fc_w"])
+
+
+def test_a_blob_named_like_the_safetensors_header_is_refused_before_the_file_is_touched(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, list(blobs))
+    good = path.read_bytes()
+    workspace.FeedBlob("__metadata__", np.ones(2, np.float32))
+    with pytest.raises(CheckpointError, match="__metadata__"):
+        checkpoint.save(path, ["mask", "__metadata__"])
+    assert path.read_bytes() == good and os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
+def test_a_re_save_keeps_the_target_permissions(tmp_path, blobs):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, ["mask"])
+    os.chmod(path, 0o600)
+    checkpoint.save(path, ["mask", "loss"])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+class _Ordered(collections.abc.Set):
+    """A set that iterates in the order given (as a set of str may, from one process to the next)."""
+
+    def __init__(self, items) -> None:
+        self.items = list(items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __contains__(self, item) -> bool:
+        return item in self.items
+
+
+def test_identical_saves_write_identical_bytes_whatever_the_set_order(tmp_path, blobs):
+    names = list(blobs)
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    checkpoint.save(first, _Ordered(names), metadata={"a": 1, "b": 2})
+    checkpoint.save(second, _Ordered(reversed(names)), metadata={"b": 2, "a": 1})
+    assert first.read_bytes() == second.read_bytes()
+    assert checkpoint.read_metadata(first)["blobs"] == sorted(names)
+
+
+_SAVE_A_SET = """
+import sys
+import numpy as np
+from graphpar import checkpoint, workspace
+names = [f"cpu_0/blob_{i}" for i in range(12)] + ["optimizer_iteration"]
+for i, name in enumerate(names):
+    workspace.FeedBlob(name, np.full(3, i, np.float32))
+checkpoint.save(sys.argv[1], set(names), metadata={"epoch": 1, "run": "a"})
+"""
+
+
+@pytest.mark.slow
+def test_identical_runs_write_byte_identical_files(tmp_path):
+    """In separate processes, whose str hashes (and so set orders) differ."""
+    files = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"run_{seed}.safetensors"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", _SAVE_A_SET, str(path)], check=True, env=env, timeout=300)
+        files.append(path.read_bytes())
+    assert files[0] == files[1]

@@ -625,7 +625,22 @@ MISUSES = {
     "no devices": (dict(devices=[]), ParallelizeError, r"no devices \(devices is empty\)"),
     "non-int device ids": (dict(devices=["0"]), TypeError, "int device ids"),
     "bad net type": (dict(net_type="async"), ParallelizeError, "net_type"),
-    "rendezvous": (dict(rendezvous={"num_shards": 2}), NotImplementedError, "rendezvous"),
+    "rendezvous without shard_id": (dict(rendezvous={"num_shards": 2, "kv_handler": "store"}), ParallelizeError,
+                                    "rendezvous needs shard_id"),
+    "rendezvous with an unknown key": (dict(rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "s",
+                                                        "kv_handle": "s"}), ParallelizeError,
+                                       r"unknown rendezvous key\(s\) \['kv_handle'\]"),
+    "rendezvous with a bad engine": (dict(rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "s",
+                                                      "engine": "MPI"}), ParallelizeError, "engine"),
+    "rendezvous with shard_id out of range": (dict(rendezvous={"shard_id": 2, "num_shards": 2, "kv_handler": "s"}),
+                                              ParallelizeError, "0 <= shard_id < num_shards"),
+    "rendezvous with a bad kv_handler": (dict(rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": 3}),
+                                         ParallelizeError, "kv_handler"),
+    "rendezvous with combine_spatial_bn": (dict(rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "s"},
+                                                combine_spatial_bn=True), ParallelizeError,
+                                           "combine_spatial_bn across shards"),
+    "zero concurrent distributed ops": (dict(max_concurrent_distributed_ops=0), ParallelizeError,
+                                        "max_concurrent_distributed_ops must be an int >= 1"),
     "zero bucket bytes": (dict(gradient_bucket_bytes=0), ParallelizeError, "gradient_bucket_bytes must be >= 1"),
     "negative first bucket": (dict(gradient_bucket_bytes=64, first_bucket_bytes=-1), ParallelizeError,
                               "first_bucket_bytes must be >= 1"),
@@ -696,15 +711,10 @@ def test_helpers_of_models_that_were_not_parallelized_raise():
     model = model_helper.ModelHelper(name="plain")
     for call in (dpm.RunInitNet, lambda m: dpm.RunNet(m, 1), dpm.GetCheckpointParams, dpm.GetDevices,
                  lambda m: dpm.AddBlobSync(m, ["x"]), dpm.FinalizeAfterCheckpoint,
+                 lambda m: dpm.AddDistributedBlobSync(m, ["x"]),
                  lambda m: dpm.OptimizeGradientMemory(m, {}, [], False)):
         with pytest.raises(ParallelizeError, match="not parallelized"):
             call(model)
-
-
-def test_not_yet_supported_entry_points_raise():
-    model = model_helper.ModelHelper(name="later")
-    with pytest.raises(NotImplementedError, match="rendezvous"):
-        dpm.AddDistributedBlobSync(model, ["x"])
 
 
 # ---- the rest of the API --------------------------------------------------------------------------

@@ -208,7 +208,7 @@ def test_combined_bn_trains_like_one_device_on_the_whole_batch(one_device_run, d
     runs = _train(devices, gpu, combine=True, **options)
     for step, (got, expected) in enumerate(zip(runs, one_device_run), start=1):
         assert _compare(got, expected, step) > 60
-    added = {f"{conv}_{stat}" for conv in ("conv1", "branch2a", "branch1") for stat in ("sums", "sumsq")}
+    added = {f"{conv}_{stat}" for conv in ("conv1", "branch2a", "branch1") for stat in ("sums", "sumsq", "count")}
     assert set(runs[0]) - set(one_device_run[0]) == added  # the global statistics of each BN input
 
 

@@ -351,10 +351,10 @@ class _BackwardPass:
         else:
             grad_ops, grad_inputs = self._call_maker(index, maker, grad_outputs)
             self._check_reads(index, maker, grad_ops, grad_outputs)
-            for grad_op in grad_ops:
-                check_operator(grad_op, f"gradient op {grad_op.type} of {self._describe(index)}")
             grad_inputs = self._split_repeated_inputs(op, grad_ops, grad_inputs)
             grad_inputs = self._protect(index, grad_ops, grad_inputs)
+            for grad_op in grad_ops:  # after the renames: Mul(x, x)'s two x_grad outputs are split by then
+                check_operator(grad_op, f"gradient op {grad_op.type} of {self._describe(index)}")
         self._record_generators(index, grad_ops, grad_inputs)
         self._merge(index, grad_inputs)
         return grad_ops

@@ -32,6 +32,12 @@ none: by default the kernel itself runs on "meta" tensors (shapes and dtypes, no
 declares `infer(args, ctx, inputs) -> [TensorSpec or None per output]` when that cannot work or would
 allocate memory: kernels that read tensor values on the host (Trait.HOST_SYNC), and fills. None means
 unknown until the op runs (e.g. a shape read from a tensor's values).
+
+Input checks (`check`) state what an op promises of its inputs beyond their count: equal shapes
+(`same_shape`: an update's param, gradient and moments), one length per channel, an integer
+counter. PyTorch broadcasts silently where such a promise is broken (a [1] param updated by a [3]
+gradient becomes [3]), so `register_op` runs the check before the kernel on every run and before the
+shape rule at CreateNet, where shapes are known, so a mismatch is reported there, naming the op.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -78,6 +84,9 @@ class Trait(str, Enum):
 
     COLLECTIVE = "collective"  # one op over every device's copy; all of a net's collectives keep one order
     CROSS_DEVICE = "cross_device"  # reads or writes blobs of several devices (copies, collectives)
+    # talks to other processes through the communicator (or store) handle of input 0; the
+    # collectives of one communicator keep one order, those of different ones may overlap
+    DISTRIBUTED = "distributed"
     COUNTER = "counter"  # advances an iteration counter (checkpointed, never replicated)
     FILL = "fill"  # creates a tensor from its arguments (and at most an input's shape)
     RANDOM = "random"  # draws random numbers (from `KernelContext.random_stream`)
@@ -129,6 +138,9 @@ class TensorSpec(NamedTuple):
 
 # infer(args, ctx, inputs) -> one TensorSpec (or None: unknown) per output; see the module docstring.
 InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], list["TensorSpec | None"]]
+# check(args, op, inputs) -> None, raising ValueError/TypeError for inputs that break the op's promise;
+# `inputs` have `.shape` and `.dtype` (tensors at run, TensorSpecs at CreateNet).
+InputCheck = Callable[[SimpleNamespace, OperatorDef, Sequence[Any]], None]
 
 
 @dataclass
@@ -165,6 +177,7 @@ class OpSchema:
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None
     traits: frozenset[Trait] = frozenset()
     infer: InferRule | None = None  # None: run the kernel on meta tensors (see the module docstring)
+    check: InputCheck | None = None  # what the inputs must satisfy; kernel and infer already run it
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -219,6 +232,7 @@ def register_op(
     device_inference: Callable[[OperatorDef, DeviceOption], tuple[list, list]] | None = None,
     traits: Iterable[Trait] = (),
     infer: InferRule | None = None,
+    check: InputCheck | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -230,6 +244,8 @@ def register_op(
     `traits` declares what the op is (see `Trait`).
     `infer(args, ctx, inputs) -> [TensorSpec | None per output]` is the op's shape rule; without one,
     shape inference runs the kernel on meta tensors (see the module docstring).
+    `check(args, op, inputs)` raises for inputs that break the op's promise (`same_shape`, ...); the
+    registered kernel and shape rule run it first, so it holds at CreateNet and on every run.
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -244,9 +260,67 @@ def register_op(
         args={name: _arg_from_default(d) for name, d in (args or {}).items()}, kernel=kernel,
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
-        device_inference=device_inference, traits=traits, infer=infer)
+        device_inference=device_inference, traits=traits, infer=infer, check=check)
+    if check is not None:
+        schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
     _REGISTRY[type_] = schema
     return schema
+
+
+def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]],
+                    check: InputCheck) -> Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]:
+    """The kernel factory whose kernels run `check` on their inputs first."""
+
+    def make(args: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
+        fn, op = factory(args, ctx), ctx.op
+
+        def run(*inputs: Any) -> Any:
+            check(args, op, inputs)
+            return fn(*inputs)
+
+        return run
+
+    make.__name__ = make.__qualname__ = getattr(factory, "__name__", "kernel")
+    return make
+
+
+def _checked_infer(rule: InferRule, check: InputCheck) -> InferRule:
+    """The shape rule that runs `check` on the input specs first."""
+
+    def infer(args: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+        check(args, ctx.op, inputs)
+        return rule(args, ctx, inputs)
+
+    return infer
+
+
+def same_shape(*groups: Iterable[int] | Callable[[int], Iterable[Iterable[int]]]) -> InputCheck:
+    """An input check: the inputs of each group (input indices) have one shape, so nothing broadcasts.
+
+    A group may be a function of the op's input count returning groups (for ops with k params).
+    """
+
+    def check(_args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        for group in groups:
+            for indices in group(len(inputs)) if callable(group) else (group,):
+                indices = [i for i in indices if i < len(inputs)]
+                shapes = [tuple(inputs[i].shape) for i in indices]
+                if any(shape != shapes[0] for shape in shapes):
+                    listed = ", ".join(f"{i} {op.inputs[i]!r} {list(shape)}" for i, shape in zip(indices, shapes))
+                    raise ValueError(f"{op.type}: inputs {listed} must have one shape ({op.type} does not "
+                                     f"broadcast); feed or create them with the same shape")
+
+    return check
+
+
+def all_checks(*checks: InputCheck) -> InputCheck:
+    """An input check that runs every one of `checks`, in order."""
+
+    def check(args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        for one in checks:
+            one(args, op, inputs)
+
+    return check
 
 
 @contextmanager
@@ -383,10 +457,12 @@ def check_operator(op: OperatorDef, where: str = "", counts: bool = True) -> OpS
 
     Raises:
         UnknownOperatorError: an unregistered type (naming close matches).
-        ValueError: wrong input/output counts, a forbidden or missing in-place pair.
+        ValueError: wrong input/output counts, a forbidden or missing in-place pair, one blob named
+            as two outputs (checked at recording too).
         TypeError: an unknown, missing or mistyped argument.
     """
     schema = get_schema(op.type)
+    _check_distinct_outputs(op, where or f"operator {op.type}")
     signature = op_signature(op)
     if signature is not None and signature in _passed:
         return schema
@@ -397,6 +473,16 @@ def check_operator(op: OperatorDef, where: str = "", counts: bool = True) -> OpS
     if signature is not None and len(_passed) < _MAX_PASSED:
         _passed.add(signature)
     return schema
+
+
+def _check_distinct_outputs(op: OperatorDef, where: str) -> None:
+    """Raise unless every output names another blob: two outputs of one blob would race (which value
+    wins depends on the kernel), so an op may not name one blob twice among its outputs."""
+    outputs = op.outputs
+    if len(outputs) > 1 and len(set(outputs)) != len(outputs):
+        twice = sorted({b for b in outputs if outputs.count(b) > 1})
+        raise ValueError(f"{where}: names {', '.join(map(repr, twice))} as two of its outputs "
+                         f"{list(outputs)}; give each output its own blob")
 
 
 def _counts_fit(schema: OpSchema, op: OperatorDef) -> bool:

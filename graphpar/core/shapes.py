@@ -160,6 +160,19 @@ def _checked(outs: Sequence[Any], count: int) -> list[TensorSpec | None]:
     return checked
 
 
+def float64_hint(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> str:
+    """A message suffix naming the float64 inputs of an op that mixes them with other float dtypes
+    (usually a numpy array fed as is: numpy's default is float64), with the fix; else empty."""
+    floats = {dtype for dtype in dtypes if dtype.is_floating_point}
+    if torch.float64 not in floats or len(floats) < 2:
+        return ""
+    wide = [name for name, dtype in zip(names, dtypes) if dtype == torch.float64]
+    other = next(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point and d != torch.float64)
+    return (f"\n  {', '.join(map(repr, wide))} {'is' if len(wide) == 1 else 'are'} float64 while other inputs are "
+            f"{other}: cast to {other} before feeding (e.g. FeedBlob(name, x.astype(np.{other})); numpy "
+            f"arrays keep their dtype, and numpy's default is float64)")
+
+
 def _failure(netdef: NetDef, index: int, inputs: list[TensorSpec], exc: Exception, by_kernel: bool) -> str:
     """The message for op `index`'s failed rule; a kernel that read values on meta tensors gets the fix."""
     op: OperatorDef = netdef.ops[index]
@@ -169,6 +182,7 @@ def _failure(netdef: NetDef, index: int, inputs: list[TensorSpec], exc: Exceptio
     if by_kernel and "meta tensor" in str(exc):
         hint = (f"\n  {op.type}'s kernel reads tensor values on the host: declare Trait.HOST_SYNC and an "
                 f"`infer` rule in its registration")
+    hint += float64_hint(op.inputs, [spec.dtype for spec in inputs])
     recorded = f" (recorded at {op.source})" if op.source else ""
     described = "\n".join(lines) or "    (none)"
     return (f"net {netdef.name!r} op #{index} ({op.type}){recorded}: its output shapes cannot be inferred: "

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     start_epoch = 0
     if args.load_model_path:
         start_epoch = int(checkpoint.read_metadata(args.load_model_path)["metadata"].get("epoch", 0))
-        checkpoint.load(args.load_model_path)
+        checkpoint.load(args.load_model_path, model=model)  # onto this run's first device
         dpm.FinalizeAfterCheckpoint(model)
         log.info("resumed from %s after epoch %d", args.load_model_path, start_epoch)
     prefix = model._device_prefix

@@ -12,8 +12,10 @@ concurrency a plan has asked for (no threads are created per run); ready steps s
 order. A plan that may run only one step at a time (one CPU device, or a budget of one thread per
 kernel) runs in program order in the calling thread, as "simple" does. A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
-`num_workers`. When a step fails, no new step starts; the run waits for the steps already running,
-then raises the error "simple" would raise for that op, and the workspace is unchanged. Under
+`num_workers`. A run has the plan's two phases (`executor.plan.Plan`): the updates and the steps that
+depend on them start only once every other step finished and the state check passed. When a step
+fails, no new step starts; the run waits for the steps already running, then raises the error
+"simple" would raise for that op, and the workspace is unchanged. Under
 dynamic memory management a value is freed once every step that uses it has finished, whatever
 their order (`executor.frame`). On GPUs each worker launches on CUDA streams of its own, ordered by
 events (`executor.streams`).
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphpar.executor.failure import op_failure
-from graphpar.executor.frame import commit, open_frame
+from graphpar.executor.frame import StateChanged, commit, open_frame
 from graphpar.executor.simple import SimpleExecutor
 from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams
 from graphpar.executor.threads import thread_budget
@@ -42,51 +44,62 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Schedule:
-    """What the dag executor derives once per plan: successors, in-degrees and its concurrency."""
+    """One phase of a plan, derived once: successors and in-degrees within it, its roots and size."""
 
     successors: tuple[tuple[int, ...], ...]
     indegree: tuple[int, ...]
     roots: tuple[int, ...]
+    size: int
     concurrency: int
+    staged: bool  # the second phase: it starts with the state check
 
 
-def make_schedule(plan: Plan) -> Schedule:
-    """The schedule of `plan`: who waits for whom, and how many steps may run at once.
-
-    Besides `plan.dependencies`, every in-place update waits for every other step before the first
-    update (`Plan.updates`): they all feed one gate step, the last of them in program order, whose
-    completion then counts for each update (the gate's own dependencies are made to cover them all).
-    """
-    dependencies = [set(before) for before in plan.dependencies]
-    if plan.updates:
-        first = min(plan.updates)
-        gate = [i for i in range(first) if i not in plan.updates]
-        for j in plan.updates:
-            dependencies[j].update(gate)
-    successors: list[list[int]] = [[] for _ in plan.steps]
-    for j, before in enumerate(dependencies):
-        for i in before:
-            successors[i].append(j)
-    indegree = tuple(len(before) for before in dependencies)
+def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
+    """The schedules of `plan`'s phases (one, or two when it has updates): who waits for whom within
+    each phase (`plan.dependencies`; a dependency on the earlier phase is met when it starts), and how
+    many steps may run at once."""
     concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
                              len(plan.steps)))
-    return Schedule(tuple(map(tuple, successors)), indegree, tuple(j for j, n in enumerate(indegree) if n == 0),
-                    concurrency)
+    phases = [plan.order[:plan.staged_from], plan.order[plan.staged_from:]]
+    schedules = []
+    for staged, phase in enumerate(phases):
+        if not phase:
+            continue
+        members = set(phase)
+        successors: list[list[int]] = [[] for _ in plan.steps]
+        indegree = [0] * len(plan.steps)
+        for j in phase:
+            for i in plan.dependencies[j]:
+                if i in members:
+                    successors[i].append(j)
+                    indegree[j] += 1
+        schedules.append(Schedule(tuple(map(tuple, successors)), tuple(indegree),
+                                  tuple(j for j in phase if indegree[j] == 0), len(phase), concurrency,
+                                  bool(staged)))
+    return tuple(schedules)
 
 
 class _Run:
     """The state of one run: pending counts, the frame, the first failure, and who is waiting."""
 
-    def __init__(self, plan: Plan, frame: list, schedule: Schedule, streams: RunStreams | None) -> None:
-        self.plan, self.frame, self.schedule, self.streams = plan, frame, schedule, streams
-        self.pending = list(schedule.indegree)
+    def __init__(self, plan: Plan, frame: list, streams: RunStreams | None) -> None:
+        self.plan, self.frame, self.streams = plan, frame, streams
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
-        self.left = len(plan.steps)  # steps not finished (run, or skipped after a failure)
         self.running = 0
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
         self.failure: tuple[int, Exception] | None = None
         self.lock = threading.Lock()
+
+    def start(self, schedule: Schedule) -> None:
+        """Begin a phase."""
+        self.schedule = schedule
+        self.pending = list(schedule.indegree)
+        self.left = schedule.size  # steps of the phase not finished (run, or skipped after a failure)
         self.finished = threading.Event()
+
+
+class _PhaseFailed(Exception):
+    """A step of the phase failed (`_Run.failure` says which): the next phase must not start."""
 
 
 class DagExecutor:
@@ -96,31 +109,48 @@ class DagExecutor:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
-        self._schedules: weakref.WeakKeyDictionary[Plan, Schedule] = weakref.WeakKeyDictionary()
+        self._schedules: weakref.WeakKeyDictionary[Plan, tuple[Schedule, ...]] = weakref.WeakKeyDictionary()
         self._serial = SimpleExecutor()
 
     def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
-        schedule = self._schedules.get(plan)
-        if schedule is None:
-            schedule = self._schedules[plan] = make_schedule(plan)
+        schedules = self._schedules.get(plan)
+        if schedules is None:
+            schedules = self._schedules[plan] = make_schedules(plan)
         backend = current_streams()
-        if schedule.concurrency == 1 and backend is NO_STREAMS:  # nothing to overlap: program order
+        concurrency = schedules[0].concurrency if schedules else 1
+        if concurrency == 1 and backend is NO_STREAMS:  # nothing to overlap: the plan's order
             self._serial.run(plan, blobs)
             return
         frame = open_frame(plan, blobs)
         if plan.steps:
-            self._ensure_workers(schedule.concurrency)
+            self._ensure_workers(concurrency)
             streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
-            state = _Run(plan, frame, schedule, streams)
-            with state.lock:
-                self._release(state, list(schedule.roots))
-            state.finished.wait()
-            if streams is not None:
-                streams.finish()
+            state = _Run(plan, frame, streams)
+            try:
+                for schedule in schedules:
+                    if schedule.staged:
+                        plan.state_guard.check(frame)
+                    self._run_phase(state, schedule)
+            except StateChanged as exc:
+                state.failure = (exc.step, exc)
+            except _PhaseFailed:
+                pass
+            finally:
+                if streams is not None:
+                    streams.finish()
             if state.failure is not None:
                 index, exc = state.failure
                 raise op_failure(plan, frame, index, exc) from exc
         commit(plan, frame, blobs)
+
+    def _run_phase(self, state: _Run, schedule: Schedule) -> None:
+        """Run one phase of the plan; return when every step of it finished (or after a failure)."""
+        state.start(schedule)
+        with state.lock:
+            self._release(state, list(schedule.roots))
+        state.finished.wait()
+        if state.failure is not None:
+            raise _PhaseFailed
 
     def worker_count(self) -> int:
         """How many worker threads exist (they are shared by every run and never shrink)."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.shapes import float64_hint
 from graphpar.errors import MissingBlobError, OperatorError
 
 if TYPE_CHECKING:
@@ -41,8 +42,10 @@ def op_failure(plan: Plan, frame: list, index: int, exc: Exception) -> OperatorE
     inputs = "\n".join(f"    input {k} {names[slot]!r}: {_describe(frame[slot])}"
                        for k, slot in enumerate(plan.steps[index].inputs))
     source = op.source or "unknown (the op was not recorded through a Net)"
+    values = [frame[slot] for slot in plan.steps[index].inputs]
+    hint = float64_hint(op.inputs, [v.dtype for v in values]) if all(map(torch.is_tensor, values)) else ""
     return OperatorError(f"{op_location(netdef, index)} failed: {type(exc).__name__}: {exc}\n"
-                         f"  recorded at: {source}\n  inputs:\n{inputs or '    (none)'}")
+                         f"  recorded at: {source}\n  inputs:\n{inputs or '    (none)'}{hint}")
 
 
 def _describe(value: Any) -> str:

@@ -19,9 +19,9 @@ executor frees each transient slot right after its last use and the run keeps on
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -49,8 +49,8 @@ class FrameLayout:
     """How a net's blobs map to frame slots and what a run loads, frees, stores and drops.
 
     Freeing works on *versions*: each write of a blob starts one, read by the ops up to the next
-    write. A transient version can be freed once every op that uses it has run; in program order
-    that is after its last user (`frees`, for "simple"), in any order once its user count drops to
+    write. A transient version can be freed once every op that uses it has run; in the plan's fixed
+    order that is after its last user there (`frees`, for "simple"), in any order once its user count drops to
     zero (`releases` and `version_slots`/`version_users`, for concurrent executors). A version whose
     user writes the next version in place is not freed: the rebinding releases it.
     """
@@ -62,7 +62,7 @@ class FrameLayout:
     store_names: tuple[str, ...]  # ...under these names
     stale: tuple[tuple[int, str], ...]  # (slot, name) of the transient blobs the net writes
     drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
-    frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in program order
+    frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in the order steps run
     releases: tuple[tuple[int, ...], ...]  # per step: the freeable versions it uses
     version_slots: tuple[int, ...]  # per freeable version: its slot
     version_users: tuple[int, ...]  # per freeable version: how many steps use it
@@ -74,8 +74,10 @@ class FrameLayout:
         return bool(self.version_slots)
 
 
-def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
-    """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies)."""
+def layout_frame(netdef: NetDef, keep_all: bool = False, order: Sequence[int] | None = None) -> FrameLayout:
+    """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies);
+    `frees` follows `order`, the order the steps run in (default: program order)."""
+    position = list(range(len(netdef.ops))) if order is None else _positions(order)
     slot: dict[str, int] = {}
     loads: list[Load] = []
     written: dict[str, None] = {}
@@ -94,7 +96,7 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
     frees: list[list[int]] = [[] for _ in netdef.ops]
     releases: list[list[int]] = [[] for _ in netdef.ops]
     for v, (blob, users) in enumerate(versions):
-        frees[max(users)].append(slot[blob])
+        frees[max(users, key=position.__getitem__)].append(slot[blob])
         for user in users:
             releases[user].append(v)
     stored = [b for b in written if not freeing or b in persistent]
@@ -104,6 +106,14 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
                        tuple(map(tuple, frees)), tuple(map(tuple, releases)),
                        tuple(slot[blob] for blob, _ in versions), tuple(len(users) for _, users in versions),
                        persistent)
+
+
+def _positions(order: Sequence[int]) -> list[int]:
+    """Per step: its position in `order`."""
+    position = [0] * len(order)
+    for p, j in enumerate(order):
+        position[j] = p
+    return position
 
 
 def _transient_versions(netdef: NetDef, persistent: frozenset[str]) -> list[tuple[str, set[int]]]:
@@ -147,6 +157,55 @@ def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
         for slot, name in layout.stale:
             frame[slot] = blobs.pop(name, None)
     return frame
+
+
+class StateCheck(NamedTuple):
+    """A blob that update step `step` changes in place, and the shape and dtype it had at CreateNet."""
+
+    step: int
+    slot: int
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class StateGuard:
+    """Checked before the second phase of every run (`executor.plan.Plan`): each blob an update changes
+    in place must still have the shape and dtype it had at CreateNet (not fed or loaded anew since with
+    others), so that no update runs on it and the state stays as it was.
+
+    The tensors last found good are remembered: a blob whose tensor is the same object as then (in-place
+    updates keep their tensors) costs one identity test. A replaced tensor stays referenced until the
+    next run checks its successor.
+    """
+
+    def __init__(self, checks: tuple[StateCheck, ...]) -> None:
+        self.checks = checks
+        self._verified: list = [None] * len(checks)
+
+    def check(self, frame: list) -> None:
+        """Raise StateChanged, naming the update and the blob, if a state blob's shape or dtype changed."""
+        verified = self._verified
+        for k, check in enumerate(self.checks):
+            value = frame[check.slot]
+            if value is verified[k]:
+                continue
+            if value.shape != check.shape or value.dtype is not check.dtype:
+                raise StateChanged(check.step, (
+                    f"state blob {check.name!r}, which this op updates in place, is {list(value.shape)} "
+                    f"{str(value.dtype).removeprefix('torch.')} but was {list(check.shape)} "
+                    f"{str(check.dtype).removeprefix('torch.')} at CreateNet (it was fed or loaded with "
+                    f"another shape or dtype since); no state was updated. Feed it with its shape and "
+                    f"dtype, or CreateNet(..., overwrite=True) if the model changed"))
+            verified[k] = value
+
+
+class StateChanged(ValueError):
+    """Raised by `StateGuard.check`: `step` is the update whose in-place state changed shape or dtype."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:

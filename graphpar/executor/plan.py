@@ -13,6 +13,7 @@ outputs are written only after the kernel returns, so a failed op writes nothing
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -26,7 +27,7 @@ from graphpar.core.shapes import infer_specs
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
-from graphpar.executor.frame import FrameLayout, layout_frame
+from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
 from graphpar.executor.program import make_run
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
@@ -67,9 +68,14 @@ class Plan:
     `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
     are persistent (they outlive a run) and which slots an executor may free after each step;
     `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
-    (`executor.threads`). `updates` are the steps that update state in place (Trait.INPLACE_UPDATE):
-    an executor starts none of them before every other step that precedes the first of them in
-    program order has finished, so a run that fails before its updates leaves the state as it was.
+    (`executor.threads`).
+
+    Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE). Every executor
+    runs a plan in two phases: first every step that depends on no update (`order[:staged_from]`),
+    then, once they all succeeded and `state_guard` passed (`executor.frame.StateGuard`), the
+    updates and the steps that depend on them (`order[staged_from:]`); each phase respects
+    `dependencies`. So a run that fails anywhere before its updates leaves the persistent state as it
+    was, and an update never starts on state whose shape or dtype changed since CreateNet.
     """
 
     netdef: NetDef
@@ -80,6 +86,9 @@ class Plan:
     workspace_name: str
     intra_op_threads: int
     updates: frozenset[int]
+    order: tuple[int, ...]  # the steps in program order within each phase
+    staged_from: int  # order[staged_from:] is the second phase (the updates and what depends on them)
+    state_guard: StateGuard
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
@@ -122,28 +131,60 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     netdef = netdef.copy()
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
-    _check_inputs_exist(netdef, workspace)
+    check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     infer_specs(netdef, workspace.blobs)
-    frame = layout_frame(netdef, keep_all)
+    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
+    dependencies = predecessors(netdef)
+    staged = _staged(dependencies, updates)
+    order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
+    frame = layout_frame(netdef, keep_all, order)
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
     cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
-    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
-    return Plan(netdef, steps, predecessors(netdef), {blob: span[1] for blob, span in lifetimes.items()},
-                frame, workspace.name, intra_op_threads(cpu_replicas), updates)
+    return Plan(netdef, steps, dependencies, {blob: span[1] for blob, span in lifetimes.items()},
+                frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
+                len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)))
 
 
-def _check_inputs_exist(netdef: NetDef, workspace: BlobStore) -> None:
-    defined = {*workspace.blobs, *getattr(workspace, "objects", ())}  # CreateBlob'd blobs count as present
+def _staged(dependencies: tuple[tuple[int, ...], ...], updates: frozenset[int]) -> list[bool]:
+    """Per step: whether it is an update or depends (transitively) on one (predecessors come first)."""
+    staged: list[bool] = []
+    for j, before in enumerate(dependencies):
+        staged.append(j in updates or any(staged[i] for i in before))
+    return staged
+
+
+def _state_checks(netdef: NetDef, updates: frozenset[int], frame: FrameLayout,
+                  blobs: Mapping[str, torch.Tensor]) -> tuple[StateCheck, ...]:
+    """The in-place state of each update that the run loads from the workspace, with its CreateNet spec."""
+    loaded = {load.name for load in frame.loads}
+    checks: dict[str, StateCheck] = {}
+    written: set[str] = set()
+    for index, op in enumerate(netdef.ops):
+        if index in updates:
+            for blob in set(op.inputs) & set(op.outputs):
+                if blob in loaded and blob not in written and blob in blobs and blob not in checks:
+                    tensor = blobs[blob]
+                    checks[blob] = StateCheck(index, frame.slot[blob], blob, tensor.shape, tensor.dtype)
+        written.update(op.outputs)
+    return tuple(checks.values())
+
+
+def check_inputs_exist(netdef: NetDef, defined: set[str], workspace_name: str, before: str = "CreateNet") -> None:
+    """Raise MissingBlobError for the first input that is neither in `defined` nor written by an earlier
+    op; `defined` gains every blob the net writes (so callers can check a sequence of nets)."""
     for index, op in enumerate(netdef.ops):
         for what, names in (("input", op.inputs), ("control input", op.control_inputs)):
             for k, blob in enumerate(names):
                 if blob not in defined:
+                    read = {b for other in netdef.ops for b in other.inputs}  # a misspelt feed: read by no op
+                    close = difflib.get_close_matches(blob, sorted(b for b in defined if b not in read), n=3)
+                    hint = f" Did you mean {', '.join(map(repr, close))} (fed under another name)?" if close else ""
                     raise MissingBlobError(
                         f"{op_location(netdef, index)}: {what} {k} {blob!r} does not exist in workspace "
-                        f"{workspace.name!r} and no earlier op of the net produces it. Feed it (FeedBlob) "
-                        f"or run the net that creates it (e.g. the param_init_net) before CreateNet"
+                        f"{workspace_name!r} and no earlier op of the net produces it.{hint} Feed it (FeedBlob) "
+                        f"or run the net that creates it (e.g. the param_init_net) before {before}"
                         f"{recorded_at(op)}.")
         defined.update(op.outputs)
 

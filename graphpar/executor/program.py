@@ -2,8 +2,10 @@
 straight-line Python function (`straight_line`), the "simple" executor's loop unrolled.
 
 `straight_line(plan)` generates, compiles and returns `program(frame)`, which calls every step's
-kernel in program order on frame slots (`frame[3] = k2(frame[1], frame[0])`), frees what the plan
-frees after each step, and on an exception raises `StepFailed` carrying the failing step's index.
+kernel in the plan's order (program order within each of its two phases, with the state check
+between them: `executor.plan.Plan`) on frame slots (`frame[3] = k2(frame[1], frame[0])`), frees what
+the plan frees after each step (`plan.frame.frees`, in that order), and on an exception raises
+`StepFailed` carrying the failing step's index.
 With no per-op loop, tuple unpacking or dispatch left, RunNet's per-op cost is that of the kernel
 call itself (torch.fx generates Python code from its graphs the same way). Generating costs about
 20 µs per op, once per plan, on its first run.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from graphpar.executor.frame import StateChanged
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan
@@ -27,10 +31,12 @@ class StepFailed(Exception):
 
 
 def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
-    """`program(frame)` running `plan`'s steps in program order (freeing `plan.frame.frees` if `frees`)."""
+    """`program(frame)` running `plan`'s steps in `plan.order` (freeing `plan.frame.frees` if `frees`)."""
     lines = []
-    for step in plan.steps:
-        j = step.index
+    for position, j in enumerate(plan.order):
+        step = plan.steps[j]
+        if position == plan.staged_from and plan.state_guard.checks:
+            lines.append("check(frame)")
         call = f"k{j}({', '.join(f'frame[{i}]' for i in step.inputs)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
@@ -41,17 +47,21 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         if frees:
             lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "StepFailed", *(f"k{step.index}" for step in plan.steps)])
+    params = ", ".join(["store", "StepFailed", "check", "StateChanged",
+                        *(f"k{step.index}" for step in plan.steps)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
               f"        i = 0\n"
               f"        try:\n{body}\n"
+              f"        except StateChanged as exc:\n"
+              f"            raise StepFailed(exc.step) from exc\n"
               f"        except Exception as exc:\n"
               f"            raise StepFailed(i) from exc\n"
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, StepFailed, *(step.kernel for step in plan.steps))
+    return namespace["make"](store_all, StepFailed, plan.state_guard.check, StateChanged,
+                             *(step.kernel for step in plan.steps))
 
 
 def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable[[list], None]:

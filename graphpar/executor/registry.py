@@ -1,9 +1,10 @@
 """Executors, keyed by net type: `NetDef.type` names the executor that runs a net's plan.
 
 An executor runs a compiled `Plan` once against a workspace's blobs: it opens a frame
-(`frame.open_frame`), calls each step's `run(frame)` in an order that respects `plan.dependencies`,
-frees the slots `plan.frame.frees` lists when the plan frees memory, turns a step's exception into
-`failure.op_failure(...)`, and commits the frame (`frame.commit`) only after every step succeeded.
+(`frame.open_frame`), calls each step's `run(frame)` in an order that respects `plan.dependencies`
+and the plan's two phases (the updates and what depends on them last, after `frame.StateGuard`),
+frees each freeable value after its last use when the plan frees memory, turns a step's exception
+into `failure.op_failure(...)`, and commits the frame (`frame.commit`) only after every step succeeded.
 Adding one is a new module plus one `register_executor` line here.
 """
 

@@ -7,21 +7,24 @@ normalisation uses the biased one.
 
 Inter-device batch norm (SPEC §7.7, `num_batches` = N devices): every device's SpatialBN receives the
 per-channel Σx and Σx² summed over all devices (ChannelStats + Sum) and normalises with the statistics
-of the global batch, count = N·H·W·num_batches. Backward, every SpatialBNGradient receives the global
-dscale and dbias (ChannelBackpropStats + Sum) and outputs them divided by num_batches, because the
-gradient all-reduce that follows sums the per-device copies back up.
+of the global batch, count = N·H·W·num_batches, or, given the summed per-device counts as an eighth
+input (ChannelStats' third output), the real global count, so devices fed batches of different sizes
+still get the whole batch's statistics (as `SyncBatchNorm` weights by `count_all`). Backward, every
+SpatialBNGradient receives the global dscale and dbias (ChannelBackpropStats + Sum) and outputs them
+divided by num_batches, because the gradient all-reduce that follows sums the per-device copies back up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
-from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
+from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, InputCheck, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import nhwc_capable, require_nchw
@@ -42,6 +45,29 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _count(x: torch.Tensor) -> int:
     """Values per channel in X."""
     return x.numel() // x.shape[1]
+
+
+def _per_channel_inputs(*vectors: int, like_x: tuple[int, ...] = ()) -> InputCheck:
+    """An input check: X (input 0) has a channel axis (1, or the last with order NHWC), inputs
+    `vectors` (those present) have shape [C], and inputs `like_x` have X's shape; torch's batch-norm
+    kernels would broadcast a [1] scale or running statistic silently."""
+
+    def check(a: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        x = tuple(inputs[0].shape)
+        if len(x) < 2:
+            raise ValueError(f"{op.type}: X {op.inputs[0]!r} needs a batch and a channel axis, got shape {list(x)}")
+        channels = x[-1] if a.order == "NHWC" else x[1]
+        for k in vectors:
+            if k < len(inputs) and tuple(inputs[k].shape) != (channels,):
+                raise ValueError(f"{op.type}: input {k} {op.inputs[k]!r} has shape {list(inputs[k].shape)}; it "
+                                 f"needs one value per channel of X {op.inputs[0]!r} (shape {list(x)}): "
+                                 f"[{channels}]")
+        for k in like_x:
+            if tuple(inputs[k].shape) != x:
+                raise ValueError(f"{op.type}: input {k} {op.inputs[k]!r} has shape {list(inputs[k].shape)}; it "
+                                 f"must have X's shape {list(x)}")
+
+    return check
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -79,9 +105,11 @@ def _bn_global(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         rv: torch.Tensor,
         sums: torch.Tensor,
         sumsq: torch.Tensor,
+        total: torch.Tensor | None = None,
     ) -> tuple:
-        count = _count(x) * a.num_batches
-        if count < 2:
+        # The summed count is a 0-d tensor (no host sync to check it); without it, N equal batches.
+        count = total.to(sums.dtype) if total is not None else _count(x) * a.num_batches
+        if total is None and count < 2:
             raise ValueError(f"{op_label(ctx.op)}: training needs more than one value per channel")
         mean = sums / count
         var = (sumsq / count - mean * mean).clamp_min(0.0)  # biased; clamp rounding below zero
@@ -106,8 +134,8 @@ def _spatial_bn(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]
             f"saved_mean, saved_inv_std), got {n_out}; or set is_test=1"
         )
     if n_in == 6 or a.num_batches < 1:
-        raise ValueError(f"{where}: needs 5 inputs, or 7 (plus sums, sumsq) with num_batches >= 1")
-    if n_in == 7:
+        raise ValueError(f"{where}: needs 5 inputs, or 7-8 (plus sums, sumsq[, count]) with num_batches >= 1")
+    if n_in >= 7:
         return _bn_global(a, ctx)
     if a.num_batches != 1:
         raise ValueError(
@@ -118,7 +146,7 @@ def _spatial_bn(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]
 
 
 def _spatial_bn_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
-    if len(op.inputs) == 7:
+    if len(op.inputs) >= 7:
         raise GradientError(
             f"{op_label(op)}: add gradient operators before the inter-device batch-norm "
             f"rewrite; that pass wires SpatialBNGradient's global statistics itself"
@@ -133,17 +161,19 @@ def _spatial_bn_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
 
 register_op(
     "SpatialBN",
-    inputs=(5, 7),
+    inputs=(5, 8),
     outputs=(1, 5),
     enforce_inplace={(3, 1), (4, 2)},
     args={"is_test": False, "epsilon": 1e-5, "momentum": 0.9, "num_batches": 1, "order": "NCHW"},
     kernel=nhwc_capable(_spatial_bn),
     gradient=_spatial_bn_gradient,
+    check=_per_channel_inputs(1, 2, 3, 4, 5, 6),
     doc="Batch norm over NCHW channels. Training: X, scale, bias, running_mean, running_var[, sums, "
     "sumsq] -> Y, running_mean, running_var (in place), saved_mean, saved_inv_std; batch mean and "
     "biased variance normalise, running stats move by momentum (weight of the old value), the "
     "variance with the unbiased estimate. With sums/sumsq (Σx, Σx² over all devices) the statistics "
-    "are the global batch's over N·H·W·num_batches values. is_test=1: Y from the running stats. "
+    "are the global batch's over N·H·W·num_batches values, or over `count` values when the summed "
+    "per-device counts (ChannelStats' third output) are given as input 7. is_test=1: Y from the running stats. "
     "May not run in place X -> Y (its gradient reads X).",
 )
 
@@ -159,10 +189,11 @@ def _bn_grad_global(a: SimpleNamespace) -> Callable[..., tuple]:
         inv_std: torch.Tensor,
         dscale: torch.Tensor,
         dbias: torch.Tensor,
+        total: torch.Tensor | None = None,
     ) -> tuple:
         # dX = scale·inv_std/count · (count·dY - dbias - (x - μ)·inv_std·dscale), written per channel
         # as dX = scale·inv_std·dY + cx·x + c0, with dscale and dbias the GLOBAL sums.
-        count = _count(x) * nb
+        count = total.to(dscale.dtype) if total is not None else _count(x) * nb
         k = scale * inv_std / count
         cx = -k * inv_std * dscale
         c0 = -cx * mean - k * dbias
@@ -176,9 +207,9 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
     require_nchw(a, ctx)
     n_in, where = len(ctx.op.inputs), op_label(ctx.op)
     mask = (True, True, True)
-    if n_in == 6 or (n_in == 7 and a.is_test):
-        raise ValueError(f"{where}: takes 5 inputs, or 7 (plus global dscale, dbias) in training")
-    if n_in == 7:
+    if n_in == 6 or (n_in >= 7 and a.is_test):
+        raise ValueError(f"{where}: takes 5 inputs, or 7-8 (plus global dscale, dbias[, count]) in training")
+    if n_in >= 7:
         return _bn_grad_global(a)
     if a.num_batches != 1:
         raise ValueError(f"{where}: num_batches={a.num_batches} needs the global dscale and dbias inputs")
@@ -192,11 +223,12 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
 
 
 register_gradient(
-    "SpatialBNGradient", "SpatialBN", nhwc_capable(_spatial_bn_grad), inputs=(5, 7), outputs=3, inplace={(5, 1), (6, 2)},
-    doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias]) -> dX, dscale, "
-    "dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
+    "SpatialBNGradient", "SpatialBN", nhwc_capable(_spatial_bn_grad), inputs=(5, 8), outputs=3, inplace={(5, 1), (6, 2)},
+    check=_per_channel_inputs(1, 3, 4, 5, 6, like_x=(2,)),
+    doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias[, count]]) -> dX, "
+    "dscale, dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
     "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "
-    "and count N·H·W·num_batches, and dscale/dbias come out divided by num_batches (the gradient "
+    "and count N·H·W·num_batches (or the summed `count`), and dscale/dbias come out divided by num_batches (the gradient "
     "all-reduce adds them back up). With is_test=1 inputs 3, 4 are the running mean and variance.",
 )
 
@@ -206,9 +238,9 @@ register_gradient(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     dims = _reduce_dims(x)
-    return x.sum(dims), x.square().sum(dims)
+    return x.sum(dims), x.square().sum(dims), torch.full((), _count(x), dtype=torch.float32, device=x.device)
 
 
 def _channel_backprop_stats(
@@ -220,10 +252,11 @@ def _channel_backprop_stats(
 
 register_op(
     "ChannelStats",
-    outputs=2,
+    outputs=(2, 3),
     gradient=NOT_DIFFERENTIABLE,
-    kernel=lambda a, ctx: _channel_stats,
-    doc="ChannelStats(X) -> sum[C] = Σx, sumsq[C] = Σx² over every axis but channels (axis 1).",
+    kernel=lambda a, ctx: lambda x: _channel_stats(x)[:len(ctx.op.outputs)],
+    doc="ChannelStats(X) -> sum[C] = Σx, sumsq[C] = Σx² over every axis but channels (axis 1)[, count: "
+    "the number of values per channel, a float32 scalar (summed over devices, SpatialBN's input 7)].",
 )
 
 register_op(

@@ -9,21 +9,24 @@ LearningRate and Adam read the counter on the host (Trait.HOST_SYNC), so they de
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from graphpar.core.ir import DeviceOption
+from graphpar.core.ir import DeviceOption, OperatorDef
 from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
     Arg,
+    InputCheck,
     KernelContext,
     TensorSpec,
     Trait,
+    all_checks,
     register_op,
     same_index,
+    same_shape,
 )
 from graphpar.core.shapes import on_meta
 from graphpar.ops.common import op_label
@@ -33,11 +36,32 @@ _HOST = DeviceOption()
 
 _COUNTER = (Trait.COUNTER, Trait.INPLACE_UPDATE)
 
-register_op("Iter", enforce_inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda it: it + 1,
+
+def counter_at(index: int) -> InputCheck:
+    """An input check: input `index` (-1: the last) is an iteration counter, one integer value.
+
+    A float counter would count wrongly past 2**24 (float32) and feed fractional iterations to the
+    learning-rate schedule, silently; a bool one would stop at 1.
+    """
+
+    def check(_a: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        it, name = inputs[index], op.inputs[index]
+        if it.dtype.is_floating_point or it.dtype.is_complex or it.dtype == torch.bool:
+            raise TypeError(f"{op.type}: the iteration counter {name!r} is {str(it.dtype).removeprefix('torch.')}; "
+                            f"it must be an integer (int64) tensor, e.g. ConstantFill(shape=[1], value=0, "
+                            f"dtype=int64) as brew.iter makes it")
+        if math.prod(it.shape) != 1:
+            raise ValueError(f"{op.type}: the iteration counter {name!r} must hold one value, got shape "
+                             f"{list(it.shape)}")
+
+    return check
+
+
+register_op("Iter", enforce_inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda it: it + 1, check=counter_at(0),
             gradient=NOT_DIFFERENTIABLE, traits=_COUNTER, device_inference=lambda op, d: ([_HOST], [_HOST]),
             doc="it += 1 on an int64 CPU counter of shape [1] (in place enforced).")
 register_op("AtomicIter", inputs=2, enforce_inplace={(1, 0)},
-            kernel=lambda _a, _ctx: lambda _mutex, it: it + 1,
+            kernel=lambda _a, _ctx: lambda _mutex, it: it + 1, check=counter_at(1),
             gradient=NOT_DIFFERENTIABLE, traits=_COUNTER, device_inference=lambda op, d: ([_HOST, _HOST], [_HOST]),
             doc="[mutex, it] -> it, it += 1. The mutex is a dependency token: executors order every "
                 "write of one blob, so the increment is atomic without a lock.")
@@ -185,16 +209,8 @@ def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Te
     return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
 
 
-def _one_counter(it: TensorSpec, ctx: KernelContext) -> None:
-    """Raise unless the iteration counter holds one value (the kernel reads it with `.item()`)."""
-    if it.numel != 1:
-        raise ValueError(f"{op_label(ctx.op)}: the iteration counter must hold one value, got shape "
-                         f"{list(it.shape)}")
-
-
 def _learning_rate_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
     learning_rate_schedule(a, op_label(ctx.op))
-    _one_counter(inputs[0], ctx)
     return [TensorSpec((1,), torch.float32)]
 
 
@@ -205,7 +221,7 @@ register_op(
     "LearningRate", args={"base_lr": Arg("float"), "policy": "fixed", **_POLICY_ARGS,
                           "sub_policy_num_iters": Arg("ints", ()), **_SUB_POLICY_ARGS},
     kernel=_learning_rate, gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [d]),
-    traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC), infer=_learning_rate_infer,
+    traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC), infer=_learning_rate_infer, check=counter_at(0),
     doc="lr = base_lr * factor(iter), from the CPU int64 counter, computed in float64 on the host and "
         "written as a float32 [1] tensor on the op's device. Policies (Caffe2's args): fixed 1; step "
         "gamma^(iter // stepsize); multistep gamma^(#stepsizes <= iter); exp gamma^iter; inv "
@@ -239,7 +255,7 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tupl
 register_op(
     "MomentumSGDUpdate", inputs=4, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
-    traits=(Trait.INPLACE_UPDATE,),
+    traits=(Trait.INPLACE_UPDATE,), check=same_shape((0, 1, 3)),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
         "storage); lr is positive (the op subtracts). Plain: a = lr g + momentum m; mom = a; param -= a; "
         "grad = a. Nesterov: m' = momentum m + lr g; a = (1 + momentum) m' - momentum m; param -= a; "
@@ -289,7 +305,6 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 
 def _adam_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The update's specs from a step at t = 1 on meta tensors (the counter's value is not known)."""
-    _one_counter(inputs[5], ctx)
     return on_meta(lambda *xs: _adam_step(a, *xs, 1), inputs[:5])
 
 
@@ -297,6 +312,7 @@ register_op(
     "Adam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer,
+    check=all_checks(same_shape((0, 1, 2, 3)), counter_at(5)),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
         "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter; "
@@ -319,6 +335,12 @@ def _params_count(ctx: KernelContext, blocks: int, shared: int, updated: int) ->
                          f"shared blob(s), and writes the first {updated} blocks; got {len(ctx.op.inputs)} "
                          f"inputs and {len(ctx.op.outputs)} outputs")
     return k
+
+
+def _blocks(n: int, blocks: int) -> list[tuple[int, ...]]:
+    """For `n` inputs in `blocks` blocks of k: the k groups (i, k + i, 2k + i, ...) of one param's blobs."""
+    k = n // blocks
+    return [tuple(range(i, blocks * k, k)) for i in range(k)]
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -356,7 +378,7 @@ def _multi_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[...,
 register_op(
     "MultiTensorMomentumSGDUpdate", inputs=(4, None), outputs=(3, None), enforce_inplace=same_index,
     args={"momentum": 0.0, "nesterov": False}, kernel=_multi_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
-    traits=(Trait.INPLACE_UPDATE,),
+    traits=(Trait.INPLACE_UPDATE,), check=same_shape(lambda n: _blocks(n, 3)),
     doc="[grad_1..k, mom_1..k, param_1..k, lr] -> [grad_1..k, mom_1..k, param_1..k] in place: "
         "MomentumSGDUpdate of k params at once with multi-tensor (torch._foreach_*) kernels, with the "
         "same results bit for bit. The fuse_updates pass builds it from a device's MomentumSGDUpdates.")
@@ -387,6 +409,7 @@ register_op(
     "MultiTensorAdam", inputs=(6, None), outputs=(3, None), enforce_inplace=same_index,
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_multi_adam, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=lambda a, ctx, inputs: inputs[:len(ctx.op.outputs)],
+    check=all_checks(same_shape(lambda n: _blocks(n - 2, 4)), counter_at(-1)),
     device_inference=lambda op, d: ([d] * (len(op.inputs) - 1) + [_HOST], [d] * len(op.outputs)),
     doc="[param_1..k, m1_1..k, m2_1..k, grad_1..k, lr, iter] -> [param_1..k, m1_1..k, m2_1..k] in "
         "place: Adam of k params at once with multi-tensor (torch._foreach_*) kernels, with the same "

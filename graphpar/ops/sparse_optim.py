@@ -14,14 +14,25 @@ names are enforced).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from graphpar.core.ir import DeviceOption
-from graphpar.core.schema import NOT_DIFFERENTIABLE, KernelContext, TensorSpec, Trait, register_op
+from graphpar.core.ir import DeviceOption, OperatorDef
+from graphpar.core.schema import (
+    NOT_DIFFERENTIABLE,
+    InputCheck,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    all_checks,
+    register_op,
+    same_shape,
+)
 from graphpar.ops.common import op_label
+from graphpar.ops.optim import counter_at
 
 _HOST = DeviceOption()
 _UPDATE = (Trait.INPLACE_UPDATE,)
@@ -49,6 +60,20 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor, where: str) -> tuple[t
 def _same_specs(*pairs: int) -> Callable[[SimpleNamespace, KernelContext, list[TensorSpec]], list[TensorSpec]]:
     """A shape rule: output k has the spec of input pairs[k]."""
     return lambda _a, _ctx, inputs: [inputs[i] for i in pairs]
+
+
+def _rows_fit(param: int, indices: int, values: int) -> InputCheck:
+    """An input check: the slice `values` holds one row of `param` per index (nothing broadcasts)."""
+
+    def check(_a: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
+        p, i, v = (tuple(inputs[k].shape) for k in (param, indices, values))
+        if v != i + p[1:]:
+            raise ValueError(f"{op.type}: the slice {op.inputs[values]!r} has shape {list(v)}; with indices "
+                             f"{op.inputs[indices]!r} of shape {list(i)} and rows of {op.inputs[param]!r} of "
+                             f"shape {list(p[1:])} it must be {list(i + p[1:])}, one row per index ({op.type} does not "
+                             f"broadcast)")
+
+    return check
 
 
 def _scalar(lr: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +151,7 @@ def _sparse_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[...
 register_op(
     "SparseMomentumSGDUpdate", inputs=5, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_sparse_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
-    traits=_COALESCING, infer=_same_specs(0, 1, 3),
+    traits=_COALESCING, infer=_same_specs(0, 1, 3), check=all_checks(same_shape((1, 3)), _rows_fit(3, 4, 0)),
     doc="[grad, moment, lr, param, indices] -> [grad, moment, param] in place: MomentumSGDUpdate on the rows "
         "`indices` of moment and param, from the coalesced slice (duplicates summed); grad gets each "
         "index's row step. lr is positive (the op subtracts).")
@@ -178,18 +203,20 @@ def _sparse_adagrad(row_wise: bool) -> Callable[[SimpleNamespace, KernelContext]
 _ADAGRAD_ARGS = {"epsilon": 1e-5, "decay": 1.0}
 register_op(
     "Adagrad", inputs=4, outputs=2, inplace={(0, 0), (1, 1)}, args=_ADAGRAD_ARGS, kernel=_adagrad,
-    gradient=NOT_DIFFERENTIABLE, traits=_UPDATE,
+    gradient=NOT_DIFFERENTIABLE, traits=_UPDATE, check=same_shape((0, 1, 2)),
     doc="[param, moment, grad, lr] -> [param, moment]: moment = decay moment + grad^2; param += lr grad / "
         "(sqrt(moment) + epsilon). lr is negative for descent (Caffe2's sign); equals torch.optim.Adagrad "
         "(decay 1, lr_decay 0) with its eps.")
 register_op(
     "SparseAdagrad", inputs=5, outputs=2, enforce_inplace={(0, 0), (1, 1)}, args=_ADAGRAD_ARGS,
     kernel=_sparse_adagrad(False), gradient=NOT_DIFFERENTIABLE, traits=_COALESCING, infer=_same_specs(0, 1),
+    check=all_checks(same_shape((0, 1)), _rows_fit(0, 2, 3)),
     doc="[param, moment, indices, grad, lr] -> [param, moment] in place: Adagrad on the rows `indices` from "
         "the coalesced slice (torch.optim.Adagrad with a sparse gradient).")
 register_op(
     "RowWiseSparseAdagrad", inputs=5, outputs=2, enforce_inplace={(0, 0), (1, 1)}, args=_ADAGRAD_ARGS,
     kernel=_sparse_adagrad(True), gradient=NOT_DIFFERENTIABLE, traits=_COALESCING, infer=_same_specs(0, 1),
+    check=_rows_fit(0, 2, 3),
     doc="[param, moment, indices, grad, lr] -> [param, moment] in place: moment holds one value per row; "
         "moment[i] = decay moment[i] + mean(g_i^2); param[i] += lr g_i / (sqrt(moment[i]) + epsilon), on the "
         "coalesced slice.")
@@ -223,6 +250,7 @@ register_op(
     "SparseAdam", inputs=7, outputs=3, enforce_inplace={(0, 0), (1, 1), (2, 2)},
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_sparse_adam, gradient=NOT_DIFFERENTIABLE,
     traits=_COALESCING, infer=_same_specs(0, 1, 2),
+    check=all_checks(same_shape((0, 1, 2)), _rows_fit(0, 3, 4), counter_at(6)),
     device_inference=lambda op, d: ([d] * 6 + [_HOST], [d] * 3),
     doc="[param, m1, m2, indices, grad, lr, iter] -> [param, m1, m2] in place: Adam (the dense op's rule, "
         "bias-corrected with the CPU counter) on the rows of the coalesced slice only: "

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
 from graphpar.passes.state import ParallelState
 
@@ -29,11 +29,11 @@ def allreduce_blobs(net: NetDef, names: Iterable[str], grouped: Mapping[str, Map
         ParallelizeError: a blob misses a copy on some device.
         ValueError: a sparse (GradientSlice) gradient.
     """
-    if len(reducer.layout.devices) < 2:
+    if copies(reducer) < 2:
         return []
     ops: list[OperatorDef] = []
     for name in names:
-        group = checked_group(name, grouped[name], reducer.layout)
+        group = checked_group(name, grouped[name], reducer.layout, reducer.num_shards > 1)
         if group is not None:
             ops.extend(reducer.allreduce(name, group, to_all))
     net.ops.extend(ops)
@@ -56,15 +56,17 @@ def allreduce_gradients(state: ParallelState) -> None:
             allreduce_blobs(net, [name], state.grouped, state.reducer, to_all)
 
 
-def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout) -> list[str] | None:
-    """The copies of `name` in device order, or None for a single copy (nothing to reduce).
+def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout,
+                  across_shards: bool = False) -> list[str] | None:
+    """The copies of `name` in device order, or None for a single copy (nothing to reduce), unless
+    `across_shards` (a single copy, e.g. a gradient that is not data parallel, then has one per shard).
 
     Raises:
         ParallelizeError: a copy is missing on some device.
         ValueError: a sparse (GradientSlice) gradient (it is concatenated, not summed).
     """
     if len(copies) == 1:
-        return None
+        return [str(next(iter(copies.values())))] if across_shards else None
     missing = [d for d in layout.devices if d not in copies]
     if missing:
         raise ParallelizeError(f"gradient {name!r} has no copy on device(s) {missing}; every replica must "

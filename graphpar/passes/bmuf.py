@@ -25,11 +25,20 @@ from typing import Any
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.net import Net
 from graphpar.errors import ParallelizeError
-from graphpar.passes import analyze, builders, finish, group_by_device, loss_gradients, memonger, sync
+from graphpar.passes import (
+    analyze,
+    builders,
+    distributed,
+    finish,
+    group_by_device,
+    loss_gradients,
+    memonger,
+    sync,
+)
 from graphpar.passes.common import BlobDevices, DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.pipeline import Pass, training
-from graphpar.passes.reducers import PeerAccess, Reducer
+from graphpar.passes.reducers import PeerAccess, Reducer, copies
 from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import check_unprefixed
 
@@ -142,7 +151,7 @@ def build_global_update(state: ParallelState, bmuf: BmufOptions) -> Net:
     for name, p in zip(names, params):
         group = [str(state.grouped[name][d]) for d in layout.devices]
         ops.extend(reducer.allreduce(name, group, to_all=False))
-        ops.append(make_op("Scale", [p], [p], device, scale=1.0 / len(layout.devices)))
+        ops.append(make_op("Scale", [p], [p], device, scale=1.0 / copies(reducer)))
         ops.append(make_op("Sub", [p, global_name(p)], [p], device))
     if bmuf.max_gradient_norm is not None:
         ops.extend(_block_gradient_clip(params, device, bmuf.max_gradient_norm))
@@ -224,6 +233,7 @@ def bmuf_pipeline(bmuf: BmufOptions) -> tuple[Pass, ...]:
         Pass("share_gradient_memory", memonger.share_gradient_memory,
              lambda s: s.options.optimize_gradient_memory),
         Pass("global_nets", lambda s: add_global_nets(s, bmuf)),
+        Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.options.num_shards > 1),
         Pass("order_collectives", finish.order_collectives),
         Pass("declare_inputs", finish.declare_inputs),
     )
@@ -232,16 +242,17 @@ def bmuf_pipeline(bmuf: BmufOptions) -> tuple[Pass, ...]:
 def bmuf_options(layout: DeviceLayout, make_reducer: Callable[..., Reducer], blob_devices: BlobDevices,
                  use_nccl: bool, peer_access: PeerAccess | None, block_learning_rate: Any, block_momentum: Any,
                  nesterov: bool, master_device: Any, warmup_iterations: Any, reset_momentum_sgd: bool,
-                 add_blobs_to_sync: tuple[str, ...], max_gradient_norm: Any) -> BmufOptions:
-    """Parallelize_BMUF's block arguments checked, defaults filled in (block_momentum 1 - 1/N, the
-    first device as master), with a reducer over the replicas ordered master first.
+                 add_blobs_to_sync: tuple[str, ...], max_gradient_norm: Any, num_shards: int = 1) -> BmufOptions:
+    """Parallelize_BMUF's block arguments checked, defaults filled in (block_momentum 1 - 1/N for N
+    replicas over all `num_shards` shards, the first device as master), with a reducer over the
+    replicas ordered master first.
 
     Raises:
         TypeError: a non-number, or a non-int master_device or warmup_iterations.
         ParallelizeError: block_momentum outside [0, 1), block_learning_rate or max_gradient_norm <= 0,
             warmup_iterations < 1, a master_device that is not one of the devices, a prefixed blob name.
     """
-    momentum = 1.0 - 1.0 / len(layout.devices) if block_momentum is None else block_momentum
+    momentum = 1.0 - 1.0 / (len(layout.devices) * num_shards) if block_momentum is None else block_momentum
     _number("block_momentum", momentum, 0.0, 1.0)
     _number("block_learning_rate", block_learning_rate, 0.0)
     if max_gradient_norm is not None:

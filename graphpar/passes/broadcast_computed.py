@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.passes.common import Group, copy_device, make_op
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.state import ParallelState
 
 
@@ -34,18 +34,18 @@ def average_computed_params(net: NetDef, names: Sequence[str], grouped: Mapping[
     """Append, for each computed param in `names` order, an all-reduce and an in-place `Scale` by 1/N.
 
     Input: as `broadcast_computed_params`. Guarantees: after these ops every replica holds the mean of
-    the N replicas' values: the reducer's all-reduce, then each device scales its own copy on that
+    the N replicas' values (of every shard's, across shards): the reducer's all-reduce, then each device scales its own copy on that
     copy's device. Nothing is added for one device. Returns the ops added.
     """
     layout = reducer.layout
-    if len(layout.devices) < 2:
+    if copies(reducer) < 2:
         return []
     ops = []
     for name in names:
         group = [str(grouped[name][d]) for d in layout.devices]
         ops.extend(reducer.allreduce(name, group))
         ops.extend(make_op("Scale", [blob], [blob], copy_device(layout, d, blob, blob_devices),
-                           scale=1.0 / len(layout.devices)) for d, blob in zip(layout.devices, group))
+                           scale=1.0 / copies(reducer)) for d, blob in zip(layout.devices, group))
     net.ops.extend(ops)
     return ops
 

@@ -16,6 +16,7 @@ with `input_as_shape`) raises `ParallelizeError` naming it, rather than guessing
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
@@ -24,9 +25,11 @@ from graphpar.errors import ParallelizeError
 from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
 from graphpar.passes.allreduce import checked_group
 from graphpar.passes.common import make_op
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
 from graphpar.passes.state import ParallelState
+
+log = logging.getLogger(__name__)
 
 
 def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
@@ -92,17 +95,25 @@ def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], param
         ValueError: a sparse (GradientSlice) gradient (`allreduce_gradient_buckets` leaves them out).
     """
     layout = reducer.layout
-    if len(layout.devices) < 2:
+    if copies(reducer) < 2:
         return []
-    groups = {}
+    groups, singles = {}, []
     for name in names:
-        group = checked_group(name, grouped[name], layout)
-        if group is not None:
+        group = checked_group(name, grouped[name], layout, reducer.num_shards > 1)
+        if group is not None and len(group) < len(layout.devices):  # not data parallel: one copy per shard
+            singles.append(name)
             groups[name] = group
+        elif group is not None:
+            groups[name] = group
+    ops: list[OperatorDef] = [op for name in singles for op in reducer.allreduce(name, groups.pop(name), to_all)]
     sizes = param_specs(init_net, [params[name] for name in groups])
     specs = {name: sizes[params[name]] for name in groups}
-    ops: list[OperatorDef] = []
-    for k, bucket in enumerate(plan_buckets(list(groups), specs, bucket_bytes, first_bucket_bytes)):
+    buckets = plan_buckets(list(groups), specs, bucket_bytes, first_bucket_bytes)
+    log.info("gradient buckets: %d gradients in %d buckets of %s bytes (limit %d, first %d)", len(groups),
+             len(buckets), [sum(specs[name].nbytes for name in bucket) for bucket in buckets], bucket_bytes,
+             first_bucket_bytes)
+    for k, bucket in enumerate(buckets):
+        log.debug("gradient bucket %d: %s", k, bucket)
         if len(bucket) == 1:
             ops.extend(reducer.allreduce(bucket[0], groups[bucket[0]], to_all))
         else:

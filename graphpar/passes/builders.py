@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from graphpar.core.ir import BlobReference
+from graphpar.core.ir import BlobReference, NetDef
 from graphpar.core.scope import DeviceScope, NameScope
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.state import ParallelState
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -35,14 +39,43 @@ def build_replicas(state: ParallelState) -> None:
     BlobReferences (ParallelizeError otherwise).
     """
     options, layout = state.options, state.layout
-    loss_scale = 1.0 / len(layout.devices)
+    loss_scale = 1.0 / (len(layout.devices) * options.num_shards)
     for device_id in layout.devices:
         with replica_scope(layout, device_id):
             options.input_builder_fun(state.model)
             result = options.forward_pass_builder_fun(state.model, loss_scale)
         if state.training:
             _check_losses(result, layout.scope(device_id))
+            if device_id == layout.master and len(layout.devices) > 1:
+                _warn_unscaled(state.model.net.Proto(), result, loss_scale)
         state.losses_by_device[device_id] = list(result) if isinstance(result, list) else []
+
+
+def _warn_unscaled(net: NetDef, losses: list[str], loss_scale: float) -> None:
+    """Warn about each loss that no `scale` argument equal to `loss_scale` feeds (e.g. Scale(loss,
+    scale=loss_scale)): its gradients, summed over the replicas, would be len(devices) times those of
+    one device on the whole batch. A warning, not an error: a loss may be scaled another way (a Mul
+    by a filled blob), which this look at the recorded ops cannot tell."""
+    for loss in losses:
+        scales = _scales_feeding(net, str(loss))
+        if not any(math.isclose(scale, loss_scale) for scale in scales):
+            found = f"it is scaled by {scales}" if scales else "no op computing it has a `scale` argument"
+            log.warning("Parallelize: loss %r does not look multiplied by loss_scale=%g (%s); the gradients of "
+                        "the %d replicas are summed, so they would be %gx those of one device on the whole "
+                        "batch. Return model.net.Scale(loss, 'scaled_loss', scale=loss_scale) from the forward "
+                        "builder (ignore this if you scale the loss another way)", str(loss), loss_scale, found,
+                        round(1 / loss_scale), math.prod(scales) / loss_scale)
+
+
+def _scales_feeding(net: NetDef, blob: str) -> list[float]:
+    """The `scale` arguments of the ops that `blob`'s value depends on, last op first."""
+    needed, scales = {blob}, []
+    for op in reversed(net.ops):
+        if needed.intersection(op.outputs):
+            if isinstance(op.args.get("scale"), (int, float)):
+                scales.append(float(op.args["scale"]))
+            needed.update(op.inputs)
+    return scales
 
 
 def _check_losses(losses: Any, scope: str) -> None:

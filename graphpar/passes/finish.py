@@ -12,10 +12,13 @@ from graphpar.passes.state import ParallelState
 
 
 def configure_train_net(state: ParallelState) -> None:
-    """The train net's executor (`net_type`) and `num_workers = devices * num_threads_per_device`."""
+    """The train net's executor (`net_type`) and `num_workers = devices * num_threads_per_device`
+    (plus `max_concurrent_distributed_ops` across shards)."""
     proto, options = state.model.net.Proto(), state.options
     proto.type = options.net_type
     proto.num_workers = len(state.layout.devices) * options.num_threads_per_device
+    if state.reducer.num_shards > 1:  # a worker per collective in flight, as Caffe2's 8 extra
+        proto.num_workers += options.max_concurrent_distributed_ops
 
 
 def mark_first_iteration_serial(state: ParallelState) -> None:
@@ -25,18 +28,23 @@ def mark_first_iteration_serial(state: ParallelState) -> None:
 
 def chain_collectives(ops: Sequence[OperatorDef]) -> None:
     """Give each collective op of `ops` (Trait.COLLECTIVE) a control input on the first output of the
-    collective before it, so they run in program order on every device whatever the executor.
+    collective before it on the same channel, so they run in program order whatever the executor.
 
     Concurrent collective launches can deadlock (single-process NCCL; cross-host collectives wait on
-    peers), so every collective of a net runs in one fixed order, whichever pass added it.
+    peers), so every collective of a net runs in one fixed order, whichever pass added it. Collectives
+    across processes (Trait.DISTRIBUTED) are ordered per communicator (their input 0): each
+    communicator is a channel of its own, so up to one collective per communicator is in flight.
     """
-    previous = None
+    previous: dict[str | None, str] = {}
     for op in ops:
         if not has_trait(op, Trait.COLLECTIVE):
             continue
-        if previous is not None and previous not in op.control_inputs:
-            op.control_inputs.append(previous)
-        previous = op.outputs[0] if op.outputs else previous
+        channel = op.inputs[0] if has_trait(op, Trait.DISTRIBUTED) else None
+        before = previous.get(channel)
+        if before is not None and before not in op.control_inputs:
+            op.control_inputs.append(before)
+        if op.outputs:
+            previous[channel] = op.outputs[0]
 
 
 def order_collectives(state: ParallelState) -> None:

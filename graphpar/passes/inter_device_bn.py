@@ -5,22 +5,25 @@ with the statistics of the whole global batch, and back-propagate accordingly, s
 exactly what one device computes on the concatenated batch:
 
 - forward, per group of N SpatialBN ops (one per device):
-  `ChannelStats(X_d) -> X_d_sums, X_d_sumsq` on each device, an all-reduce of each so that every
-  device holds the global Σx and Σx², and each SpatialBN takes them as inputs 5, 6 with
-  `num_batches=N`;
+  `ChannelStats(X_d) -> X_d_sums, X_d_sumsq, X_d_count` on each device, an all-reduce of each so
+  that every device holds the global Σx, Σx² and value count, and each SpatialBN takes them as
+  inputs 5, 6, 7 with `num_batches=N`. The count is the real one, so devices fed batches of
+  different sizes (a 2 + 6 split of 8) still normalise with the whole batch's statistics, as
+  `SyncBatchNorm` weights by each process's count;
 - backward, per group of N SpatialBNGradient ops:
   `ChannelBackpropStats(X_d, saved_mean_d, saved_inv_std_d, dY_d) -> dscale_d, dbias_d` (into the
   SpatialBNGradient's own scale / bias gradient blobs), an all-reduce of each, and each
-  SpatialBNGradient takes the global sums as inputs 5, 6 with `num_batches=N`; it writes them back
-  divided by N, in place, and the gradient all-reduce that Parallelize adds later sums them up again.
+  SpatialBNGradient takes the global sums as inputs 5, 6 and its forward op's global count as input
+  7, with `num_batches=N`; it writes the sums back divided by N, in place, and the gradient
+  all-reduce that Parallelize adds later sums them up again.
 
 The all-reduce is the reducer's (`passes.reducers`: a Sum tree over device positions plus Copy back,
 or one `NCCLAllreduce` with `use_nccl` on CUDA; peers without P2P access are copied to the root first).
 Unlike Caffe2, whose GPU variant reduced through `cpu_0` and which needed device ids 0..N-1, the sums
-stay on the replicas' devices and any device ids work. The statistics are two per-channel vectors, so
-per layer and direction this adds N stats ops and 2 all-reduces: 2 NCCLAllreduce ops, or 2 Sum
-reductions (N-1 pairwise Sums each for 4, 8 or 16 devices, else one N-ary Sum) and 2·(N-1) Copies.
-As in Caffe2, every device must get a batch of the same size: SpatialBN's count is N times its own.
+stay on the replicas' devices and any device ids work. The statistics are two per-channel vectors
+(and, forward, one scalar count), so per layer this adds N stats ops and 3 all-reduces forward, 2
+backward: NCCLAllreduce ops, or Sum reductions (N-1 pairwise Sums each for 4, 8 or 16 devices, else
+one N-ary Sum) and N-1 Copies each. Unlike Caffe2, devices may get batches of different sizes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
     if count < 2:
         return netdef
     taken = {b for op in netdef.ops for b in (*op.inputs, *op.outputs)} | set(netdef.external_inputs)
+    counts: dict[str, str] = {}  # a forward op's saved mean -> its global count blob
     rewritten: list[OperatorDef] = []
     index = 0
     while index < len(netdef.ops):
@@ -65,7 +69,7 @@ def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
             continue
         group = netdef.ops[index:index + count]
         _check_group(netdef, index, group, layout)
-        rewritten += _combine(group, reducer, taken)
+        rewritten += _combine(group, reducer, taken, counts)
         index += count
     netdef.ops[:] = rewritten
     return netdef
@@ -92,19 +96,27 @@ def _label(op: OperatorDef) -> str:
     return op.type
 
 
-def _combine(group: list[OperatorDef], reducer: Reducer, taken: set[str]) -> list[OperatorDef]:
+def _combine(group: list[OperatorDef], reducer: Reducer, taken: set[str],
+             counts: dict[str, str]) -> list[OperatorDef]:
     """The stats ops and their all-reduce, then the group's ops, edited to read the global stats."""
     if group[0].type == "SpatialBN":
         stats = [make_op("ChannelStats", [op.inputs[0]],
-                         [_fresh(f"{op.inputs[0]}_sums", taken), _fresh(f"{op.inputs[0]}_sumsq", taken)],
+                         [_fresh(f"{op.inputs[0]}_{what}", taken) for what in ("sums", "sumsq", "count")],
                          op.device_option) for op in group]
+        counts.update((op.outputs[3], stat.outputs[2]) for op, stat in zip(group, stats))
+        extra: list[list[str]] = [[] for _ in group]
     else:  # SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std) -> dX, dscale, dbias
         stats = [make_op("ChannelBackpropStats", [op.inputs[0], op.inputs[3], op.inputs[4], op.inputs[2]],
                          op.outputs[1:3], op.device_option) for op in group]
+        missing = [op.inputs[3] for op in group if op.inputs[3] not in counts]
+        if missing:
+            raise ParallelizeError(f"inter-device batch norm: SpatialBNGradient reads saved means {missing} "
+                                   f"that no combined training SpatialBN before it wrote")
+        extra = [[counts[op.inputs[3]]] for op in group]
     reduce_ops = [op for copies in zip(*(stat.outputs for stat in stats))
                   for op in reducer.allreduce(stripBlobName(copies[0]), copies)]
-    for op, stat in zip(group, stats):
-        op.inputs.extend(stat.outputs)
+    for op, stat, more in zip(group, stats, extra):
+        op.inputs.extend([*stat.outputs, *more])
         op.args["num_batches"] = len(group)
     return [*stats, *reduce_ops, *group]
 

@@ -1,23 +1,27 @@
-"""Pass: the gradient ops, seeded with ones for every replica's losses."""
+"""Pass: the gradient ops, seeded with ones for every replica's losses (times the fed batch weight
+with `uneven_batches`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 from graphpar.core.ir import NetDef
-from graphpar.naming import grad_name
+from graphpar.naming import BATCH_WEIGHT, grad_name
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 
 
 def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence[str]],
-                            layout: DeviceLayout) -> dict[str, str]:
+                            layout: DeviceLayout, weighted: bool = False) -> dict[str, str]:
     """Append `ConstantFill(loss) -> <loss>_grad` (value 1.0, shaped like the loss) per loss, on its device.
 
     Input: `net` computes every loss; `losses_by_device` maps each device id to its replica's losses.
-    Guarantees: one fill per loss, in device order then loss order. Returns `{loss: seed gradient}`,
-    the map to pass to ONE `AddGradientOperators` call covering every replica (Caffe2 does the same:
-    the user already scaled each loss by 1/len(devices)).
+    With `weighted`, each seed is then multiplied in place by the replica's `BATCH_WEIGHT` blob, which
+    `graphpar.data.feed` writes every step: N·n_d/n for a device fed n_d of n rows, so the 1/N loss
+    scale becomes n_d/n (1.0 for equal chunks: the same gradients). Guarantees: one fill (and Mul) per
+    loss, in device order then loss order. Returns `{loss: seed gradient}`, the map to pass to ONE
+    `AddGradientOperators` call covering every replica (Caffe2 does the same: the user already scaled
+    each loss by 1/len(devices)).
     """
     seeds: dict[str, str] = {}
     ops = []
@@ -25,6 +29,9 @@ def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence
         for loss in losses_by_device.get(device, ()):
             seeds[str(loss)] = grad_name(str(loss))
             ops.append(make_op("ConstantFill", [loss], [seeds[str(loss)]], layout.option(device), value=1.0))
+            if weighted:
+                ops.append(make_op("Mul", [seeds[str(loss)], layout.scoped(device, BATCH_WEIGHT)],
+                                   [seeds[str(loss)]], layout.option(device)))
     net.ops.extend(ops)
     return seeds
 
@@ -32,4 +39,5 @@ def add_loss_gradient_seeds(net: NetDef, losses_by_device: Mapping[int, Sequence
 def add_gradients(state: ParallelState) -> None:
     """Seed every replica's losses and add the gradient ops with one `AddGradientOperators` call."""
     model = state.model
-    model.AddGradientOperators(add_loss_gradient_seeds(model.net.Proto(), state.losses_by_device, state.layout))
+    model.AddGradientOperators(add_loss_gradient_seeds(model.net.Proto(), state.losses_by_device, state.layout,
+                                                       state.options.uneven_batches))

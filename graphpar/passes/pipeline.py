@@ -24,6 +24,8 @@ from graphpar.passes import (
     broadcast_computed,
     bucketing,
     builders,
+    check_losses,
+    distributed,
     finish,
     fuse_updates,
     group_by_device,
@@ -85,6 +87,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("validate_params", analyze.validate_params),
     Pass("group_params", group_by_device.group_params),
     Pass("transform_before_gradients", builders.transform_before_gradients, _given("pre_grad_net_transformer_fun")),
+    Pass("check_finite_losses", check_losses.check_finite_losses, _option("check_finite_loss")),
     Pass("add_gradients", loss_gradients.add_gradients, training),
     Pass("transform_nets", builders.transform_nets, _given("net_transformer_fun")),
     # forward-only models stop here: devices, the cross-replica check, net lists
@@ -113,6 +116,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
+    Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.training and s.options.num_shards > 1),
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),
 )

@@ -10,6 +10,11 @@ checkpoint syncs) asks the one reducer Parallelize built from its options, so a 
   Sum onto position 0), then a `Copy` back to every other device. A peer whose memory the root cannot
   read (no P2P access) is first copied to the root (Caffe2 issues #633/#659).
 - `NcclReducer`: one in-place `NCCLAllreduce` / `NCCLBroadcast` over every copy (CUDA replicas).
+- `DistributedReducer`: across shards (processes, `rendezvous`): the local reducer's sum onto the
+  first device, one cross-shard `Allreduce` of that copy, the local broadcast back; broadcasts go
+  from shard 0's first device (`Broadcast`, then the local copies). Its collectives take turns on
+  `max_concurrent_distributed_ops` communicators (blobs created by `CreateCommonWorld`), so that
+  many may be in flight at once.
 
 Cross-device ops name their inputs' devices in `input_device_ids`, so nothing parses device ids out of
 blob names. Collectives are left unordered here: the `order_collectives` pass chains every collective
@@ -22,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
+from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DPM_SUM_NAME, BlobDevices, DeviceLayout, Group, copy_device, make_op
 
 PeerAccess = Callable[[int, int], bool]  # (root device id, peer device id) -> may root read peer's memory
@@ -31,6 +37,7 @@ class Reducer(Protocol):
     """Builds the ops that combine or copy one blob's per-replica copies."""
 
     layout: DeviceLayout
+    num_shards: int  # processes whose copies it combines too (1: this process's replicas only)
 
     def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
         """Ops after which every copy in `group` (one per replica, in device order) holds their sum, or
@@ -68,6 +75,8 @@ def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
 class TreeReducer:
     """Sum trees onto the first device and copies back (CPU replicas, and CUDA without NCCL)."""
 
+    num_shards = 1
+
     def __init__(self, layout: DeviceLayout, blob_devices: BlobDevices,
                  peer_access: PeerAccess | None = None) -> None:
         self.layout = layout
@@ -104,6 +113,8 @@ class TreeReducer:
 class NcclReducer:
     """In-place NCCL collectives over every copy (CUDA replicas); host-side blobs are copied."""
 
+    num_shards = 1
+
     def __init__(self, layout: DeviceLayout, blob_devices: BlobDevices) -> None:
         self.layout = layout
         self.blob_devices = blob_devices
@@ -130,12 +141,69 @@ class NcclReducer:
         return _allgather(self.layout, name, group, outputs, self.blob_devices)
 
 
+WORLD_PREFIX = "graphpar_cw_"  # the communicator blobs: graphpar_cw_0, graphpar_cw_1, ...
+
+
+class DistributedReducer:
+    """Local reduction onto the first device, one collective across shards, local broadcast back."""
+
+    def __init__(self, local: Reducer, num_shards: int, max_concurrent: int,
+                 blob_devices: BlobDevices) -> None:
+        self.layout = local.layout
+        self.local = local
+        self.num_shards = num_shards
+        self.blob_devices = blob_devices
+        self.worlds = [f"{WORLD_PREFIX}{k}" for k in range(max_concurrent)]
+        self.issued = 0  # collectives built so far: the next one takes communicator issued % len(worlds)
+
+    def world(self) -> str:
+        """The communicator blob for the next collective (round robin, in build order on every shard)."""
+        world = self.worlds[self.issued % len(self.worlds)]
+        self.issued += 1
+        return world
+
+    def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
+        layout, root = self.layout, group[0]
+        ops = self.local.allreduce(name, group, to_all=False) if len(group) > 1 else []
+        ops.append(make_op("Allreduce", [self.world(), root], [root], self._device(root)))
+        if to_all and len(group) > 1:
+            ops.extend(self.local.broadcast(dict(zip(layout.devices, group))))
+        return ops
+
+    def broadcast(self, group: Group) -> list[OperatorDef]:
+        source = group[self.layout.master]
+        ops = [make_op("Broadcast", [self.world(), source], [source], self._device(source), root=0)]
+        if len(group) > 1:
+            ops.extend(self.local.broadcast(group))
+        return ops
+
+    def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
+        raise ParallelizeError(f"gradient {name!r} is sparse (GradientSlice): sparse gradients across shards "
+                               f"(rendezvous) are not supported yet; use a dense gradient (e.g. Gather "
+                               f"through a dense path) or train on one process")
+
+    def _device(self, blob: str) -> DeviceOption:
+        return self.blob_devices.get(blob) or self.layout.option(self.layout.master)
+
+
 def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool = False,
-                 peer_access: PeerAccess | None = None) -> Reducer:
-    """The reducer for Parallelize's options: NCCL for CUDA replicas with `use_nccl`, else Sum trees."""
+                 peer_access: PeerAccess | None = None, num_shards: int = 1,
+                 max_concurrent: int = 1) -> Reducer:
+    """The reducer for Parallelize's options: NCCL for CUDA replicas with `use_nccl`, else Sum trees;
+    wrapped in a `DistributedReducer` over `max_concurrent` communicators for several shards."""
+    local: Reducer
     if use_nccl and layout.device_type == CUDA:
-        return NcclReducer(layout, blob_devices)
-    return TreeReducer(layout, blob_devices, peer_access)
+        local = NcclReducer(layout, blob_devices)
+    else:
+        local = TreeReducer(layout, blob_devices, peer_access)
+    if num_shards > 1:
+        return DistributedReducer(local, num_shards, max_concurrent, blob_devices)
+    return local
+
+
+def copies(reducer: Reducer) -> int:
+    """How many copies of a blob the reducer combines: replicas times shards."""
+    return len(reducer.layout.devices) * reducer.num_shards
 
 
 def _allgather(layout: DeviceLayout, name: str, group: Sequence[str], outputs: Sequence[str],

@@ -19,7 +19,7 @@ from graphpar.core.ir import BlobReference, GradientSlice, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.state import ParallelState
 
 Gathered = dict[tuple[str, ...], list[str]]  # the copies of one part, in device order -> its outputs
@@ -73,7 +73,7 @@ def allgather_slices(state: ParallelState, names: Iterable[str], gathered: Gathe
     """`allgather_slice` for each sparse name (in order), with the state rebound to the combined slices;
     returns the ops (the caller places them). One replica has nothing to gather."""
     ops: list[OperatorDef] = []
-    if len(state.layout.devices) < 2:
+    if copies(state.reducer) < 2:
         return ops
     for name in names:
         name_ops, combined = allgather_slice(name, state.grouped[name], state.reducer, gathered, to_all)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import DeviceOption, GradientSlice
+from graphpar.distributed import Rendezvous
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.reducers import Reducer
 
@@ -34,7 +35,7 @@ class ParallelizeOptions:
     post_sync_builder_fun: Builder | None = None
     pre_grad_net_transformer_fun: Builder | None = None
     net_transformer_fun: Builder | None = None
-    rendezvous: dict | None = None
+    rendezvous: Rendezvous | None = None
     net_type: str = "dag"
     num_threads_per_device: int = 4
     broadcast_computed_params: bool = True
@@ -47,6 +48,15 @@ class ParallelizeOptions:
     dynamic_memory_management: bool = False
     optimize_gradient_memory: bool = False
     blobs_to_keep: tuple[str, ...] = ()
+    uneven_batches: bool = False
+    check_finite_loss: bool = False
+    max_concurrent_distributed_ops: int = 16
+    barrier_net_timeout_sec: float = 300.0
+
+    @property
+    def num_shards(self) -> int:
+        """How many processes train the model together (1 without a rendezvous)."""
+        return 1 if self.rendezvous is None else self.rendezvous.num_shards
 
     @property
     def training(self) -> bool:
@@ -80,6 +90,8 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     checkpoint_net: Any = None
+    feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
+    sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
 
     @property
     def training(self) -> bool:

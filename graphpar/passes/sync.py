@@ -13,6 +13,7 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import parse_device_scope, stripBlobName
 from graphpar.passes.common import DeviceLayout, declare_external_inputs
+from graphpar.passes.finish import chain_collectives
 from graphpar.passes.group_by_device import group_by_device
 from graphpar.passes.reducers import Reducer
 from graphpar.passes.state import ParallelState
@@ -120,6 +121,7 @@ def checkpoint_sync_net(name: str, names: Sequence[str], reducer: Reducer) -> Ne
     """A new net that broadcasts each name's first-device blob to every replica (sources are inputs)."""
     net = NetDef(name)
     sync_blobs(net, names, reducer)
+    chain_collectives(net.ops)
     declare_external_inputs(net)
     return net
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
 
-from graphpar import workspace
+from graphpar import checkpoint, workspace
+from graphpar import data_parallel_model as dpm
 from graphpar.examples import train
 
 pytestmark = pytest.mark.slow
@@ -47,3 +49,89 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
     for name, value in uninterrupted.items():
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
     assert any(not np.array_equal(halfway[n], uninterrupted[n]) for n in uninterrupted)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size must be between 1 and the 1437 training samples, got 0"),
+    (["--batch-size", "2000"], "--batch-size must be between 1 and the 1437 training samples, got 2000"),
+    (["--batch-size", "66", "--devices", "4"], "--batch-size 66 must be a multiple of --devices 4"),
+    (["--devices", "0"], "--devices must be at least 1, got 0"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--resume"], "--resume: there is no checkpoint at"),
+])
+def test_bad_options_are_refused_with_a_clear_message(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--cpu", "--checkpoint", str(tmp_path / "none.safetensors")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_resuming_a_finished_run_says_how_to_train_longer(tmp_path, capsys):
+    ckpt = str(tmp_path / "c.safetensors")
+    assert train.main(["--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "final test accuracy" in out and "nan" not in out
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert metrics[-1]["iteration"] == 1437 // 63 - 1 and 0 < metrics[-1]["test_accuracy"] <= 1
+    assert train.main(["--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt,
+                       "--resume"]) == 0
+    assert "nothing to do: " in (out := capsys.readouterr().out) and "--epochs 5" in out and "nan" not in out
+
+
+def test_evaluation_covers_every_test_sample():
+    x_train, y_train, x_test, y_test = train.load_digits()
+    workspace.ResetWorkspace()
+    model, test = train.build(list(range(7)), True, 0.05, 100)
+    from graphpar.data import feed
+
+    feed(model, {"data": x_train[:7], "label": y_train[:7]})
+    dpm.RunInitNet(model)
+    dpm.RunInitNet(test)
+    assert len(y_test) % 7 and 0 <= train.evaluate(test, x_test, y_test) <= 1
+    assert sum(len(workspace.FetchBlob(f"cpu_{d}/softmax")) for d in range(7)) == len(y_test)
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    ckpt = tmp_path / "k.safetensors"
+    run_net, calls = dpm.RunNet, []
+
+    def interrupted(model, n):
+        calls.append(model.name)
+        if calls.count("digits_train") == 30:  # in the second epoch (22 steps each)
+            raise KeyboardInterrupt
+        return run_net(model, n)
+
+    monkeypatch.setattr(dpm, "RunNet", interrupted)
+    assert train.main(["--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at iteration 29" in err and "--resume" in err and "Traceback" not in err
+    assert checkpoint.read_metadata(ckpt)["iteration"] == 22  # the first epoch's, intact
+    monkeypatch.setattr(dpm, "RunNet", run_net)
+    assert train.main(["--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def _checkpoint(path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def test_two_processes_train_and_resume_like_one_and_a_two_process_checkpoint_resumes_on_one(tmp_path, capsys):
+    """2 processes x 2 CPU devices (gloo) == 1 x 4 bit for bit, after a resume on 2 processes and after
+    resuming their checkpoint on 1 process."""
+    common = ["--epochs", "2", "--lr-step-epochs", "1"]
+    train.main([*common, "--devices", "4", "--checkpoint", str(tmp_path / "one.safetensors")])
+    uninterrupted = _checkpoint(tmp_path / "one.safetensors")
+    two = ["--devices", "2", "--num-processes", "2", "--lr-step-epochs", "1"]
+    assert train.main([*two, "--epochs", "1", "--checkpoint", str(tmp_path / "two.safetensors")]) == 0
+    (tmp_path / "copy.safetensors").write_bytes((tmp_path / "two.safetensors").read_bytes())
+    assert train.main([*two, "--epochs", "2", "--checkpoint", str(tmp_path / "two.safetensors"), "--resume"]) == 0
+    train.main([*common, "--devices", "4", "--checkpoint", str(tmp_path / "copy.safetensors"), "--resume"])
+    for name in ("two", "copy"):
+        resumed = _checkpoint(tmp_path / f"{name}.safetensors")
+        assert sorted(resumed) == sorted(uninterrupted)
+        for blob, value in uninterrupted.items():
+            np.testing.assert_array_equal(resumed[blob], value, err_msg=f"{name}: {blob}")

@@ -97,16 +97,16 @@ def test_repeated_runs_and_creates_start_no_new_threads():
 
 
 def test_concurrency_respects_the_thread_budget(monkeypatch: pytest.MonkeyPatch):
-    from graphpar.executor.dag import make_schedule
+    from graphpar.executor.dag import make_schedules
 
     workspace.FeedBlob("x", np.ones(2, np.float32))
     net = NetDef("wide", [OperatorDef("Relu", ["x"], [f"y{i}"]) for i in range(8)], type="dag", num_workers=16)
     monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "3")
     plan = workspace.get_workspace().create_net(net)
-    assert plan.intra_op_threads == 3 and make_schedule(plan).concurrency == 1
+    assert plan.intra_op_threads == 3 and make_schedules(plan)[0].concurrency == 1
     cpu = [OperatorDef("Relu", ["x"], [f"y{i}"], device_option=DeviceOption(CPU, i % 4)) for i in range(8)]
     plan = workspace.get_workspace().create_net(NetDef("replicas", cpu, type="dag", num_workers=16))
-    assert plan.intra_op_threads == 1 and make_schedule(plan).concurrency == 3
+    assert plan.intra_op_threads == 1 and make_schedules(plan)[0].concurrency == 3
 
 
 def _diamonds(width: int, depth: int, net_type: str) -> NetDef:

@@ -105,3 +105,23 @@ def test_each_version_of_a_reused_name_is_freed_after_its_own_users():
     versions = list(zip(layout.version_slots, layout.version_users))
     assert versions == [(t, 2), (a, 3), (t, 2)]  # t v0 (ops 0, 1), a (1, 2, 4), t v2 (ops 3, 4)
     assert [list(r) for r in layout.releases] == [[0], [0, 1], [1], [2], [1, 2]]
+
+
+@pytest.mark.parametrize("net_type", ["simple", "dag"])
+def test_updates_run_last_and_values_are_freed_after_their_last_use_in_that_order(net_type):
+    """`lr` is read by the update (op 2) and by op 3, which does not depend on the update: op 3 runs
+    first, so `lr` may be freed only after the update, not after op 3 (its last user in program order)."""
+    net = NetDef("staged", [
+        OperatorDef("ConstantFill", [], ["lr"], {"shape": [1], "value": 0.5}),             # 0
+        OperatorDef("Scale", ["w"], ["g"], {"scale": 1.0}),                                 # 1
+        OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "w"], ["g", "m", "w"]),          # 2
+        OperatorDef("Scale", ["lr"], ["y"], {"scale": 2.0}),                                # 3
+    ], type=net_type, external_outputs=["y"], args={"dynamic_memory_management": True})
+    workspace.FeedBlob("w", np.ones(3, np.float32))
+    workspace.FeedBlob("m", np.zeros(3, np.float32))
+    plan = workspace.get_workspace().create_net(net)
+    assert plan.order == (0, 1, 3, 2) and plan.staged_from == 3
+    assert "lr" in [plan.frame.names[s] for s in plan.frame.frees[2]] and plan.frame.frees[3] == ()
+    workspace.RunNet("staged")
+    np.testing.assert_array_equal(workspace.FetchBlob("w"), np.full(3, 0.5, np.float32))
+    np.testing.assert_array_equal(workspace.FetchBlob("y"), [1.0])

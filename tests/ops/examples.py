@@ -9,10 +9,13 @@ needs an entry.
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from graphpar import distributed
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -46,6 +49,11 @@ def probs(rows: int, cols: int) -> torch.Tensor:
     return torch.softmax(f(rows, cols), 1)
 
 
+# a communicator of one shard and a store, registered in this process, for the cross-shard ops
+_WORLD = torch.tensor(distributed.create_world("examples", None, None, 0, 1, "GLOO", 5.0), dtype=torch.int64)
+_STORE = torch.tensor(distributed.register_store(torch.distributed.HashStore()), dtype=torch.int64)
+_STORE_DIR = tempfile.mkdtemp(prefix="graphpar_examples_")
+
 _X4 = f(2, 3, 6, 6)
 _POOLED, _INDICES = F.max_pool2d(_X4, 2, 2, return_indices=True)
 _POOL = {"kernel": 2, "stride": 2}
@@ -59,6 +67,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "Adadelta": [ex(f(3, 2), pos(3, 2), pos(3, 2), f(3, 2), f(1), outputs=3)],
     "Adam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "Add": [ex(f(2, 3), f(3)), ex(f(2, 3, 4), f(3), broadcast=1, axis=1)],
+    "CheckFinite": [ex(f(1), outputs=0), ex(f(2, 3), f(1, dtype=torch.float64), outputs=0)],
     "AddGradient": [ex(f(2, 3), f(2, 3), f(3)), ex(f(2, 3, 4), f(2, 3, 4), f(3), broadcast=1, axis=1)],
     "Alias": [ex(f(2))],
     "AtomicIter": [ex(torch.zeros((), dtype=torch.uint8), ints(3, dtype=torch.int64))],
@@ -137,6 +146,12 @@ EXAMPLES: dict[str, list[Example]] = {
                                         momentum=0.9),
                                      ex(f(3, 2), f(3, 2), f(3, 2), pos(1), outputs=3, momentum=0.5, nesterov=1)],
     "MulGradient": [ex(f(2, 3), f(2, 3), f(2, 1))],
+    "Allreduce": [ex(_WORLD, f(2, 3), outputs=1), ex(_WORLD, f(2), ints(3, 4), outputs=2)],
+    "Barrier": [ex(_WORLD, outputs=0)],
+    "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
+    "CreateCommonWorld": [ex(_STORE, size=1, rank=0, name="example_cw"), ex(size=1, rank=0, name="example_cw")],
+    "FileStoreHandlerCreate": [ex(path=_STORE_DIR, prefix="example")],
+    "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],
     "NCCLAllreduce": [ex(f(2, 3), f(2, 3), outputs=2), ex(f(4), outputs=1)],
     "NCCLBroadcast": [ex(f(2, 3), f(2, 3), f(2, 3), outputs=3, root=1)],
     "NCHW2NHWC": [ex(f(2, 3, 4, 5))],

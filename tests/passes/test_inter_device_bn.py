@@ -52,20 +52,22 @@ def _bn_net(lay: DeviceLayout) -> NetDef:
 def test_exact_ops_on_two_cpu_devices():
     lay = layout([0, 1])
     net = inter_device_batch_norm(_bn_net(lay), reducer(lay))
-    assert summary(net.ops[:6]) == [
-        ("ChannelStats", ["cpu_0/x"], ["cpu_0/x_sums", "cpu_0/x_sumsq"], cpu(0), "", []),
-        ("ChannelStats", ["cpu_1/x"], ["cpu_1/x_sums", "cpu_1/x_sumsq"], cpu(1), "", []),
+    assert summary(net.ops[:8]) == [
+        ("ChannelStats", ["cpu_0/x"], ["cpu_0/x_sums", "cpu_0/x_sumsq", "cpu_0/x_count"], cpu(0), "", []),
+        ("ChannelStats", ["cpu_1/x"], ["cpu_1/x_sums", "cpu_1/x_sumsq", "cpu_1/x_count"], cpu(1), "", []),
         ("Sum", ["cpu_0/x_sums", "cpu_1/x_sums"], ["cpu_0/x_sums"], cpu(0), "dpm", []),
         ("Copy", ["cpu_0/x_sums"], ["cpu_1/x_sums"], cpu(1), "", []),
         ("Sum", ["cpu_0/x_sumsq", "cpu_1/x_sumsq"], ["cpu_0/x_sumsq"], cpu(0), "dpm", []),
         ("Copy", ["cpu_0/x_sumsq"], ["cpu_1/x_sumsq"], cpu(1), "", []),
+        ("Sum", ["cpu_0/x_count", "cpu_1/x_count"], ["cpu_0/x_count"], cpu(0), "dpm", []),
+        ("Copy", ["cpu_0/x_count"], ["cpu_1/x_count"], cpu(1), "", []),
     ]
-    assert [op.type for op in net.ops[6:8]] == ["SpatialBN", "SpatialBN"]
-    bn0, bn1 = net.ops[6], net.ops[7]
-    assert bn0.inputs[5:] == ["cpu_0/x_sums", "cpu_0/x_sumsq"]
-    assert bn1.inputs[5:] == ["cpu_1/x_sums", "cpu_1/x_sumsq"]
+    assert [op.type for op in net.ops[8:10]] == ["SpatialBN", "SpatialBN"]
+    bn0, bn1 = net.ops[8], net.ops[9]
+    assert bn0.inputs[5:] == ["cpu_0/x_sums", "cpu_0/x_sumsq", "cpu_0/x_count"]
+    assert bn1.inputs[5:] == ["cpu_1/x_sums", "cpu_1/x_sumsq", "cpu_1/x_count"]
     assert bn0.args["num_batches"] == bn1.args["num_batches"] == 2
-    assert summary(net.ops[8:14]) == [
+    assert summary(net.ops[10:16]) == [
         ("ChannelBackpropStats", ["cpu_0/x", "cpu_0/y_sm", "cpu_0/y_siv", "cpu_0/y_grad"],
          ["cpu_0/y_s_grad", "cpu_0/y_b_grad"], cpu(0), "", []),
         ("ChannelBackpropStats", ["cpu_1/x", "cpu_1/y_sm", "cpu_1/y_siv", "cpu_1/y_grad"],
@@ -75,12 +77,13 @@ def test_exact_ops_on_two_cpu_devices():
         ("Sum", ["cpu_0/y_b_grad", "cpu_1/y_b_grad"], ["cpu_0/y_b_grad"], cpu(0), "dpm", []),
         ("Copy", ["cpu_0/y_b_grad"], ["cpu_1/y_b_grad"], cpu(1), "", []),
     ]
-    grad0, grad1 = net.ops[14:16]
+    grad0, grad1 = net.ops[16:18]
     assert grad0.inputs == ["cpu_0/x", "cpu_0/y_s", "cpu_0/y_grad", "cpu_0/y_sm", "cpu_0/y_siv",
-                            "cpu_0/y_s_grad", "cpu_0/y_b_grad"]
+                            "cpu_0/y_s_grad", "cpu_0/y_b_grad", "cpu_0/x_count"]  # the forward's global count
     assert grad0.outputs == ["cpu_0/x_grad", "cpu_0/y_s_grad", "cpu_0/y_b_grad"]  # in place over inputs 5, 6
-    assert grad1.inputs[5:] == ["cpu_1/y_s_grad", "cpu_1/y_b_grad"] and grad1.args["num_batches"] == 2
-    assert len(net.ops) == 16
+    assert grad1.inputs[5:] == ["cpu_1/y_s_grad", "cpu_1/y_b_grad", "cpu_1/x_count"]
+    assert grad1.args["num_batches"] == 2
+    assert len(net.ops) == 18
     validate_net(net)
     analyze_operators([net], lay)  # every non-collective op stays in its replica
 
@@ -90,20 +93,21 @@ def test_exact_ops_on_logical_cuda_devices_with_nccl_chained_in_program_order():
     net = inter_device_batch_norm(_bn_net(lay), reducer(lay, use_nccl=True))
     chain_collectives(net.ops)
     assert summary(net.ops) == [
-        ("ChannelStats", ["gpu_3/x"], ["gpu_3/x_sums", "gpu_3/x_sumsq"], gpu(3), "", []),
-        ("ChannelStats", ["gpu_1/x"], ["gpu_1/x_sums", "gpu_1/x_sumsq"], gpu(1), "", []),
+        ("ChannelStats", ["gpu_3/x"], ["gpu_3/x_sums", "gpu_3/x_sumsq", "gpu_3/x_count"], gpu(3), "", []),
+        ("ChannelStats", ["gpu_1/x"], ["gpu_1/x_sums", "gpu_1/x_sumsq", "gpu_1/x_count"], gpu(1), "", []),
         _nccl(["gpu_3/x_sums", "gpu_1/x_sums"], []),
         _nccl(["gpu_3/x_sumsq", "gpu_1/x_sumsq"], ["gpu_3/x_sums"]),
-        *summary(net.ops[4:6]),
+        _nccl(["gpu_3/x_count", "gpu_1/x_count"], ["gpu_3/x_sumsq"]),
+        *summary(net.ops[5:7]),
         ("ChannelBackpropStats", ["gpu_3/x", "gpu_3/y_sm", "gpu_3/y_siv", "gpu_3/y_grad"],
          ["gpu_3/y_s_grad", "gpu_3/y_b_grad"], gpu(3), "", []),
         ("ChannelBackpropStats", ["gpu_1/x", "gpu_1/y_sm", "gpu_1/y_siv", "gpu_1/y_grad"],
          ["gpu_1/y_s_grad", "gpu_1/y_b_grad"], gpu(1), "", []),
-        _nccl(["gpu_3/y_s_grad", "gpu_1/y_s_grad"], ["gpu_3/x_sumsq"]),  # chained across groups too
+        _nccl(["gpu_3/y_s_grad", "gpu_1/y_s_grad"], ["gpu_3/x_count"]),  # chained across groups too
         _nccl(["gpu_3/y_b_grad", "gpu_1/y_b_grad"], ["gpu_3/y_s_grad"]),
-        *summary(net.ops[10:]),
+        *summary(net.ops[11:]),
     ]
-    assert [(op.type, op.device_option) for op in net.ops[4:6] + net.ops[10:]] == [
+    assert [(op.type, op.device_option) for op in net.ops[5:7] + net.ops[11:]] == [
         ("SpatialBN", gpu(3)), ("SpatialBN", gpu(1)),
         ("SpatialBNGradient", gpu(3)), ("SpatialBNGradient", gpu(1))]
     validate_net(net)
@@ -125,7 +129,7 @@ def test_four_devices_reduce_each_statistic_as_a_tree():
     lay = layout([4, 5, 6, 7])
     net = inter_device_batch_norm(NetDef("bn", [_bn(lay, d) for d in lay.devices]), reducer(lay))
     types = [op.type for op in net.ops]
-    assert types == ["ChannelStats"] * 4 + (["Sum"] * 3 + ["Copy"] * 3) * 2 + ["SpatialBN"] * 4
+    assert types == ["ChannelStats"] * 4 + (["Sum"] * 3 + ["Copy"] * 3) * 3 + ["SpatialBN"] * 4
     assert [(op.inputs, op.outputs[0]) for op in net.ops[4:7]] == [
         (["cpu_4/x_sums", "cpu_5/x_sums"], "cpu_4/x_sums"),
         (["cpu_6/x_sums", "cpu_7/x_sums"], "cpu_6/x_sums"),
@@ -137,11 +141,13 @@ def test_consecutive_groups_on_one_input_get_fresh_statistics_names():
     ops = [_bn(lay, d, out="a") for d in lay.devices] + [_bn(lay, d, out="b") for d in lay.devices]
     net = inter_device_batch_norm(NetDef("two", ops), reducer(lay))
     stats = [op.outputs for op in net.ops if op.type == "ChannelStats"]
-    assert stats == [["cpu_0/x_sums", "cpu_0/x_sumsq"], ["cpu_1/x_sums", "cpu_1/x_sumsq"],
-                     ["cpu_0/x_sums_1", "cpu_0/x_sumsq_1"], ["cpu_1/x_sums_1", "cpu_1/x_sumsq_1"]]
+    assert stats == [["cpu_0/x_sums", "cpu_0/x_sumsq", "cpu_0/x_count"],
+                     ["cpu_1/x_sums", "cpu_1/x_sumsq", "cpu_1/x_count"],
+                     ["cpu_0/x_sums_1", "cpu_0/x_sumsq_1", "cpu_0/x_count_1"],
+                     ["cpu_1/x_sums_1", "cpu_1/x_sumsq_1", "cpu_1/x_count_1"]]
     bns = [op for op in net.ops if op.type == "SpatialBN"]
     assert [op.inputs[5:] for op in bns] == stats
-    assert [op.type for op in net.ops].count("Sum") == 4
+    assert [op.type for op in net.ops].count("Sum") == 6
 
 
 def test_test_mode_combined_and_single_device_nets_are_left_alone():
@@ -183,14 +189,17 @@ def _feed_and_run(net: NetDef, lay: DeviceLayout, xs, dys, scale, bias) -> dict[
     return {n: [workspace.FetchBlob(lay.scoped(d, n)) for d in lay.devices] for n in names}
 
 
-@pytest.mark.parametrize(("devices", "gpu", "use_nccl"), [
-    ([0, 1], False, False), ([3, 1, 2], False, False), ([4, 5, 6, 7], True, False), ([2, 0], True, True)])
-def test_rewritten_net_equals_batch_norm_over_the_concatenated_batch(devices, gpu, use_nccl):
+@pytest.mark.parametrize(("devices", "gpu", "use_nccl", "sizes"), [
+    ([0, 1], False, False, (3, 3)), ([3, 1, 2], False, False, (3, 3, 3)), ([4, 5, 6, 7], True, False, (3,) * 4),
+    ([2, 0], True, True, (3, 3)),
+    ([0, 1], False, False, (2, 6)), ([3, 1, 2], False, False, (1, 5, 2)), ([2, 0], True, True, (6, 2))])
+def test_rewritten_net_equals_batch_norm_over_the_concatenated_batch(devices, gpu, use_nccl, sizes):
+    """Equal and unequal per-device batches (a 2 + 6 split): the statistics are weighted by the real counts."""
     lay = layout(devices, gpu=gpu)
     net = inter_device_batch_norm(_bn_net(lay), reducer(lay, use_nccl=use_nccl))
     gen = torch.Generator().manual_seed(len(devices))
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    xs = [rand(3, 3, 2, 3) * (i + 1) + i for i in range(len(devices))]  # per-device batches differ a lot
+    xs = [rand(n, 3, 2, 3) * (i + 1) + i for i, n in enumerate(sizes)]  # per-device batches differ a lot
     dys = [rand(x.shape) for x in xs]
     scale, bias = rand(3).abs() + 0.5, rand(3)
     with cuda_on_cpu(gpu):

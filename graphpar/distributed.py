@@ -1,0 +1,260 @@
+"""Multi-host training on torch.distributed: the `rendezvous` dict, stores and communicators.
+
+One process is one *shard*: it owns several local devices (replicas) and talks to the other shards
+through communicators ("common worlds", as Caffe2 called them) built on a `torch.distributed.Store`.
+Nets never hold Python objects: a store or a communicator lives in a process-local registry here, and
+a blob holds its handle (an int64 scalar), so the ops that use one (`graphpar.ops.distributed`) read
+it as an ordinary input and keep their data dependencies.
+
+A communicator is a gloo (CPU tensors) or NCCL (CUDA tensors) process group of its own, built
+directly on a prefix of the store, so several communicators let several collectives run at once
+(`max_concurrent_distributed_ops`) and none needs torch.distributed's default group. Every collective
+waits at most the communicator's timeout; a peer that died or hangs makes it raise an error naming
+the shard, the communicator and the collective, never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphpar.errors import ParallelizeError
+
+ENGINES = ("GLOO", "NCCL")
+TRANSPORTS = ("tcp", "ibverbs")
+DEFAULT_TIMEOUT_SEC = 30.0  # Caffe2's _DEFAULT_TIMEOUT_SEC for common worlds
+RENDEZVOUS_KEYS = ("shard_id", "num_shards", "engine", "kv_handler", "transport", "interface", "exit_nets",
+                   "mpi_rendezvous", "timeout_sec")
+DEFAULT_STORE = -1  # CreateCommonWorld's `store` argument: torch.distributed's default store (env://)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """A checked rendezvous dict (see `parse_rendezvous`)."""
+
+    shard_id: int
+    num_shards: int
+    engine: str
+    kv_handler: Any  # a torch.distributed.Store, the name of a blob holding a store's handle, or None
+    transport: str = "tcp"
+    interface: str = ""
+    exit_nets: tuple = ()
+    timeout_sec: float = DEFAULT_TIMEOUT_SEC
+
+
+def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> Rendezvous | None:
+    """Check Caffe2's rendezvous dict and return it as a `Rendezvous` (None stays None).
+
+    Keys: `shard_id` and `num_shards` (ints, 0 <= shard_id < num_shards), `engine` ("GLOO" or
+    "NCCL", default "GLOO"), `kv_handler` (a `torch.distributed.Store`, the name of a blob written by
+    `FileStoreHandlerCreate` / `TCPStoreHandlerCreate`, or None: torch.distributed's default group if
+    it is initialised, else `env://` with torchrun's variables RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), optional `transport` ("tcp" or "ibverbs"), `interface`, `exit_nets`,
+    `mpi_rendezvous` (must be false) and `timeout_sec` (every collective's timeout, default 30 s).
+    With `kv_handler=None`, `shard_id` and `num_shards` default to the default group's (or RANK and
+    WORLD_SIZE) and must agree with them.
+
+    Raises:
+        ParallelizeError: not a dict, an unknown key, a missing or bad value. Nothing has changed then.
+    """
+    if rendezvous is None:
+        return None
+    if not isinstance(rendezvous, Mapping):
+        raise ParallelizeError(f"{what}: rendezvous must be a dict, got {type(rendezvous).__name__}")
+    unknown = sorted(set(rendezvous) - set(RENDEZVOUS_KEYS))
+    if unknown:
+        raise ParallelizeError(f"{what}: unknown rendezvous key(s) {unknown}; the keys are "
+                               f"{', '.join(RENDEZVOUS_KEYS)}")
+    kv = rendezvous.get("kv_handler")
+    if (kv is not None and not isinstance(kv, (str, torch.distributed.Store))) or (isinstance(kv, str) and not kv):
+        raise ParallelizeError(f"{what}: rendezvous['kv_handler'] must be a torch.distributed.Store, the "
+                               f"name of a blob holding one (FileStoreHandlerCreate), or None; got {kv!r}")
+    shard_id, num_shards = _shard(rendezvous, kv, what)
+    engine = rendezvous.get("engine", "GLOO")
+    if engine not in ENGINES:
+        raise ParallelizeError(f"{what}: rendezvous['engine'] must be one of {ENGINES}, got {engine!r}")
+    transport = rendezvous.get("transport", "tcp")
+    if transport not in TRANSPORTS:
+        raise ParallelizeError(f"{what}: rendezvous['transport'] must be one of {TRANSPORTS}, got {transport!r}")
+    interface = rendezvous.get("interface", "") or ""
+    if not isinstance(interface, str):
+        raise ParallelizeError(f"{what}: rendezvous['interface'] must be a network interface name, "
+                               f"got {interface!r}")
+    if rendezvous.get("mpi_rendezvous"):
+        raise ParallelizeError(f"{what}: rendezvous['mpi_rendezvous'] is not supported; use a kv_handler "
+                               f"(FileStore or TCPStore) or torchrun's env://")
+    timeout = rendezvous.get("timeout_sec", DEFAULT_TIMEOUT_SEC)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ParallelizeError(f"{what}: rendezvous['timeout_sec'] must be a number of seconds > 0, "
+                               f"got {timeout!r}")
+    exit_nets = rendezvous.get("exit_nets") or ()
+    return Rendezvous(shard_id, num_shards, engine, kv, transport, interface, tuple(exit_nets), float(timeout))
+
+
+def _shard(rendezvous: Mapping, kv: Any, what: str) -> tuple[int, int]:
+    """shard_id and num_shards: given, or with kv_handler=None taken from the default group / env."""
+    given = {key: rendezvous.get(key) for key in ("shard_id", "num_shards")}
+    for key, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ParallelizeError(f"{what}: rendezvous[{key!r}] must be an int, got {value!r}")
+    if kv is None:
+        found = _default_shard()
+        if found is None and None in given.values():
+            raise ParallelizeError(f"{what}: rendezvous without kv_handler needs torch.distributed's default "
+                                   f"group initialised or torchrun's RANK and WORLD_SIZE, or shard_id and "
+                                   f"num_shards given")
+        if found is not None:
+            for key, value in zip(given, found):
+                if given[key] is not None and given[key] != value:
+                    raise ParallelizeError(f"{what}: rendezvous[{key!r}] is {given[key]} but the default "
+                                           f"group / environment says {value}")
+                given[key] = value
+    missing = [key for key, value in given.items() if value is None]
+    if missing:
+        raise ParallelizeError(f"{what}: rendezvous needs {' and '.join(missing)}")
+    shard_id, num_shards = given["shard_id"], given["num_shards"]
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
+        raise ParallelizeError(f"{what}: rendezvous needs num_shards >= 1 and 0 <= shard_id < num_shards, got "
+                               f"shard_id={shard_id}, num_shards={num_shards}")
+    return shard_id, num_shards
+
+
+def _default_shard() -> tuple[int, int] | None:
+    """(rank, world size) of the initialised default group, else from RANK / WORLD_SIZE, else None."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+# ---- the registry of stores and communicators --------------------------------------------------
+
+_lock = threading.Lock()
+_stores: dict[int, Any] = {}
+_worlds: dict[int, Communicator] = {}
+_created: dict[str, int] = {}  # communicator name -> how many this process created (the store prefix)
+
+
+def register_store(store: Any) -> int:
+    """Keep `store` (a torch.distributed.Store) for this process; returns its handle."""
+    with _lock:
+        handle = len(_stores)
+        _stores[handle] = store
+        return handle
+
+
+def get_store(handle: int) -> Any:
+    """The store of `handle`; DEFAULT_STORE joins torch.distributed's default group (env:// if needed).
+
+    Raises:
+        ValueError: an unknown handle.
+    """
+    if handle == DEFAULT_STORE:
+        dist = torch.distributed
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://")
+        return dist.distributed_c10d._get_default_store()
+    with _lock:
+        store = _stores.get(handle)
+    if store is None:
+        raise ValueError(f"no store with handle {handle} in this process: run the op that creates it "
+                         f"(FileStoreHandlerCreate, TCPStoreHandlerCreate) in this process first")
+    return store
+
+
+def get_world(handle: int) -> Communicator:
+    """The communicator of `handle`. Raises ValueError for an unknown handle."""
+    with _lock:
+        world = _worlds.get(handle)
+    if world is None:
+        raise ValueError(f"no communicator with handle {handle} in this process: run the init net "
+                         f"(RunInitNet) that creates it (CreateCommonWorld) first")
+    return world
+
+
+class Communicator:
+    """One process group over the shards; its collectives wait at most `timeout_sec` and name the
+    shard, the communicator and the collective when they fail."""
+
+    def __init__(self, name: str, rank: int, size: int, timeout_sec: float, group: Any, store: Any = None) -> None:
+        self.name, self.rank, self.size, self.timeout_sec = name, rank, size, timeout_sec
+        self.group = group  # None for a single shard
+        self.store = store  # the group's own (prefixed) store
+        self.count = 0  # collectives run so far (in this process)
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the shards, in place."""
+        if self.group is not None:
+            self._wait("Allreduce", lambda: self.group.allreduce([tensor]))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite `tensor` with shard `root`'s, in place."""
+        if self.group is not None:
+            self._wait(f"Broadcast(root={root})", lambda: self.group.broadcast(tensor, root))
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every shard's `tensor` (same shape everywhere), in shard order."""
+        if self.group is None:
+            return [tensor]
+        outputs = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait("Allgather", lambda: self.group.allgather([outputs], [tensor]))
+        return outputs
+
+    def barrier(self) -> None:
+        """Return once every shard has reached its barrier on this communicator."""
+        if self.group is not None:
+            self._wait("Barrier", lambda: self.group.barrier())
+
+    def _wait(self, what: str, start: Any) -> None:
+        self.count += 1
+        timeout = datetime.timedelta(seconds=self.timeout_sec)
+        try:
+            work = start()
+            if not work.wait(timeout):
+                raise RuntimeError(f"timed out after {self.timeout_sec:g} s")
+        except (RuntimeError, ValueError) as exc:
+            raise RuntimeError(f"shard {self.rank} of {self.size}: collective {what} #{self.count} on "
+                               f"communicator {self.name!r} failed (timeout {self.timeout_sec:g} s): a peer "
+                               f"shard died, hangs, or runs a different model: {exc}") from None
+
+
+def create_world(name: str, store_handle: int | None, store: Any, rank: int, size: int, engine: str,
+                 timeout_sec: float) -> int:
+    """Build communicator `name` over `size` shards (this one is `rank`) and return its handle.
+
+    Every shard must create the same communicators in the same order: the n-th creation of `name` in
+    each process meets the others' n-th under the store prefix `name/n`.
+
+    Raises:
+        RuntimeError: the peers did not all join within `timeout_sec` (naming the shard and the name).
+    """
+    group = prefixed = None
+    if size > 1:
+        if store is None:
+            store = get_store(DEFAULT_STORE if store_handle is None else store_handle)
+        with _lock:
+            generation = _created[name] = _created.get(name, 0) + 1
+        prefixed = torch.distributed.PrefixStore(f"graphpar/{name}/{generation}", store)
+        timeout = datetime.timedelta(seconds=timeout_sec)
+        try:
+            prefixed.set_timeout(timeout)
+            if engine == "NCCL":
+                group = torch.distributed.ProcessGroupNCCL(prefixed, rank, size)
+            else:
+                group = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+        except (RuntimeError, ValueError) as exc:
+            raise RuntimeError(f"shard {rank} of {size}: could not create communicator {name!r} with "
+                               f"{engine} within {timeout_sec:g} s (are all {size} shards running the same "
+                               f"model with the same rendezvous?): {exc}") from None
+    with _lock:
+        handle = len(_worlds)
+        _worlds[handle] = Communicator(name, rank, size, timeout_sec, group, prefixed)
+    return handle

@@ -1,0 +1,506 @@
+"""The training loop around a parallelized model, in the style of Detectron2's trainer and hooks.
+
+    trainer = Trainer(model, loader, [IterationTimer(), LRScheduler(), PeriodicCheckpointer("out", 500),
+                                      EvalHook(1000, evaluate), PeriodicWriter("out")], max_iter=5000)
+    trainer.resume_or_load(resume=True)
+    trainer.train()
+
+`Trainer` feeds the first batch and runs `RunInitNet` (lazily, once), then for every iteration runs
+the hooks' `before_step`, feeds the next batch (`graphpar.data.feed`: nested batches, DataContainers,
+a `DeviceFeeder`'s prepared batches), runs the train net once, records the losses, and runs the hooks'
+`after_step`. The data is iterated once per epoch and again when exhausted (`set_epoch(epoch)` is
+called on it, or on its `sampler`, when present). Scalars go to `trainer.storage` (one value per
+iteration and name) where the writers read them. `auto_scale_workers` applies Detectron2's linear
+scaling rule to a config for a new device count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphpar import checkpoint, workspace
+from graphpar import data_parallel_model as dpm
+from graphpar.data import feed
+from graphpar.naming import unscoped_name
+
+__all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
+           "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]
+
+log = logging.getLogger(__name__)
+
+
+# ---- storage ---------------------------------------------------------------------------------------
+
+
+class EventStorage:
+    """Scalars per iteration: `put_scalar(name, value)` at the trainer's current iteration."""
+
+    def __init__(self) -> None:
+        self.iter = 0
+        self.history: dict[str, list[tuple[int, float]]] = {}
+
+    def put_scalar(self, name: str, value: float) -> None:
+        self.history.setdefault(name, []).append((self.iter, float(value)))
+
+    def latest(self) -> dict[str, tuple[int, float]]:
+        """{name: (iteration, value)} of the last value of every scalar."""
+        return {name: values[-1] for name, values in self.history.items()}
+
+    def median(self, name: str, window: int = 20) -> float:
+        values = [v for _, v in self.history.get(name, [])[-window:]]
+        return float(np.median(values)) if values else math.nan
+
+
+# ---- hooks -----------------------------------------------------------------------------------------
+
+
+class HookBase:
+    """A hook: any of before_train / after_train / before_step / after_step; `self.trainer` is set
+    (a weak proxy) when it is registered."""
+
+    trainer: Trainer
+
+    def before_train(self) -> None: ...
+
+    def after_train(self) -> None: ...
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
+class IterationTimer(HookBase):
+    """Times every step (`time`, seconds) after `warmup` iterations, and logs the total at the end."""
+
+    def __init__(self, warmup: int = 3) -> None:
+        self.warmup = warmup
+        self._start = 0.0
+        self._total = 0.0
+        self._steps = 0
+        self._began = 0
+
+    def before_train(self) -> None:
+        self._total, self._steps, self._began = 0.0, 0, self.trainer.iter
+
+    def before_step(self) -> None:
+        self._start = time.perf_counter()
+
+    def after_step(self) -> None:
+        seconds = time.perf_counter() - self._start
+        if self.trainer.iter - self._began >= self.warmup:
+            self.trainer.storage.put_scalar("time", seconds)
+            self._total += seconds
+            self._steps += 1
+
+    def after_train(self) -> None:
+        if self._steps:
+            log.info("%d timed iterations in %.2f s (%.4f s / it)", self._steps, self._total,
+                     self._total / self._steps)
+
+
+class LRScheduler(HookBase):
+    """Records the learning rate (`lr`, the first blob of `GetLearningRateBlobNames`) every step.
+
+    The LR itself follows the optimizer's policy from `optimizer_iteration` (restored by a
+    checkpoint). `multiplier(iteration) -> float`, if given, is fed before every step as the
+    `lr_injection` blob (a model built with `allow_lr_injection=True`), e.g. a warmup ramp.
+    """
+
+    def __init__(self, multiplier: Callable[[int], float] | None = None) -> None:
+        self.multiplier = multiplier
+
+    def before_train(self) -> None:
+        if not dpm.GetLearningRateBlobNames(self.trainer.model):
+            raise ValueError("LRScheduler: the model has no learning-rate blob (parallelize it with an optimizer)")
+
+    def before_step(self) -> None:
+        if self.multiplier is not None:
+            from graphpar.optimizer import set_lr_injection
+
+            set_lr_injection(self.multiplier(self.trainer.iter))
+
+    def after_step(self) -> None:
+        name = dpm.GetLearningRateBlobNames(self.trainer.model)[0]
+        value = workspace.FetchBlob(name).reshape(-1)[0]
+        if self.multiplier is not None:
+            value *= self.multiplier(self.trainer.iter)
+        self.trainer.storage.put_scalar("lr", abs(float(value)))  # the LearningRate op's value is -lr
+
+
+_CHECKPOINT = re.compile(r"model_(\d+)\.safetensors$")
+
+
+class PeriodicCheckpointer(HookBase):
+    """Saves `GetCheckpointParams` every `period` iterations (and at the end) to
+    `directory/model_{iteration:07d}.safetensors` (atomic writes), keeping the last `keep` files."""
+
+    def __init__(self, directory: str | os.PathLike[str], period: int, keep: int | None = 3) -> None:
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"PeriodicCheckpointer: period must be an int >= 1, got {period!r}")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"PeriodicCheckpointer: keep must be None or an int >= 1, got {keep!r}")
+        self.directory, self.period, self.keep = Path(directory), period, keep
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if done % self.period == 0 or done == self.trainer.max_iter:
+            self.save(done)
+
+    def save(self, iteration: int) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"model_{iteration:07d}.safetensors"
+        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)))  # carries optimizer_iteration
+        if self.keep is not None:
+            for old in checkpoints(self.directory)[:-self.keep]:
+                old.unlink(missing_ok=True)
+        return path
+
+
+def checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """The periodic checkpoints in `directory`, oldest first (by iteration)."""
+    found = [(int(m.group(1)), p) for p in Path(directory).glob("model_*.safetensors")
+             if (m := _CHECKPOINT.search(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+class EvalHook(HookBase):
+    """Runs `eval_function() -> {name: number}` every `period` iterations and after the last one;
+    the results go to the storage. Typically it feeds a forward-only model built with
+    `init_params=False` (sharing the train model's params) and computes a metric."""
+
+    def __init__(self, period: int, eval_function: Callable[[], Mapping[str, float]]) -> None:
+        self.period, self.eval_function = period, eval_function
+
+    def _evaluate(self) -> None:
+        results = self.eval_function()
+        if not isinstance(results, Mapping):
+            raise TypeError(f"EvalHook: eval_function must return a dict of numbers, got {type(results).__name__}")
+        for name, value in results.items():
+            self.trainer.storage.put_scalar(name, float(value))
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if self.period > 0 and done % self.period == 0 and done != self.trainer.max_iter:
+            self._evaluate()
+
+    def after_train(self) -> None:
+        if self.trainer.iter + 1 >= self.trainer.max_iter:  # not after a crash
+            self._evaluate()
+
+
+class PeriodicWriter(HookBase):
+    """Every `period` iterations (and at the end) writes the latest scalars: a console line (with the
+    ETA from the median step time), a JSON line in `directory/metrics.json`, and TensorBoard events
+    in `directory` when `tensorboard` is installed (`tensorboard=None`: when available)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, period: int = 20,
+                 console: bool = True, tensorboard: bool | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.period, self.console, self.tensorboard = period, console, tensorboard
+        self._board: Any = None
+        self._seen: dict[str, int] = {}  # values written per scalar
+
+    def before_train(self) -> None:
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if self.tensorboard is not False:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    if self.tensorboard:
+                        raise
+                else:
+                    self._board = SummaryWriter(str(self.directory))
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if done % self.period == 0 or done == self.trainer.max_iter:
+            self.write()
+
+    def after_train(self) -> None:
+        self.write()
+        if self._board is not None:
+            self._board.close()
+
+    def write(self) -> None:
+        storage = self.trainer.storage
+        latest = {name: values[-1][1] for name, values in storage.history.items()
+                  if len(values) > self._seen.get(name, 0)}
+        if not latest:
+            return
+        self._seen = {name: len(values) for name, values in storage.history.items()}
+        iteration = storage.iter
+        if self.directory is not None:
+            with open(self.directory / "metrics.json", "a") as out:
+                out.write(json.dumps({"iteration": iteration, **latest}) + "\n")
+        if self._board is not None:
+            for name, value in latest.items():
+                self._board.add_scalar(name, value, iteration)
+        if self.console:
+            left = self.trainer.max_iter - iteration - 1
+            step = storage.median("time")
+            eta = f"  eta {_duration(left * step)}" if not math.isnan(step) and left > 0 else ""
+            values = "  ".join(f"{k} {v:.4g}" for k, v in latest.items())
+            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {values}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# ---- the trainer -----------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Runs a parallelized training model over `data` for `max_iter` iterations with `hooks`.
+
+    Args:
+        model: a model parallelized with an optimizer (`data_parallel_model.Parallelize`).
+        data: an iterable of batches `graphpar.data.feed` accepts (a DataLoader, a list, a
+            `DeviceFeeder`); iterated once per epoch, again when exhausted.
+        hooks: HookBase instances, run in order (after_* too, as in Detectron2).
+        max_iter: iterations to train in all (a resumed run continues up to it).
+
+    Raises:
+        ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
+    """
+
+    def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (), max_iter: int = 0) -> None:
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
+        if not getattr(getattr(model, "_parallel", None), "training", False):
+            raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
+                             "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
+        self.model, self.data, self.max_iter = model, data, max_iter
+        self.iter = 0
+        self.start_iter = 0
+        self.epoch = 0
+        self.storage = EventStorage()
+        self.hooks: list[HookBase] = []
+        self._iterator: Iterator[Any] | None = None
+        self._in_epoch = 0
+        self._pending: Any = None
+        self._initialized = False
+        self.register_hooks(hooks)
+
+    def register_hooks(self, hooks: Iterable[HookBase | None]) -> None:
+        for hook in hooks:
+            if hook is None:
+                continue
+            if not isinstance(hook, HookBase):
+                raise TypeError(f"Trainer: hooks must be HookBase instances, got {type(hook).__name__}")
+            hook.trainer = weakref.proxy(self)
+            self.hooks.append(hook)
+
+    # -- data --
+
+    def _next_batch(self) -> Any:
+        if self._pending is not None:
+            batch, self._pending = self._pending, None
+            return batch
+        while True:
+            if self._iterator is None:
+                for target in (self.data, getattr(self.data, "sampler", None)):
+                    if callable(getattr(target, "set_epoch", None)):
+                        target.set_epoch(self.epoch)
+                        break
+                self._iterator, self._in_epoch = iter(self.data), 0
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                if self._in_epoch == 0:
+                    raise ValueError(f"Trainer: the data yielded no batch in epoch {self.epoch}") from None
+                self._iterator, self.epoch = None, self.epoch + 1
+                continue
+            self._in_epoch += 1
+            return batch
+
+    def _drop_iterator(self) -> None:
+        close = getattr(self._iterator, "close", None)
+        if callable(close):
+            close()
+        self._iterator = None
+
+    def initialize(self) -> None:
+        """Feed the first batch and run the init net (once; `train` and `resume_or_load` call it)."""
+        if self._initialized:
+            return
+        self._pending = self._next_batch()
+        feed(self.model, self._pending)
+        dpm.RunInitNet(self.model)
+        self._initialized = True
+
+    def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
+        """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the
+        PeriodicCheckpointer's directory, if there is one, and continue at its iteration. Without
+        it: load only the params of `path` (weights to start from) and start at iteration 0.
+        Returns the iteration training starts at.
+
+        A resumed run restores every `GetCheckpointParams` blob (optimizer state, and
+        `optimizer_iteration`, so the LR schedule), runs `FinalizeAfterCheckpoint`, and, when the
+        data has a length, restores the epoch and skips the batches the saved run had consumed in
+        it, so data whose order depends only on the epoch gives the same batches.
+
+        Raises:
+            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`.
+        """
+        self.initialize()
+        target = Path(path) if path is not None else None
+        if target is None and resume:
+            saver = next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
+            found = checkpoints(saver.directory) if saver is not None else []
+            target = found[-1] if found else None
+        if target is None:
+            return self.iter
+        if not target.exists():
+            raise FileNotFoundError(f"resume_or_load: no checkpoint at {target}")
+        if not resume:
+            params = {str(p) for p in self.model.GetParams()}
+            checkpoint.load(target, [b for b in checkpoint.read_metadata(target)["blobs"] if b in params])
+            dpm.FinalizeAfterCheckpoint(self.model)
+            return self.iter
+        checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
+        dpm.FinalizeAfterCheckpoint(self.model)
+        iteration = checkpoint.read_metadata(target)["iteration"]
+        self.start_iter = self.iter = self.storage.iter = int(iteration or 0)
+        self._skip_to(self.iter)
+        log.info("resumed from %s at iteration %d", target, self.iter)
+        return self.iter
+
+    def _skip_to(self, iteration: int) -> None:
+        try:
+            per_epoch = len(self.data)  # type: ignore[arg-type]
+        except TypeError:
+            return
+        if per_epoch < 1:
+            return
+        self._pending = None
+        self._drop_iterator()
+        self.epoch = iteration // per_epoch
+        for _ in range(iteration % per_epoch):
+            self._next_batch()
+
+    # -- the loop --
+
+    def train(self) -> None:
+        """Train from `self.iter` to `max_iter`; hooks' after_train runs even if a step raises."""
+        self.initialize()
+        if self.iter >= self.max_iter:
+            print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
+                  f"max_iter to train longer", file=sys.stderr)
+            return
+        self.start_iter = self.iter
+        try:
+            for hook in self.hooks:
+                hook.before_train()
+            for iteration in range(self.start_iter, self.max_iter):
+                self.iter = self.storage.iter = iteration
+                for hook in self.hooks:
+                    hook.before_step()
+                self.run_step()
+                for hook in self.hooks:
+                    hook.after_step()
+        finally:
+            for hook in self.hooks:
+                hook.after_train()
+        self.iter = self.max_iter
+        self.storage.iter = self.iter
+
+    def run_step(self) -> None:
+        """Feed the next batch, run the train net once, record each loss (the batch's mean)."""
+        fed = feed(self.model, self._next_batch())
+        dpm.RunNet(self.model, 1)
+        for name, value in self.losses(fed.sizes).items():
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss {name!r} became {value} at iteration {self.iter}")
+            self.storage.put_scalar(name, value)
+
+    def losses(self, sizes: Sequence[int]) -> dict[str, float]:
+        """Each unscoped loss summed over the replicas, each weighted by its share of the rows (the
+        losses carry the 1/N loss scale, so equal chunks give plain sums)."""
+        state = self.model._parallel
+        count, total = len(sizes), sum(sizes)
+        out: dict[str, float] = {}
+        for names, rows in zip(state.losses_by_device.values(), sizes):
+            for name in names:
+                value = float(workspace.FetchBlob(str(name)).reshape(-1).sum())
+                out[unscoped_name(str(name))] = out.get(unscoped_name(str(name)), 0.0) + value * count * rows / total
+        return out
+
+
+# ---- configs and the linear scaling rule ---------------------------------------------------------
+
+
+class Config(dict):
+    """A nested dict with attribute access (`cfg.SOLVER.BASE_LR`), like Detectron2's CfgNode."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for key, value in self.items():
+            if isinstance(value, Mapping) and not isinstance(value, Config):
+                self[key] = Config(value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no field {name!r} (fields: {sorted(self)})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def clone(self) -> Config:
+        return Config(deepcopy(dict(self)))
+
+
+def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Config:
+    """Detectron2's linear scaling rule: the config for `num_workers` devices from one written for
+    `SOLVER.REFERENCE_WORLD_SIZE` (0: no scaling). With scale = num_workers / reference:
+    IMS_PER_BATCH and BASE_LR are multiplied by it; MAX_ITER, WARMUP_ITERS, STEPS,
+    CHECKPOINT_PERIOD and TEST.EVAL_PERIOD divided (rounded); REFERENCE_WORLD_SIZE becomes
+    num_workers. Returns a new config (the input is not changed).
+
+    Raises:
+        ValueError: num_workers < 1; IMS_PER_BATCH not divisible by the reference world size, or
+            the scaled batch not divisible by num_workers; a period or iteration count rounding to 0.
+    """
+    cfg = Config(deepcopy(dict(cfg)))
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"auto_scale_workers: num_workers must be an int >= 1, got {num_workers!r}")
+    solver = cfg.SOLVER
+    old = int(solver.get("REFERENCE_WORLD_SIZE", 0))
+    if old == 0 or old == num_workers:
+        return cfg
+    if solver.IMS_PER_BATCH % old:
+        raise ValueError(f"auto_scale_workers: SOLVER.IMS_PER_BATCH={solver.IMS_PER_BATCH} is not divisible by "
+                         f"SOLVER.REFERENCE_WORLD_SIZE={old} (invalid REFERENCE_WORLD_SIZE)")
+    scale = num_workers / old
+    solver.IMS_PER_BATCH = int(round(solver.IMS_PER_BATCH * scale))
+    solver.BASE_LR = solver.BASE_LR * scale
+    solver.MAX_ITER = int(round(solver.MAX_ITER / scale))
+    solver.WARMUP_ITERS = int(round(solver.get("WARMUP_ITERS", 0) / scale))
+    solver.STEPS = tuple(int(round(s / scale)) for s in solver.get("STEPS", ()))
+    solver.CHECKPOINT_PERIOD = int(round(solver.get("CHECKPOINT_PERIOD", 0) / scale))
+    if "TEST" in cfg and "EVAL_PERIOD" in cfg.TEST:
+        cfg.TEST.EVAL_PERIOD = int(round(cfg.TEST.EVAL_PERIOD / scale))
+    solver.REFERENCE_WORLD_SIZE = num_workers
+    if solver.MAX_ITER < 1:
+        raise ValueError(f"auto_scale_workers: MAX_ITER rounds to {solver.MAX_ITER} for {num_workers} workers")
+    log.info("auto-scaled the config to batch %d, LR %g, max_iter %d, warmup %d for %d workers",
+             solver.IMS_PER_BATCH, solver.BASE_LR, solver.MAX_ITER, solver.WARMUP_ITERS, num_workers)
+    return cfg
+

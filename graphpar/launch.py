@@ -1,0 +1,212 @@
+"""Start one training process per shard, as Detectron2's `launch`, or as a command like torchrun.
+
+    from graphpar import launch
+    launch.launch(main, num_processes_per_machine=2, args=(...,))        # in Python
+
+    python -m graphpar.launch --nproc-per-node 2 train.py --epochs 3      # from the shell
+    python -m graphpar.launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --dist-url tcp://HOST:PORT train.py
+
+Every process gets torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT), so a script written for the launcher also runs under
+`torchrun`, and `rendezvous()` gives the `Parallelize(rendezvous=...)` dict for it (kv_handler=None:
+torch.distributed's default group, joined through env://). `dist_url="auto"` picks a free local port
+(one machine only). Each process gets an equal share of this machine's cores (OMP_NUM_THREADS,
+unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
+CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
+When one process fails, the others are stopped, its traceback is shown and the
+launcher exits non-zero; no process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+__all__ = ["DEFAULT_TIMEOUT", "get_local_rank", "get_rank", "get_world_size", "is_main_process", "launch",
+           "main", "rendezvous"]
+
+
+def get_rank() -> int:
+    """This process's rank (torch.distributed's if initialised, else RANK, else 0)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    """How many processes train together (torch.distributed's, else WORLD_SIZE, else 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    """This process's rank on its machine (LOCAL_RANK, else 0)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main_process() -> bool:
+    """Whether this is rank 0 (the one that prints and saves checkpoints)."""
+    return get_rank() == 0
+
+
+def rendezvous(engine: str = "GLOO", timeout_sec: float | None = None) -> dict | None:
+    """`Parallelize(rendezvous=...)` for this process: None alone, else the default group's shard."""
+    if get_world_size() <= 1:
+        return None
+    found = {"kv_handler": None, "shard_id": get_rank(), "num_shards": get_world_size(), "engine": engine}
+    return found if timeout_sec is None else {**found, "timeout_sec": timeout_sec}
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _master(dist_url: str, num_machines: int) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) of `dist_url` ("auto": a free local port, one machine only)."""
+    if dist_url == "auto":
+        if num_machines != 1:
+            raise ValueError("launch: dist_url='auto' works on one machine only; pass tcp://HOST:PORT of machine 0")
+        return "127.0.0.1", free_port()
+    url = urlparse(dist_url)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"launch: dist_url must be 'auto' or tcp://HOST:PORT, got {dist_url!r}")
+    return url.hostname, url.port
+
+
+def _environment(rank: int, local_rank: int, world_size: int, local_world_size: int, machine_rank: int,
+                 addr: str, port: int) -> dict[str, str]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // local_world_size))
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(machine_rank),
+            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads}
+
+
+def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_machines: int = 1,
+           machine_rank: int = 0, dist_url: str = "auto", args: Sequence[Any] = (),
+           timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """Run `main_func(*args)` in `num_processes_per_machine` spawned processes on this machine (machine
+    `machine_rank` of `num_machines`), each inside torch.distributed's default group (gloo, joined at
+    `dist_url` within `timeout`). One process in all: `main_func` runs here.
+
+    Raises:
+        ValueError: bad counts or dist_url.
+        torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a process failed (its
+            traceback in the message); the others were stopped.
+    """
+    if num_processes_per_machine < 1 or num_machines < 1 or not 0 <= machine_rank < num_machines:
+        raise ValueError(f"launch: needs num_processes_per_machine >= 1, num_machines >= 1 and 0 <= machine_rank < "
+                         f"num_machines, got {num_processes_per_machine}, {num_machines}, {machine_rank}")
+    world_size = num_processes_per_machine * num_machines
+    if world_size == 1:
+        main_func(*args)
+        return
+    import torch.multiprocessing as mp
+
+    addr, port = _master(dist_url, num_machines)
+    errors = mp.get_context("spawn").SimpleQueue()  # tracebacks in the order the processes failed
+    try:
+        mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
+                           args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
+                                 tuple(args), timeout, errors))
+    except mp.ProcessRaisedException as exc:
+        if errors.empty():
+            raise
+        # the first failure is the cause; the others' (a peer's connection reset) are its consequences
+        rank, trace = errors.get()
+        raise mp.ProcessRaisedException(f"\n\n-- Process {rank} failed first, with:\n{trace}", rank,
+                                        exc.error_pid) from None
+
+
+def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
+            addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank = machine_rank * per_machine + local_rank
+    os.environ.update(_environment(rank, local_rank, per_machine * num_machines, per_machine, machine_rank,
+                                   addr, port))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read by OpenMP only when torch started
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    try:
+        main_func(*args)
+    except BaseException:
+        errors.put((local_rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m graphpar.launch`: run a script once per process with torchrun's variables set."""
+    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    parser.add_argument("--dist-url", default="auto", help="'auto' (a free local port) or tcp://HOST:PORT")
+    parser.add_argument("script", help="the training script (or -m module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    if options.nproc_per_node < 1 or options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
+        parser.error("needs --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    try:
+        addr, port = _master(options.dist_url, options.nnodes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    command = [sys.executable, *(["-m", options.script_args[0], *options.script_args[1:]]
+                                 if options.script == "-m" else [options.script, *options.script_args])]
+    per, world = options.nproc_per_node, options.nproc_per_node * options.nnodes
+    procs = [subprocess.Popen(command, env={**os.environ, **_environment(
+        options.node_rank * per + k, k, world, per, options.node_rank, addr, port)}) for k in range(per)]
+    return _supervise(procs)
+
+
+def _supervise(procs: list[subprocess.Popen], grace_sec: float = 5.0) -> int:
+    """Wait for every process; when one fails, stop the others (SIGTERM, then SIGKILL after `grace_sec`)
+    and return its exit code. 0 when all succeed."""
+    failed = 0
+    try:
+        while procs and not failed:
+            for p in list(procs):
+                code = p.poll()
+                if code is not None:
+                    procs.remove(p)
+                    if code != 0:
+                        failed = code
+                        print(f"graphpar.launch: process {p.pid} ({p.args[-1] if p.args else ''}) exited with "
+                              f"{code}; stopping the others", file=sys.stderr)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        failed = 130
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_sec
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return failed if failed > 0 else (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

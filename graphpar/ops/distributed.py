@@ -1,0 +1,212 @@
+"""Collectives across processes (shards), as Caffe2's gloo ops, on torch.distributed (NOT_DIFFERENTIABLE).
+
+A store or a communicator is a handle blob (an int64 scalar into `graphpar.distributed`'s registry of
+this process), so these ops read it as an ordinary input:
+
+    FileStoreHandlerCreate([], ["store_handler"], path=..., prefix=...)   # or TCPStoreHandlerCreate
+    CreateCommonWorld(["store_handler"], ["cw"], size=num_shards, rank=shard_id, engine="GLOO")
+    Allreduce(["cw", "x"], ["x"])       # x summed over the shards (each input on its own)
+    Broadcast(["cw", "x"], ["x"], root=0)
+    Barrier(["cw"], [])
+
+Kernels never modify their inputs: the collectives run on copies, which become the outputs (in
+place enforced, as Caffe2's). Each collective runs with the communicator's timeout and raises an
+error naming the shard, the communicator and the collective when a peer dies or hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from graphpar import distributed
+from graphpar.core.ir import CPU, DeviceOption, OperatorDef
+from graphpar.core.schema import (
+    NOT_DIFFERENTIABLE,
+    Arg,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    register_op,
+)
+from graphpar.ops.common import op_label
+
+_HANDLE = TensorSpec((), torch.int64)
+_DISTRIBUTED = (Trait.COLLECTIVE, Trait.CROSS_DEVICE, Trait.DISTRIBUTED, Trait.HOST_SYNC)
+
+
+def _handle(value: int) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def _handle_device(op: OperatorDef, device: DeviceOption) -> tuple[list, list]:
+    """Handles live on the CPU; the blobs a collective reduces on the op's device."""
+    host = DeviceOption(CPU, 0)
+    inputs = [host if i == 0 else device for i in range(len(op.inputs))]
+    return inputs, [host] if op.type == "CreateCommonWorld" else [device] * len(op.outputs)
+
+
+def _file_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Tensor]:
+    if not a.path:
+        raise ValueError(f"{op_label(ctx.op)}: needs path= (a directory shared by every shard, or a file)")
+
+    def run() -> torch.Tensor:
+        path = os.path.join(a.path, "graphpar_store") if os.path.isdir(a.path) else a.path
+        store = torch.distributed.FileStore(path, -1)
+        if a.prefix:
+            store = torch.distributed.PrefixStore(a.prefix, store)
+        return _handle(distributed.register_store(store))
+
+    return run
+
+
+def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Tensor]:
+    if not a.host or not 0 <= a.port < 65536:
+        raise ValueError(f"{op_label(ctx.op)}: needs host= and a port in 0..65535, got {a.host!r}:{a.port}")
+
+    def run() -> torch.Tensor:
+        store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
+                                           torch.distributed.constants.default_pg_timeout, False)
+        if a.prefix:
+            store = torch.distributed.PrefixStore(a.prefix, store)
+        return _handle(distributed.register_store(store))
+
+    return run
+
+
+def _handle_rule(_a: SimpleNamespace, _ctx: KernelContext, _inputs: list[TensorSpec]) -> list[TensorSpec]:
+    return [_HANDLE]
+
+register_op(
+    "FileStoreHandlerCreate", inputs=0, outputs=1, args={"path": Arg("str"), "prefix": ""}, kernel=_file_store,
+    infer=_handle_rule, gradient=NOT_DIFFERENTIABLE,
+    doc="A store handle for CreateCommonWorld: a torch.distributed.FileStore in directory (or file) `path`, "
+        "which every shard must see, under `prefix` (Caffe2's FileStoreHandlerCreate).")
+register_op(
+    "TCPStoreHandlerCreate", inputs=0, outputs=1, args={"host": Arg("str"), "port": Arg("int"), "prefix": "",
+                                                         "is_master": False},
+    kernel=_tcp_store, infer=_handle_rule, gradient=NOT_DIFFERENTIABLE,
+    doc="A store handle for CreateCommonWorld: a torch.distributed.TCPStore at host:port, served by the "
+        "shard with is_master=True (Caffe2's RedisStoreHandlerCreate, without Redis).")
+
+
+def signature_digest(text: str) -> int:
+    """A 63-bit digest of a model signature (equal texts, equal digests on every process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _check_signature(world: distributed.Communicator, signature: str, where: str) -> None:
+    """Raise on every shard unless every shard's model signature equals shard 0's, naming the shards
+    that differ and the first line where the first of them differs from shard 0."""
+    world.store.set(f"signature/{world.rank}", signature)
+    digests = [int(t) for t in world.allgather(torch.tensor(signature_digest(signature), dtype=torch.int64))]
+    differ = [shard for shard, digest in enumerate(digests) if digest != digests[0]]
+    if differ:
+        ours, theirs = (world.store.get(f"signature/{shard}").decode().splitlines() for shard in (0, differ[0]))
+        line = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        first = ours[line] if line < len(ours) else "(nothing)"
+        other = theirs[line] if line < len(theirs) else "(nothing)"
+        raise RuntimeError(f"{where}: shard(s) {differ} built a different model than shard 0 (different params, "
+                           f"device count or collective order), so their collectives would not match: shard 0 has "
+                           f"{first!r} where shard {differ[0]} has {other!r}; run the same model with the same "
+                           f"devices on every shard")
+
+
+def _create_common_world(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    where = op_label(ctx.op)
+    if a.size < 1 or not 0 <= a.rank < a.size:
+        raise ValueError(f"{where}: needs size >= 1 and 0 <= rank < size, got rank={a.rank}, size={a.size}")
+    if a.engine not in distributed.ENGINES:
+        raise ValueError(f"{where}: engine must be one of {distributed.ENGINES}, got {a.engine!r}")
+    if a.timeout_ms < 1:
+        raise ValueError(f"{where}: timeout_ms must be >= 1, got {a.timeout_ms}")
+    name = a.name or ctx.op.outputs[0]
+
+    def run(*store: torch.Tensor) -> torch.Tensor:
+        handle = int(store[0]) if store else a.store
+        world = distributed.create_world(name, handle, None, a.rank, a.size, a.engine, a.timeout_ms / 1000)
+        if a.signature:
+            _check_signature(distributed.get_world(world), a.signature, where)
+        return _handle(world)
+
+    return run
+
+
+register_op(
+    "CreateCommonWorld", inputs=(0, 1), outputs=1,
+    args={"size": Arg("int"), "rank": Arg("int"), "engine": "GLOO", "timeout_ms": 30000, "name": "",
+          "store": distributed.DEFAULT_STORE, "signature": "", "transport": "tcp", "interface": ""},
+    kernel=_create_common_world, infer=_handle_rule, gradient=NOT_DIFFERENTIABLE,
+    traits=(Trait.HOST_SYNC,), device_inference=_handle_device,
+    doc="A communicator handle over `size` shards (this one `rank`): a gloo (or NCCL) process group on the "
+        "store of input 0 (a store handle), else of `store` (a registered store's handle; -1: "
+        "torch.distributed's default group, env:// if not initialised). Every collective on it waits at most "
+        "`timeout_ms`. With `signature`, every shard's must equal shard 0's (an error on every shard "
+        "otherwise, instead of mismatched collectives).")
+
+
+def _collective(run_one: Callable[[distributed.Communicator, torch.Tensor, SimpleNamespace], None]
+                ) -> Callable[[SimpleNamespace, KernelContext], Callable[..., object]]:
+    def kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., object]:
+        where = op_label(ctx.op)
+        if len(ctx.op.inputs) != len(ctx.op.outputs) + 1:
+            raise ValueError(f"{where}: needs the communicator then one input per output, got "
+                             f"{len(ctx.op.inputs)} inputs and {len(ctx.op.outputs)} outputs")
+
+        def run(world: torch.Tensor, *xs: torch.Tensor) -> object:
+            comm = distributed.get_world(int(world))
+            outs = [x.clone() for x in xs]
+            for out in outs:
+                run_one(comm, out, a)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        return run
+
+    return kernel
+
+
+def _copies_rule(_a: SimpleNamespace, _ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
+    return list(inputs[1:])
+
+
+def _shifted(i: int, o: int) -> bool:
+    return i == o + 1
+
+
+register_op(
+    "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted,
+    kernel=_collective(lambda comm, x, _a: comm.allreduce(x)), infer=_copies_rule,
+    gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    doc="Output i = the sum over the shards of input i + 1 (input 0: the communicator); each input is "
+        "reduced on its own, in place enforced.")
+
+
+def _broadcast(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
+    if not 0 <= a.root < comm.size:
+        raise ValueError(f"Broadcast: root {a.root} is not a shard (0..{comm.size - 1})")
+    comm.broadcast(x, a.root)
+
+
+register_op(
+    "Broadcast", inputs=(2, None), outputs=(1, None), args={"root": 0}, enforce_inplace=_shifted,
+    kernel=_collective(_broadcast), infer=_copies_rule, gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED,
+    device_inference=_handle_device,
+    doc="Output i = shard `root`'s input i + 1 (input 0: the communicator); in place enforced.")
+
+
+def _barrier(_a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], tuple]:
+    def run(world: torch.Tensor) -> tuple:
+        distributed.get_world(int(world)).barrier()
+        return ()
+
+    return run
+
+
+register_op(
+    "Barrier", inputs=1, outputs=0, kernel=_barrier, infer=lambda _a, _ctx, _inputs: [],
+    gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    doc="Returns once every shard of the communicator (input 0) has reached it, or raises after its timeout.")

@@ -1,0 +1,90 @@
+"""Pass: create the communicators the cross-shard collectives use, and the pre-training barrier.
+
+The `DistributedReducer` (`passes.reducers`) makes every collective read a communicator blob
+(`graphpar_cw_<k>`). This pass creates the ones used, with `CreateCommonWorld` ops in
+`param_init_net` right before its first collective (so the fills before keep their op indices, and
+with them their random streams), on the rendezvous' store. The first one also checks that every
+shard built the same model (`model_signature`), so a shard with other params, another device count
+or another collective order fails at `RunInitNet` on every shard instead of deadlocking. A barrier
+net (`barrier_net_timeout_sec`) joins the init nets: `RunInitNet` returns on no shard before every
+shard has initialised.
+"""
+
+from __future__ import annotations
+
+from graphpar import distributed
+from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
+from graphpar.core.net import Net
+from graphpar.core.schema import Trait, has_trait
+from graphpar.distributed import Rendezvous
+from graphpar.naming import stripBlobName
+from graphpar.passes.common import make_op
+from graphpar.passes.reducers import WORLD_PREFIX, DistributedReducer
+from graphpar.passes.state import ParallelState
+
+BARRIER_WORLD = "graphpar_barrier_cw"  # RunInitNet's pre-training barrier
+SYNC_WORLD = "graphpar_sync_cw"  # Synchronize's barrier
+
+
+def model_signature(state: ParallelState) -> str:
+    """What every shard must agree on: device count, params and their shapes, and the cross-shard
+    collectives of the init and train nets in order (unscoped names, so device ids may differ)."""
+    layout = state.layout
+    lines = [f"{len(layout.devices)} {layout.prefix} devices"]
+    for op in state.model.param_init_net.Proto().ops:
+        outputs = [b for b in op.outputs if layout.replica_of(b) == layout.master]
+        if outputs:
+            lines.append(f"init {op.type} {[stripBlobName(b) for b in outputs]} {op.args.get('shape', '')}")
+    for label, net in (("init", state.model.param_init_net.Proto()), ("train", state.model.net.Proto())):
+        lines.extend(f"{label} {op.type} {op.inputs[0]} {[stripBlobName(b) for b in op.inputs[1:]]}"
+                     for op in net.ops if has_trait(op, Trait.DISTRIBUTED))
+    return "\n".join(lines)
+
+
+def create_world_op(rendezvous: Rendezvous, name: str, timeout_sec: float, store: tuple[list[str], int],
+                    signature: str = "") -> OperatorDef:
+    """A `CreateCommonWorld` writing blob `name` on `store` (`store_of(rendezvous)`)."""
+    inputs, store = store
+    return make_op("CreateCommonWorld", inputs, [name], DeviceOption(CPU, 0), size=rendezvous.num_shards,
+                   rank=rendezvous.shard_id, engine=rendezvous.engine, timeout_ms=int(timeout_sec * 1000),
+                   name=name, store=store, signature=signature, transport=rendezvous.transport,
+                   interface=rendezvous.interface)
+
+
+def store_of(rendezvous: Rendezvous) -> tuple[list[str], int]:
+    """CreateCommonWorld's inputs and `store` argument for the kv_handler: a blob name is input 0; a
+    Store is registered in this process (`graphpar.distributed`); None means the default group."""
+    kv = rendezvous.kv_handler
+    if isinstance(kv, str):
+        return [kv], distributed.DEFAULT_STORE
+    if kv is None:
+        return [], distributed.DEFAULT_STORE
+    return [], distributed.register_store(kv)
+
+
+def create_common_worlds(state: ParallelState) -> None:
+    """Create the communicators the collectives of every model net read (BMUF's global nets included),
+    before the first collective of `param_init_net`; keep only those for later collectives
+    (AddBlobSync, checkpoints); add the barrier net to the init nets."""
+    reducer, rendezvous, options = state.reducer, state.options.rendezvous, state.options
+    assert isinstance(reducer, DistributedReducer) and rendezvous is not None
+    listed = [entry[0] if isinstance(entry, tuple) else entry for entry in (*state.init_nets, *state.nets)]
+    nets = [*state.netdefs(), *(net.Proto() for net in listed)]  # BMUF's global nets too
+    used = {op.inputs[0] for net in nets for op in net.ops if has_trait(op, Trait.DISTRIBUTED)}
+    reducer.worlds = [w for w in reducer.worlds if w in used] or reducer.worlds[:1]
+    worlds = sorted(used | set(reducer.worlds), key=lambda w: int(w[len(WORLD_PREFIX):]))
+    signature, store = model_signature(state), store_of(rendezvous)
+    creates = [create_world_op(rendezvous, world, rendezvous.timeout_sec, store, signature if k == 0 else "")
+               for k, world in enumerate(worlds)]
+    init = state.model.param_init_net.Proto()
+    first = next((i for i, op in enumerate(init.ops) if has_trait(op, Trait.DISTRIBUTED)), len(init.ops))
+    init.ops[first:first] = creates
+    state.init_nets.append(Net(barrier_net("pre_training_barrier", rendezvous, options.barrier_net_timeout_sec,
+                                           store)))
+
+
+def barrier_net(name: str, rendezvous: Rendezvous, timeout_sec: float, store: tuple[list[str], int],
+                world: str = BARRIER_WORLD) -> NetDef:
+    """A net that creates communicator `world` with `timeout_sec` and waits at a barrier on it."""
+    return NetDef(name, [create_world_op(rendezvous, world, timeout_sec, store),
+                         make_op("Barrier", [world], [], DeviceOption(CPU, 0))], list(store[0]))

@@ -1,0 +1,126 @@
+"""What Parallelize builds for a rendezvous (no processes run): the exact cross-shard ops, their order
+and communicators, the loss scale, the rendezvous checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper, optimizer
+from graphpar.core.schema import Trait, has_trait
+from graphpar.distributed import parse_rendezvous
+from graphpar.errors import ParallelizeError
+from tests.multihost.workers import forward
+
+
+def _model(tmp_path: Path, devices=(0, 1), shard: int = 0, num_shards: int = 2, **options):
+    scales = []
+
+    def fwd(model, loss_scale):
+        scales.append(loss_scale)
+        return forward("mlp")(model, loss_scale)
+
+    model = model_helper.ModelHelper(name="build")
+    rendezvous = {"shard_id": shard, "num_shards": num_shards, "kv_handler": torch.distributed.FileStore(
+        str(tmp_path / "store"), -1)}
+    dpm.Parallelize(model, lambda m: None, fwd, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                    devices=list(devices), cpu_device=True, rendezvous=rendezvous, **options)
+    return model, scales
+
+
+def test_each_gradient_is_summed_locally_all_reduced_across_shards_and_copied_back(tmp_path: Path) -> None:
+    model, scales = _model(tmp_path, max_concurrent_distributed_ops=2)
+    assert scales == [0.25, 0.25]  # 1 / (2 devices * 2 shards)
+    ops = model.net.Proto().ops
+    reduction = [(op.type, op.inputs, op.outputs) for op in ops if has_trait(op, Trait.CROSS_DEVICE)
+                 or op.name == "dpm"]
+    expected = []
+    for k, grad in enumerate(["pred_b_grad", "pred_w_grad", "fc1_b_grad", "fc1_w_grad"]):
+        expected += [("Sum", [f"cpu_0/{grad}", f"cpu_1/{grad}"], [f"cpu_0/{grad}"]),
+                     ("Allreduce", [f"graphpar_cw_{k % 2}", f"cpu_0/{grad}"], [f"cpu_0/{grad}"]),
+                     ("Copy", [f"cpu_0/{grad}"], [f"cpu_1/{grad}"])]
+    assert reduction == expected
+    allreduces = [op for op in ops if op.type == "Allreduce"]
+    # one chain per communicator: up to two in flight
+    assert [op.control_inputs for op in allreduces] == [[], [], ["cpu_0/pred_b_grad"], ["cpu_0/pred_w_grad"]]
+    assert model.net.Proto().num_workers == 2 * 4 + 2
+
+
+def test_the_init_net_creates_the_communicators_then_broadcasts_from_shard_0(tmp_path: Path) -> None:
+    model, _ = _model(tmp_path, max_concurrent_distributed_ops=3)
+    init = model.param_init_net.Proto().ops
+    creates = [i for i, op in enumerate(init) if op.type == "CreateCommonWorld"]
+    first_collective = next(i for i, op in enumerate(init) if op.type == "Broadcast")
+    assert creates == list(range(first_collective - 3, first_collective))
+    assert [init[i].outputs[0] for i in creates] == ["graphpar_cw_0", "graphpar_cw_1", "graphpar_cw_2"]
+    assert [bool(init[i].args["signature"]) for i in creates] == [True, False, False]
+    assert {(init[i].args["rank"], init[i].args["size"]) for i in creates} == {(0, 2)}
+    broadcasts = [op for op in init if op.type == "Broadcast"]
+    assert all(op.args["root"] == 0 and op.inputs[1].startswith("cpu_0/") for op in broadcasts)
+    assert [op.type for op in model._parallel.init_nets[1].Proto().ops] == ["CreateCommonWorld", "Barrier"]
+
+
+def test_the_signature_tells_device_counts_and_shapes_apart(tmp_path: Path) -> None:
+    from graphpar.passes.distributed import model_signature
+
+    (a, _), (b, _) = _model(tmp_path), _model(tmp_path, devices=(0, 1, 2))
+    assert model_signature(a._parallel) != model_signature(b._parallel)
+    (c, _) = _model(tmp_path, shard=1)
+    assert model_signature(a._parallel) == model_signature(c._parallel)
+
+
+def test_one_device_per_shard_still_all_reduces_and_buckets_across_shards(tmp_path: Path) -> None:
+    model, scales = _model(tmp_path, devices=(0,), gradient_bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
+    assert scales == [0.5]
+    types = [op.type for op in model.net.Proto().ops if has_trait(op, Trait.DISTRIBUTED)]
+    assert types == ["Allreduce"]  # one bucket of the four gradients
+
+
+def test_one_shard_builds_what_no_rendezvous_builds(tmp_path: Path) -> None:
+    model, scales = _model(tmp_path, num_shards=1)
+    assert scales == [0.5, 0.5]
+    assert not any(has_trait(op, Trait.DISTRIBUTED) for net in (model.net, model.param_init_net)
+                   for op in net.Proto().ops)
+    dpm.Synchronize(model)  # returns at once
+
+
+def test_add_distributed_blob_sync_all_reduces_across_shards_only(tmp_path: Path) -> None:
+    model, _ = _model(tmp_path)
+    dpm.AddDistributedBlobSync(model, ["cpu_0/fc1_w"])
+    last = model.net.Proto().ops[-1]
+    assert (last.type, last.inputs[1:], last.outputs) == ("Allreduce", ["cpu_0/fc1_w"], ["cpu_0/fc1_w"])
+    plain = model_helper.ModelHelper(name="plain")
+    dpm.Parallelize(plain, lambda m: None, forward("mlp"), devices=[0], cpu_device=True,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1))
+    before = len(plain.net.Proto().ops)
+    dpm.AddDistributedBlobSync(plain, ["cpu_0/fc1_w"])
+    assert len(plain.net.Proto().ops) == before
+
+
+def test_sparse_gradients_across_shards_are_refused_and_the_model_left_unchanged(tmp_path: Path) -> None:
+    from graphpar.models.dlrm import dlrm
+
+    model = model_helper.ModelHelper(name="sparse")
+    with pytest.raises(ParallelizeError, match="sparse gradients across shards"):
+        dpm.Parallelize(model, lambda m: None, lambda m, s: dlrm(m, s), devices=[0, 1], cpu_device=True,
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                        rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "store"})
+    assert getattr(model, "_parallel", None) is None and not model.net.Proto().ops
+
+
+def test_without_kv_handler_shards_come_from_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    rdv = parse_rendezvous({"kv_handler": None})
+    assert (rdv.shard_id, rdv.num_shards, rdv.engine, rdv.kv_handler) == (1, 3, "GLOO", None)
+    with pytest.raises(ParallelizeError, match=r"rendezvous\['shard_id'\] is 0 but .* says 1"):
+        parse_rendezvous({"kv_handler": None, "shard_id": 0})
+    with pytest.raises(ParallelizeError, match="must be a dict"):
+        parse_rendezvous([("shard_id", 0)])
+    with pytest.raises(ParallelizeError, match="timeout_sec"):
+        parse_rendezvous({"timeout_sec": 0})
+    with pytest.raises(ParallelizeError, match="mpi_rendezvous"):
+        parse_rendezvous({"mpi_rendezvous": True})

@@ -1,0 +1,117 @@
+"""Multi-host training with real processes: gloo over loopback, a FileStore in a temp dir.
+
+2 shards x 2 CPU devices train bit-identically to 1 shard x 4 devices: each shard sums its two
+replicas onto its first device (g0 + g1, g2 + g3), the cross-shard all-reduce of two shards adds the
+two partial sums (commutative, so the same on both ranks), and 1 x 4 devices' Sum tree computes
+(g0 + g1) + (g2 + g3) too. One device on the concatenated batch matches to float tolerance only (its
+sums run in another order).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.multihost import workers
+from tests.multihost.helpers import assert_identical, load, run_processes
+
+STEPS = 10
+RUNS = [{"kind": "mlp"}, {"kind": "mlp", "gradient_bucket_bytes": 64, "first_bucket_bytes": 64},
+        {"kind": "cnn"}, {"kind": "cnn", "gradient_bucket_bytes": 1 << 20, "average_computed_params": True},
+        {"kind": "mlp", "bmuf": True}]
+
+
+@pytest.mark.slow
+def test_two_shards_of_two_devices_train_bit_identically_to_one_shard_of_four(tmp_path: Path) -> None:
+    """MLP and CNN with batch norm, with and without buckets (and averaged computed params), 10 momentum
+    SGD steps, and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
+    every shard); shard 1 is seeded differently and still starts from shard 0's params. Every replica
+    of every shard equals the 1 x 4 run's after init and after every step."""
+    single = tmp_path / "single"
+    single.mkdir()
+    ref_runs = [{**run, "shard": 0, "num_shards": 1, "devices": [0, 1, 2, 3], "store": str(single),
+                 "steps": STEPS} for run in RUNS]
+    codes = run_processes(workers.train_all, [(str(single / "ref"), ref_runs)] + [
+        (str(tmp_path / f"shard{r}"), RUNS) for r in range(2)],
+        [{}] + [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path), steps=STEPS, seed=r)
+                for r in range(2)])
+    assert codes == [0, 0, 0]
+    for k in range(len(RUNS)):
+        assert not list(tmp_path.glob(f"*_{k}.npz.error")), (tmp_path / f"shard0_{k}.npz.error").read_text()
+        ref = load(single / f"ref_{k}.npz")
+        for r in range(2):
+            got = load(tmp_path / f"shard{r}_{k}.npz")
+            # shard r's device d holds global replica 2r + d: all replicas are equal, compare each to ref's
+            assert_identical(got, ref)
+            assert set(got) == {key for key in ref if key.split("/")[1] in ("cpu_0", "cpu_1")}
+
+
+def test_one_shard_of_two_devices_and_two_shards_of_one_match_one_device(tmp_path: Path) -> None:
+    """2 shards x 1 device == 1 shard x 2 devices bit for bit, and one device on the whole batch to
+    float tolerance (one process start per shard for both models)."""
+    runs = [{"kind": "mlp", "steps": 4}]
+    ref_dir, one_dir = tmp_path / "ref", tmp_path / "one"
+    ref_dir.mkdir()
+    one_dir.mkdir()
+    codes = run_processes(workers.train_all, [
+        (str(ref_dir / "two"), [{**runs[0], "devices": [0, 1]}, {**runs[0], "devices": [0], "steps": 4}]),
+        (str(tmp_path / "shard0"), runs), (str(tmp_path / "shard1"), runs)],
+        [dict(shard=0, num_shards=1, store=str(ref_dir))] + [
+            dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), seed=5 * r) for r in range(2)])
+    assert codes == [0, 0, 0]
+    two = load(ref_dir / "two_0.npz")
+    for r in range(2):
+        assert_identical(load(tmp_path / f"shard{r}_0.npz"), two)
+    one = load(ref_dir / "two_1.npz")
+    for key, value in one.items():
+        np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_shard_that_dies_makes_the_other_raise_within_its_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],
+                          [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path), steps=STEPS,
+                                timeout_sec=10, die_at=3 if r == 1 else None) for r in range(2)], limit=60)
+    assert codes == [0, 3]
+    assert time.monotonic() - start < 60
+    error = (tmp_path / "shard0_0.npz.error").read_text()
+    assert "shard 0 of 2" in error and "Allreduce" in error and "graphpar_cw_" in error, error
+
+
+def test_a_shard_with_another_model_fails_at_init_on_every_shard(tmp_path: Path) -> None:
+    codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp", "hidden": 8 + r}])
+                                              for r in range(2)],
+                          [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path), steps=1, timeout_sec=10)
+                           for r in range(2)], limit=60)
+    assert codes == [0, 0]
+    for r in range(2):
+        error = (tmp_path / f"shard{r}_0.npz.error").read_text()
+        assert "shard(s) [1] built a different model than shard 0" in error, error
+
+
+def test_a_shard_that_hangs_makes_the_other_raise_after_the_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],
+                          [dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), steps=STEPS, timeout_sec=2,
+                                hang_at=2 if r == 1 else None) for r in range(2)], limit=60)
+    assert codes == [0, 4]
+    assert time.monotonic() - start < 30
+    error = (tmp_path / "shard0_0.npz.error").read_text()
+    assert "shard 0 of 2" in error and "timeout 2 s" in error, error
+
+
+def test_blob_syncs_checkpoint_sync_and_barriers_cross_shards(tmp_path: Path) -> None:
+    codes = run_processes(workers.sync_checks, [(str(tmp_path / f"shard{r}"), r, 2, str(tmp_path)) for r in range(2)],
+                          limit=60)
+    assert codes == [0, 0]
+    assert not list(tmp_path.glob("*.error")), [p.read_text() for p in tmp_path.glob("*.error")]
+    for r in range(2):
+        got = load(tmp_path / f"shard{r}.npz")
+        assert got["marker0"][0] == got["marker1"][0] == 0.0  # AddBlobSync: shard 0's first device
+        assert got["total"][0] == 3.0  # AddDistributedBlobSync: 1 + 2, across shards only
+        np.testing.assert_array_equal(got["fc1_w0"], np.zeros((8, 6), np.float32))  # FinalizeAfterCheckpoint
+        np.testing.assert_array_equal(got["fc1_w1"], np.zeros((8, 6), np.float32))
+        assert "one timeout for every call" in str(got["timeout_change"])

@@ -1,0 +1,212 @@
+"""Training processes for the multi-host tests: one shard each, started by `tests.multihost.helpers`.
+
+Kept free of pytest so that spawned children import it cheaply. Every worker trains the same model on
+the same global batches; shard `s` of `S` with `D` local devices feeds global slices `s*D .. s*D+D-1`,
+so S shards x D devices compute what 1 shard x S*D devices computes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+GLOBAL_BATCH = 8
+LR, MOMENTUM = 0.125, 0.9
+
+
+def forward(kind: str, hidden: int = 8):  # noqa: ANN201
+    from graphpar import brew
+    from graphpar.models.common import softmax_loss
+
+    def mlp(model, loss_scale):  # noqa: ANN001, ANN202
+        h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=hidden)
+        h = brew.relu(model, h, h)
+        return softmax_loss(model, brew.fc(model, h, "pred", dim_in=hidden, dim_out=3), "label", loss_scale)
+
+    def cnn(model, loss_scale):  # noqa: ANN001, ANN202
+        h = brew.conv(model, "data", "conv1", dim_in=2, dim_out=3, kernel=3, pad=1, no_bias=True)
+        h = brew.spatial_bn(model, h, "bn1", dim_in=3, epsilon=1e-5, momentum=0.9)
+        h = brew.relu(model, h, h)
+        h = brew.max_pool(model, h, "pool1", kernel=2, stride=2)
+        return softmax_loss(model, brew.fc(model, h, "pred", dim_in=3 * 2 * 2, dim_out=3), "label", loss_scale)
+
+    return {"mlp": mlp, "cnn": cnn}[kind]
+
+
+def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(100 + step)
+    shape = (6,) if kind == "mlp" else (2, 4, 4)
+    return rng.randn(GLOBAL_BATCH, *shape).astype(np.float32), rng.randint(0, 3, GLOBAL_BATCH).astype(np.int32)
+
+
+def local_sgd(model) -> None:  # noqa: ANN001
+    """BMUF's per-device update: momentum SGD on the replica's own gradients."""
+    from graphpar import brew
+
+    rate = model.net.LearningRate([brew.iter(model, "ITER")], "LR", base_lr=LR, policy="fixed")
+    for param in model.GetParams():
+        momentum = model.param_init_net.ConstantFill([param], f"{param}_momentum".split("/")[-1], value=0.0)
+        grad = model.param_to_grad[param]
+        model.net.MomentumSGDUpdate([grad, momentum, rate, param], [grad, momentum, param], momentum=MOMENTUM)
+
+
+def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, bmuf: bool = False,
+          **options: Any):  # noqa: ANN201
+    from graphpar import data_parallel_model as dpm
+    from graphpar import optimizer
+    from graphpar.model_helper import ModelHelper
+
+    model = ModelHelper(name=f"multihost_{kind}")
+    if bmuf:
+        dpm.Parallelize_BMUF(model, lambda m: None, forward(kind, hidden), local_sgd, devices=devices,
+                             cpu_device=True, rendezvous=rendezvous, block_learning_rate=0.5, **options)
+        return model
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward(kind, hidden),
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
+                    devices=devices, cpu_device=True, rendezvous=rendezvous, **options)
+    return model
+
+
+def feed(kind: str, step: int, shard: int, num_shards: int, devices: list[int]) -> None:
+    """Shard `shard`'s local devices get global slices shard*D .. shard*D + D - 1 of the batch."""
+    from graphpar import workspace
+
+    x, y = batch(kind, step)
+    parts = np.split(np.arange(GLOBAL_BATCH), len(devices) * num_shards)
+    for d, device in enumerate(devices):
+        rows = parts[shard * len(devices) + d]
+        workspace.FeedBlob(f"cpu_{device}/data", x[rows])
+        workspace.FeedBlob(f"cpu_{device}/label", y[rows])
+
+
+def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Every replica's params and computed params (cpu_<d>/name), and BMUF's global model."""
+    from graphpar import workspace
+
+    names = [str(p) for p in model.GetParams()] + [str(p) for p in model.GetComputedParams()]
+    names += [f"{p}_{suffix}" for p in model.GetParams() for suffix in ("g", "v")
+              if workspace.HasBlob(f"{p}_{suffix}")]
+    return {name: workspace.FetchBlob(name) for name in names}
+
+
+def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
+          seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
+          bmuf: bool = False, **options: Any) -> None:
+    """Train `steps` steps; save every replica's state after init and after each step to `out`
+    (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
+    other through a FileStore in directory `store`; `die_at` kills this process before that step,
+    `hang_at` makes it sleep there for three timeouts, then exit."""
+    import torch
+
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    torch.set_num_threads(1)  # as graphpar.launch: processes share the cores (same results, less contention)
+    workspace.ResetWorkspace()
+    workspace.SetSeed(seed)
+    # every process runs the same nets before the init net (random draws depend on the compile count)
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = None
+    if num_shards > 1:
+        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards,
+                      "engine": "GLOO", "timeout_sec": timeout_sec}
+    try:
+        model = build(kind, devices, rendezvous, bmuf=bmuf, **options)
+        feed(kind, 0, shard, num_shards, devices)
+        dpm.RunInitNet(model)
+        saved = {f"init/{k}": v for k, v in state(model).items()}
+        for step in range(steps):
+            if die_at is not None and step == die_at:
+                os._exit(3)
+            if hang_at is not None and step == hang_at:
+                time.sleep(3 * timeout_sec)
+                os._exit(4)
+            feed(kind, step, shard, num_shards, devices)
+            dpm.RunNet(model, 2 if bmuf else 1)
+            saved.update({f"{step}/{k}": v for k, v in state(model).items()})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def train_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:
+    """`train` once per entry of `runs` (keyword arguments over `common`), into `out_<k>.npz`: one
+    process start amortised over several models."""
+    for k, run in enumerate(runs):
+        train(f"{out}_{k}.npz", **{**common, **run})
+
+
+def _op(type_: str, inputs: list[str], outputs: list[str], **args: Any):  # noqa: ANN202
+    from graphpar import core
+
+    return core.CreateOperator(type_, inputs, outputs, **args)
+
+
+def report_rank(directory: str) -> None:
+    """For graphpar.launch: write this process's rank, world size and local rank, after an all-reduce
+    over the default group that every rank must join."""
+    import torch
+    import torch.distributed as dist
+
+    from graphpar import launch
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    with open(os.path.join(directory, f"rank{launch.get_rank()}"), "w") as f:
+        f.write(f"{launch.get_world_size()} {launch.get_local_rank()} {launch.is_main_process()} {int(total)}")
+
+
+def fail_on_rank_1(directory: str) -> None:
+    """For graphpar.launch: rank 1 raises, rank 0 waits for a barrier that never completes."""
+    import torch.distributed as dist
+
+    from graphpar import launch
+
+    if launch.get_rank() == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    with open(os.path.join(directory, "pid0"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()
+
+
+def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
+    """AddBlobSync, AddDistributedBlobSync, FinalizeAfterCheckpoint and Synchronize across shards; the
+    values seen are saved to `out` (or the error to `out + ".error"`)."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    workspace.ResetWorkspace()
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 10}
+    try:
+        model = build("mlp", [0, 1], rendezvous)
+        dpm.AddBlobSync(model, ["marker"])
+        dpm.AddDistributedBlobSync(model, ["cpu_0/total"])
+        feed("mlp", 0, shard, num_shards, [0, 1])
+        for d in (0, 1):
+            workspace.FeedBlob(f"cpu_{d}/marker", np.array([10.0 * shard + d], dtype=np.float32))
+        workspace.FeedBlob("cpu_0/total", np.array([shard + 1.0], dtype=np.float32))
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+        saved = {f"marker{d}": workspace.FetchBlob(f"cpu_{d}/marker") for d in (0, 1)}
+        saved["total"] = workspace.FetchBlob("cpu_0/total")
+        dpm.Synchronize(model, 10)
+        dpm.Synchronize(model, 10)
+        # a "checkpoint" that differs per shard: FinalizeAfterCheckpoint makes shard 0's first device win
+        workspace.FeedBlob("cpu_0/fc1_w", np.full((8, 6), float(shard), dtype=np.float32))
+        dpm.FinalizeAfterCheckpoint(model)
+        saved.update({f"fc1_w{d}": workspace.FetchBlob(f"cpu_{d}/fc1_w") for d in (0, 1)})
+        try:
+            dpm.Synchronize(model, 11)
+        except Exception as exc:  # noqa: BLE001
+            saved["timeout_change"] = np.array(str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)

@@ -1,0 +1,198 @@
+"""DeviceFeeder: order, epochs, errors with their traceback, bounded prefetch, clean shutdown, overlap,
+the side-stream copy path (a recording copier on logical CUDA devices), and the trainer fed by it."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import data_parallel_model as dpm
+from graphpar import workspace
+from graphpar.data import DeviceFeeder, Prepared, feed
+from graphpar.devices import cuda_on_cpu
+from graphpar.engine import Trainer
+from graphpar.model_helper import ModelHelper
+from tests.test_trainer import _batches, _model, _params
+
+_names = iter(range(10**6))
+
+
+def _relu_model(devices=(0, 1), gpu: bool = False) -> ModelHelper:
+    model = ModelHelper(name=f"feeder_{next(_names)}", init_params=False)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=lambda m, scale: [m.net.Relu("x", "y")],
+                    devices=list(devices), cpu_device=not gpu)
+    return model
+
+
+def _numbered(count: int, rows: int = 4) -> list[dict]:
+    return [{"x": np.full((rows, 2), k, dtype=np.float32), "id": k} for k in range(count)]
+
+
+def _feeder_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "graphpar-DeviceFeeder"]
+
+
+def test_order_is_kept_and_no_batch_is_lost_or_repeated_across_epochs():
+    model = _relu_model()
+    with DeviceFeeder(_numbered(5), model, depth=2) as feeder:
+        assert len(feeder) == 5
+        for _ in range(3):  # epochs
+            seen = []
+            for batch in feeder:
+                assert isinstance(batch, Prepared)
+                fed = feed(model, batch)
+                seen.append(fed.host[0]["id"])
+                assert workspace.FetchBlob("cpu_1/x")[0, 0] == fed.host[1]["id"]
+            assert seen == [0, 1, 2, 3, 4]
+    assert _feeder_threads() == []
+
+
+def bad_loader():
+    yield {"x": np.ones((2, 2), dtype=np.float32)}
+    raise KeyError("sample 17 is corrupt")
+
+
+def test_a_loader_error_is_raised_in_the_caller_with_its_traceback():
+    model = _relu_model()
+    feeder = DeviceFeeder(bad_loader(), model)
+    batches = iter(feeder)
+    next(batches)
+    with pytest.raises(KeyError, match="sample 17 is corrupt") as info:
+        next(batches)
+    assert "bad_loader" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert any("DeviceFeeder's loading thread" in note for note in info.value.__notes__)
+    assert _feeder_threads() == []  # the failed epoch's thread is gone
+
+
+def test_a_batch_the_model_refuses_is_raised_in_the_caller():
+    model = _relu_model()
+    with DeviceFeeder([{"x": np.ones((3, 2), dtype=np.float32)}], model) as feeder:
+        with pytest.raises(ValueError, match="batch of 3 cannot be split evenly over 2 devices"):
+            next(iter(feeder))
+
+
+class _Flaky(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 6:
+            raise ValueError("bad sample 6")
+        return {"x": torch.full((2,), float(index))}
+
+
+def test_dataloader_workers_and_their_errors():
+    model = _relu_model()
+    loader = torch.utils.data.DataLoader(_Flaky(), batch_size=2, num_workers=2)
+    with DeviceFeeder(loader, model) as feeder:
+        batches = iter(feeder)
+        for k in range(3):
+            fed = feed(model, next(batches))
+            np.testing.assert_array_equal(workspace.FetchBlob("cpu_1/x")[:, 0], [2 * k + 1])
+        with pytest.raises(ValueError, match="bad sample 6"):
+            next(batches)
+    assert fed.sizes == [1, 1]
+
+
+def test_prefetch_is_bounded_and_close_stops_the_thread_mid_epoch():
+    pulled = []
+
+    def loader():
+        for k in range(100):
+            pulled.append(k)
+            yield {"x": np.full((2, 2), k, dtype=np.float32)}
+
+    model = _relu_model()
+    feeder = DeviceFeeder(loader(), model, depth=3)
+    batches = iter(feeder)
+    next(batches)
+    time.sleep(0.3)
+    assert len(pulled) <= 1 + 3 + 1  # the one taken, a full queue, one waiting to be put
+    feeder.close()
+    assert _feeder_threads() == [] and len(pulled) <= 5
+    with pytest.raises(StopIteration):
+        next(batches)
+
+
+def test_loading_overlaps_the_step():
+    delay, count = 0.05, 8
+
+    def slow_loader():
+        for k in range(count):
+            time.sleep(delay)  # loading takes as long as a step
+            yield {"x": np.full((2, 2), k, dtype=np.float32)}
+
+    model = _relu_model()
+    start = time.perf_counter()
+    with DeviceFeeder(slow_loader(), model) as feeder:
+        for batch in feeder:
+            feed(model, batch)
+            time.sleep(delay)  # the step
+    overlapped = time.perf_counter() - start
+    assert overlapped < 0.75 * 2 * delay * count  # serial would take 2 * delay * count
+
+
+class _RecordingCopier:
+    """Stands in for CudaCopier: records copies, events and waits (CPU tensors stay where they are)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def copy(self, device, value):
+        self.calls.append(("copy", device, tuple(value.shape)))
+        return torch.as_tensor(value).clone()
+
+    def record(self, device):
+        event = ("event", device, len(self.calls))
+        self.calls.append(event)
+        return event
+
+    def wait(self, device, event, values):
+        assert workspace.HasBlob(f"gpu_{device}/x") is False or event[2] > 0
+        self.calls.append(("wait", device, event, len(list(values))))
+
+
+def test_side_stream_copy_path_on_logical_cuda_devices():
+    copier = _RecordingCopier()
+    with cuda_on_cpu():
+        model = _relu_model(devices=(3, 1), gpu=True)
+        with DeviceFeeder(_numbered(2), model, copier=copier) as feeder:
+            batches = list(feeder)
+        assert copier.calls[:4] == [("copy", 3, (2, 2)), ("copy", 1, (2, 2)),
+                                    ("event", 3, 2), ("event", 1, 3)]  # copies, then one event per device
+        copier.calls.clear()
+        feed(model, batches[1])
+        assert copier.calls == [("wait", 3, ("event", 3, 6), 1), ("wait", 1, ("event", 1, 7), 1)]
+        np.testing.assert_array_equal(workspace.FetchBlob("gpu_1/x"), np.ones((2, 2)))
+        other = _relu_model(devices=(0, 1), gpu=True)
+        with pytest.raises(ValueError, match=r"prepared for devices gpu_\[3, 1\], not this model's gpu_\[0, 1\]"):
+            feed(other, batches[0])
+
+
+def test_the_trainer_fed_by_a_device_feeder_equals_the_plain_loader():
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    plain = Trainer(_model(), _batches(), max_iter=6)
+    plain.train()
+    expected = _params(plain.model)
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    model = _model()
+    with DeviceFeeder(_batches(), model) as feeder:
+        Trainer(model, feeder, max_iter=6).train()
+    for name, value in _params(model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    assert _feeder_threads() == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="depth must be an int >= 1"):
+        DeviceFeeder([], _relu_model(), depth=0)
+    with pytest.raises(Exception, match="Parallelize"):
+        DeviceFeeder([], ModelHelper(name=f"feeder_plain_{next(_names)}"))

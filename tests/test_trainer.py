@@ -1,0 +1,238 @@
+"""graphpar.engine: the Trainer and its hooks, resume from a periodic checkpoint, auto_scale_workers.
+
+References: a hand-written loop (feed, RunNet) for the trainer's steps; the uninterrupted run for a
+resumed one (LR schedule included); Detectron2's formulas, transcribed, for auto_scale_workers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from graphpar import brew, optimizer, workspace
+from graphpar import data_parallel_model as dpm
+from graphpar.data import feed
+from graphpar.engine import (
+    Config,
+    EvalHook,
+    HookBase,
+    IterationTimer,
+    LRScheduler,
+    PeriodicCheckpointer,
+    PeriodicWriter,
+    Trainer,
+    auto_scale_workers,
+)
+from graphpar.model_helper import ModelHelper
+
+_names = iter(range(10**6))
+
+
+def _mlp(model: ModelHelper, loss_scale: float) -> list:
+    h = brew.relu(model, brew.fc(model, "data", "fc1", dim_in=4, dim_out=8), "h")
+    pred = brew.fc(model, h, "pred", dim_in=8, dim_out=3)
+    _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+
+def _model(devices=(0, 1), **sgd) -> ModelHelper:
+    model = ModelHelper(name=f"trainer_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(
+                        m, 0.2, policy="step", stepsize=3, gamma=0.5, momentum=0.9, **sgd),
+                    devices=list(devices), cpu_device=True)
+    return model
+
+
+def _batches(count: int = 4, size: int = 8) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"data": rng.standard_normal((size, 4)).astype(np.float32),
+             "label": rng.integers(0, 3, size).astype(np.int32), "ids": list(range(size))} for _ in range(count)]
+
+
+def _params(model: ModelHelper) -> dict[str, np.ndarray]:
+    return {name: workspace.FetchBlob(name) for name in sorted(dpm.GetCheckpointParams(model))}
+
+
+def test_trainer_steps_equal_a_hand_written_loop_and_record_losses():
+    data = _batches()
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    reference = _model()
+    feed(reference, data[0])
+    dpm.RunInitNet(reference)
+    losses = []
+    for step in range(6):  # 1.5 epochs
+        feed(reference, data[step % 4])
+        dpm.RunNet(reference, 1)
+        losses.append(sum(float(workspace.FetchBlob(f"cpu_{d}/scaled_loss")) for d in (0, 1)))
+    expected = _params(reference)
+
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    trainer = Trainer(_model(), data, [LRScheduler()], max_iter=6)
+    trainer.train()
+    for name, value in _params(trainer.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    np.testing.assert_allclose([v for _, v in trainer.storage.history["scaled_loss"]], losses, rtol=1e-6)
+    assert [v for _, v in trainer.storage.history["lr"]] == pytest.approx([0.2, 0.2, 0.1, 0.1, 0.1, 0.05])  # step k sees iter k
+    assert trainer.epoch == 1 and trainer.iter == 6
+
+
+def _train(tmp_path, max_iter: int, resume: bool, period: int = 2, keep: int = 2) -> Trainer:
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    hooks = [LRScheduler(), PeriodicCheckpointer(tmp_path / "ckpt", period, keep=keep)]
+    trainer = Trainer(_model(), _batches(), hooks, max_iter=max_iter)
+    trainer.resume_or_load(resume=resume)
+    trainer.train()
+    return trainer
+
+
+def test_resumed_from_a_periodic_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    full = _train(tmp_path / "full", 7, resume=False)
+    expected, lrs = _params(full.model), full.storage.history["lr"]
+    _train(tmp_path / "cut", 5, resume=False)  # the "crash": stopped after 5 iterations
+    saved = sorted(p.name for p in (tmp_path / "cut" / "ckpt").iterdir())
+    assert saved == ["model_0000004.safetensors", "model_0000005.safetensors"]  # every 2, the end, last 2 kept
+    resumed = _train(tmp_path / "cut", 7, resume=True)
+    assert resumed.start_iter == 5 and resumed.epoch == 1
+    for name, value in _params(resumed.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    assert resumed.storage.history["lr"] == lrs[5:]  # the LR schedule continues where it was
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 7
+
+
+def test_a_finished_run_resumed_says_there_is_nothing_to_do(tmp_path, capsys):
+    _train(tmp_path, 3, resume=False)
+    trainer = _train(tmp_path, 3, resume=True)
+    assert trainer.iter == 3
+    assert "nothing to train: already at iteration 3 of max_iter 3; raise max_iter" in capsys.readouterr().err
+
+
+def test_hooks_run_in_order_and_writers_write(tmp_path, capsys):
+    calls = []
+
+    class Recorder(HookBase):
+        def before_train(self):
+            calls.append(("before_train", self.trainer.iter))
+
+        def before_step(self):
+            calls.append(("before_step", self.trainer.iter))
+
+        def after_step(self):
+            calls.append(("after_step", self.trainer.iter))
+
+        def after_train(self):
+            calls.append(("after_train", self.trainer.iter))
+
+    evaluations = []
+
+    def evaluate():
+        evaluations.append(int(workspace.FetchBlob("optimizer_iteration")[0]))
+        return {"accuracy": 0.5}
+
+    workspace.ResetWorkspace()
+    hooks = [Recorder(), IterationTimer(warmup=1), LRScheduler(), EvalHook(2, evaluate),
+             PeriodicWriter(tmp_path, period=2, tensorboard=False)]
+    trainer = Trainer(_model(), _batches(), hooks, max_iter=3)
+    trainer.train()
+    assert calls == [("before_train", 0), ("before_step", 0), ("after_step", 0), ("before_step", 1),
+                     ("after_step", 1), ("before_step", 2), ("after_step", 2), ("after_train", 2)]
+    assert evaluations == [2, 3]  # every 2 iterations and at the end
+    lines = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [1, 2, 2]  # every 2 iterations, the end, the final eval
+    assert set(lines[0]) == {"iteration", "scaled_loss", "lr", "time", "accuracy"} and lines[2] == {
+        "iteration": 2, "accuracy": 0.5}
+    assert len(trainer.storage.history["time"]) == 2  # after one warmup step
+    out = capsys.readouterr().out
+    assert "iter 2/3" in out and "iter 3/3" in out and "accuracy 0.5" in out
+
+
+def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
+    workspace.ResetWorkspace()
+    forward = ModelHelper(name=f"trainer_fwd_{next(_names)}", init_params=False)
+    dpm.Parallelize(forward, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    devices=[0], cpu_device=True)
+    with pytest.raises(ValueError, match="parallelized with an optimizer"):
+        Trainer(forward, _batches(), max_iter=1)
+    with pytest.raises(ValueError, match="max_iter must be an int >= 0"):
+        Trainer(_model(), _batches(), max_iter=-1)
+    with pytest.raises(ValueError, match="yielded no batch in epoch 0"):
+        Trainer(_model(), [], max_iter=1).train()
+    bad = _batches(1)
+    bad[0]["data"][0, 0] = np.inf
+    with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 0"):
+        Trainer(_model(), bad, max_iter=2).train()
+
+
+def test_set_epoch_is_called_on_the_data_each_epoch():
+    epochs = []
+
+    class Loader:
+        def __init__(self):
+            self.batches = _batches(2)
+
+        def set_epoch(self, epoch):
+            epochs.append(epoch)
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    workspace.ResetWorkspace()
+    Trainer(_model(), Loader(), max_iter=5).train()
+    assert epochs == [0, 1, 2]
+
+
+# ---- auto_scale_workers against Detectron2's formulas ------------------------------------------------
+
+
+def _cfg(reference: int = 8) -> Config:
+    return Config({"SOLVER": {"IMS_PER_BATCH": 16, "BASE_LR": 0.1, "REFERENCE_WORLD_SIZE": reference,
+                              "MAX_ITER": 5000, "WARMUP_ITERS": 1000, "STEPS": (4000, 4500),
+                              "CHECKPOINT_PERIOD": 1000}, "TEST": {"EVAL_PERIOD": 500}})
+
+
+@pytest.mark.parametrize("workers", [16, 4, 2, 3])
+def test_auto_scale_workers_follows_detectron2(workers):
+    cfg = _cfg()
+    scaled = auto_scale_workers(cfg, workers)
+    scale = workers / 8  # detectron2.engine.defaults.DefaultTrainer.auto_scale_workers
+    assert scaled.SOLVER.IMS_PER_BATCH == int(round(16 * scale))
+    assert scaled.SOLVER.BASE_LR == 0.1 * scale
+    assert scaled.SOLVER.MAX_ITER == int(round(5000 / scale))
+    assert scaled.SOLVER.WARMUP_ITERS == int(round(1000 / scale))
+    assert scaled.SOLVER.STEPS == tuple(int(round(s / scale)) for s in (4000, 4500))
+    assert scaled.SOLVER.CHECKPOINT_PERIOD == int(round(1000 / scale))
+    assert scaled.TEST.EVAL_PERIOD == int(round(500 / scale))
+    assert scaled.SOLVER.REFERENCE_WORLD_SIZE == workers
+    assert cfg.SOLVER.IMS_PER_BATCH == 16  # the input is not changed
+
+
+def test_auto_scale_workers_without_reference_or_with_a_bad_one():
+    assert auto_scale_workers(_cfg(0), 4) == _cfg(0)
+    assert auto_scale_workers(_cfg(8), 8) == _cfg(8)
+    with pytest.raises(ValueError, match="IMS_PER_BATCH=16 is not divisible by SOLVER.REFERENCE_WORLD_SIZE=3"):
+        auto_scale_workers(_cfg(3), 4)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        auto_scale_workers(_cfg(), 0)
+    with pytest.raises(AttributeError, match="config has no field 'MISSING'"):
+        _cfg().MISSING  # noqa: B018
+
+
+def test_resume_false_with_a_path_loads_only_the_weights(tmp_path):
+    trained = _train(tmp_path, 3, resume=False)
+    params = {name: value for name, value in _params(trained.model).items() if name.endswith(("_w", "_b"))}
+    path = tmp_path / "ckpt" / "model_0000003.safetensors"
+    workspace.ResetWorkspace()
+    trainer = Trainer(_model(), _batches(), max_iter=1)
+    assert trainer.resume_or_load(resume=False, path=path) == 0
+    for name, value in params.items():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), value, err_msg=name)
+        np.testing.assert_array_equal(workspace.FetchBlob(name.replace("cpu_0", "cpu_1")), value)
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 0
+    assert not workspace.FetchBlob("cpu_0/fc1_w_momentum").any()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        trainer.resume_or_load(resume=True, path=tmp_path / "missing.safetensors")
