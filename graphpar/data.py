@@ -13,6 +13,9 @@ The rules (docs/feeding.md has the long form):
 - *Uneven chunks* are refused, naming the fix, unless the model was parallelized with
   `uneven_batches=True`; then each device's loss gradient is weighted by its real share.
   Empty chunks and arrays of different batch sizes are always refused.
+
+Samplers and a loader: `EpochSampler` (one seeded permutation per epoch), `ArrayLoader`, and, for
+several processes, `TrainingSampler` / `InferenceSampler` (Detectron2's, sharded by rank).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from graphpar.naming import BATCH_WEIGHT, device_scoped
 
 __all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
            "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
-           "minibatches", "prepare", "scatter", "split_batch"]
+           "TrainingSampler", "minibatches", "prepare", "scatter", "split_batch"]
 
 
 def __getattr__(name: str) -> Any:
@@ -480,23 +483,6 @@ class EpochSampler:
         return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist())
 
 
-class InferenceSampler:
-    """Every index of `size` samples exactly once, in order, as contiguous shards (Detectron2's):
-    shard k of `num_shards` holds indices [k·size/num_shards, (k+1)·size/num_shards)."""
-
-    def __init__(self, size: int, num_shards: int = 1, shard: int = 0) -> None:
-        if size < 0 or num_shards < 1 or not 0 <= shard < num_shards:
-            raise ValueError(f"InferenceSampler: need size >= 0 and 0 <= shard < num_shards, got {size}, "
-                             f"{shard}, {num_shards}")
-        self.range = range(size * shard // num_shards, size * (shard + 1) // num_shards)
-
-    def __len__(self) -> int:
-        return len(self.range)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.range)
-
-
 class ArrayLoader:
     """Batches of in-memory arrays: `{name: array[indices]}` for `batch_size` indices at a time of
     `sampler` (default `EpochSampler(len, shuffle, seed)`); a final partial batch is dropped with
@@ -573,3 +559,57 @@ def minibatches(n: int, batch_size: int, rng: np.random.Generator | None = None,
     order = rng.permutation(n) if rng is not None else np.arange(n)
     stop = n - n % batch_size if drop_last else n
     return (order[start:start + batch_size] for start in range(0, stop, batch_size))
+
+
+def _shard_of(rank: int | None, world: int | None) -> tuple[int, int]:
+    """(rank, world size): given, else graphpar.launch's (torch.distributed's, or RANK / WORLD_SIZE)."""
+    from graphpar import launch
+
+    rank = launch.get_rank() if rank is None else rank
+    world = launch.get_world_size() if world is None else world
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"a sampler needs world >= 1 and 0 <= rank < world, got rank={rank}, world={world}")
+    return rank, world
+
+
+class TrainingSampler:
+    """Detectron2's infinite training sampler: every process draws the same seeded stream of epochs
+    (each a permutation of `range(size)` when `shuffle`, else in order) and takes every `world`-th
+    index starting at its `rank`, so the shards' indices are disjoint and together cover each epoch.
+    All shards must use the same `seed`."""
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int | None = None,
+                 world: int | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"TrainingSampler: size must be >= 1, got {size}")
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.rank, self.world = _shard_of(rank, world)
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng(self.seed)
+        position = 0
+        while True:
+            epoch = rng.permutation(self.size) if self.shuffle else np.arange(self.size)
+            for index in epoch:
+                if position % self.world == self.rank:
+                    yield int(index)
+                position += 1
+
+
+class InferenceSampler:
+    """Detectron2's inference sampler: shard `rank` of `world` gets one contiguous range of
+    `range(size)`; the first `size % world` shards get one index more, so nothing is repeated or lost."""
+
+    def __init__(self, size: int, rank: int | None = None, world: int | None = None) -> None:
+        if size < 0:
+            raise ValueError(f"InferenceSampler: size must be >= 0, got {size}")
+        rank, world = _shard_of(rank, world)
+        base, left = divmod(size, world)
+        begin = rank * base + min(rank, left)
+        self.indices = range(begin, begin + base + (rank < left))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -72,7 +72,7 @@ __all__ = [
     "FinalizeAfterCheckpoint", "GetCheckpointParams", "GetDevices", "GetLearningRateBlobNames",
     "OptimizeGradientMemory", "Parallelize", "Parallelize_BMUF", "Parallelize_CPU", "Parallelize_CPU_BMUF",
     "Parallelize_GPU", "Parallelize_GPU_BMUF", "Parallelize_iDeep", "RunInitNet", "RunNet", "RunWarmup",
-    "Synchronize", "stripBlobName",
+    "Synchronize", "save_checkpoint", "stripBlobName",
 ]
 
 log = logging.getLogger(__name__)
@@ -529,6 +529,24 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     counters = {op.outputs[0] for op in model.net.Proto().ops
                 if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None}
     return first | counters
+
+
+def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: dict | None = None) -> bool:
+    """Write `GetCheckpointParams(model)` to `path` (graphpar.checkpoint.save, atomic) on one shard
+    only: shard 0 of the model's rendezvous, or the only process. Every shard may then load it and call
+    `FinalizeAfterCheckpoint`; call `Synchronize(model)` first if other shards read it right away.
+    Returns whether this process wrote the file.
+
+    Raises:
+        ParallelizeError: the model was not parallelized. checkpoint.save's errors on the writer.
+    """
+    rdv = _state_of(model).options.rendezvous
+    if rdv is not None and rdv.shard_id != 0:
+        return False
+    from graphpar import checkpoint
+
+    checkpoint.save(path, GetCheckpointParams(model), metadata=metadata)
+    return True
 
 
 def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802

@@ -192,7 +192,8 @@ def test_bmuf_errors_leave_the_model_unchanged():
            ({"warmup_iterations": 0}, ParallelizeError, "warmup_iterations"),
            ({"block_momentum": "x"}, TypeError, "block_momentum"),
            ({"add_blobs_to_sync": ["cpu_0/x"]}, ParallelizeError, "unprefixed"),
-           ({"rendezvous": {}}, NotImplementedError, "rendezvous")]
+           ({"rendezvous": {"kv_handler": "s", "shard_id": 0}}, ParallelizeError, "rendezvous needs num_shards"),
+           ({"max_concurrent_distributed_ops": 0}, ParallelizeError, "max_concurrent_distributed_ops")]
     for kwargs, error, match in bad:
         with pytest.raises(error, match=match):
             dpm.Parallelize_CPU_BMUF(model, lambda m: None, _model, _sgd_update, devices=[0, 1], **kwargs)

@@ -87,3 +87,30 @@ def test_minibatches_shuffle_is_a_seeded_permutation() -> None:
 def test_minibatches_rejects_bad_sizes_at_the_call(n, batch_size) -> None:
     with pytest.raises(ValueError, match="batch_size must be a positive int|sample count must be >= 0"):
         minibatches(n, batch_size)  # no next() needed
+
+
+def test_training_sampler_shards_are_disjoint_seeded_epochs_in_every_order() -> None:
+    from itertools import islice
+
+    from graphpar.data import TrainingSampler
+
+    size, world = 10, 3
+    streams = [list(islice(iter(TrainingSampler(size, seed=4, rank=r, world=world)), 20)) for r in range(world)]
+    merged = [streams[p % world][p // world] for p in range(60)]  # the global stream, position by position
+    for epoch in range(6):
+        assert sorted(merged[epoch * size:(epoch + 1) * size]) == list(range(size))
+    assert merged[:size] != list(range(size))  # shuffled
+    again = list(islice(iter(TrainingSampler(size, seed=4, rank=1, world=world)), 20))
+    assert again == streams[1]
+    assert list(islice(iter(TrainingSampler(4, shuffle=False, rank=0, world=2)), 4)) == [0, 2, 0, 2]
+
+
+def test_inference_sampler_gives_contiguous_shards_with_the_remainder_first() -> None:
+    from graphpar.data import InferenceSampler
+
+    shards = [list(InferenceSampler(10, rank=r, world=4)) for r in range(4)]
+    assert shards == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [len(InferenceSampler(2, rank=r, world=4)) for r in range(4)] == [1, 1, 0, 0]
+    assert list(InferenceSampler(5)) == [0, 1, 2, 3, 4]  # one process: everything
+    with pytest.raises(ValueError, match="0 <= rank < world"):
+        InferenceSampler(5, rank=2, world=2)

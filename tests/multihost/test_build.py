@@ -13,7 +13,7 @@ from graphpar import model_helper, optimizer
 from graphpar.core.schema import Trait, has_trait
 from graphpar.distributed import parse_rendezvous
 from graphpar.errors import ParallelizeError
-from tests.multihost.workers import forward
+from tests.multihost.workers import feed, forward
 
 
 def _model(tmp_path: Path, devices=(0, 1), shard: int = 0, num_shards: int = 2, **options):
@@ -124,3 +124,18 @@ def test_without_kv_handler_shards_come_from_torchrun_variables(monkeypatch: pyt
         parse_rendezvous({"timeout_sec": 0})
     with pytest.raises(ParallelizeError, match="mpi_rendezvous"):
         parse_rendezvous({"mpi_rendezvous": True})
+
+
+def test_save_checkpoint_writes_on_shard_0_or_a_lone_process_only(tmp_path: Path) -> None:
+    from graphpar import checkpoint
+
+    other, _ = _model(tmp_path, shard=1)
+    assert dpm.save_checkpoint(other, tmp_path / "other.safetensors") is False
+    assert not (tmp_path / "other.safetensors").exists()
+    alone = model_helper.ModelHelper(name="alone")
+    dpm.Parallelize(alone, lambda m: None, forward("mlp"), devices=[0], cpu_device=True,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1))
+    feed("mlp", 0, 0, 1, [0])
+    dpm.RunInitNet(alone)
+    assert dpm.save_checkpoint(alone, tmp_path / "alone.safetensors", metadata={"epoch": 1}) is True
+    assert checkpoint.read_metadata(tmp_path / "alone.safetensors")["metadata"] == {"epoch": 1}
