@@ -312,12 +312,14 @@ class AdamOptimizer(Optimizer):
     _iteration_is_aux = True
 
     def __init__(self, base_learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> None:
+                 epsilon: float = 1e-8, policy: str = "fixed", enableRAdam: bool = False,  # noqa: N803
+                 **policy_args: Any) -> None:
         for name, beta in (("beta1", beta1), ("beta2", beta2)):
             _check_number(name, beta, low=0.0, below=1.0)
         _check_number("epsilon", epsilon, low=0.0)
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.radam = bool(enableRAdam)  # rectified Adam: the RAdam / SparseRAdam ops
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -325,8 +327,9 @@ class AdamOptimizer(Optimizer):
         m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
         init_net.ConstantFill([param], m1, value=0.0)
         init_net.ConstantFill([param], m2, value=0.0)
-        net.Adam([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
-                 beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+        op = net.RAdam if self.radam else net.Adam
+        op([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
+           beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
 
     supports_sparse = True
 
@@ -337,8 +340,9 @@ class AdamOptimizer(Optimizer):
         m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
         init_net.ConstantFill([param], m1, value=0.0)
         init_net.ConstantFill([param], m2, value=0.0)
-        net.SparseAdam([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
-                       [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+        op = net.SparseRAdam if self.radam else net.SparseAdam
+        op([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
+           [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
 
 
 class AdagradOptimizer(Optimizer):
@@ -693,17 +697,18 @@ def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9
 
     Args are those of `build_sgd` plus Adam's betas and epsilon; the state blobs are
     `<param>_first_moment` and `<param>_second_moment` (zeros), and the step count is `optimizer_iteration`.
-    `max_gradient_norm` clips the gradients as in `build_sgd` (torch's rule; Caffe2 scaled the
-    learning rate instead, which for Adam is not the same). Caffe2's `use_smart_decay` and
-    `enableRAdam` are accepted as False only.
+    `max_gradient_norm` and `allow_lr_injection` multiply the learning rate as in `build_sgd`
+    (Caffe2's mechanism; for Adam this differs from clipping the gradients). `enableRAdam`: rectified Adam
+    (torch.optim.RAdam's update, ops `RAdam` / `SparseRAdam`). Caffe2's `use_smart_decay` is accepted
+    as False only.
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
-        NotImplementedError: use_smart_decay or enableRAdam.
+        NotImplementedError: use_smart_decay.
     """
-    _not_implemented("build_adam", use_smart_decay=use_smart_decay, enableRAdam=enableRAdam)
+    _not_implemented("build_adam", use_smart_decay=use_smart_decay)
     _check_clip_norm(max_gradient_norm)
-    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, **policy_args)
+    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, enableRAdam, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 

@@ -1,5 +1,5 @@
 """Caffe2's other update kernels, with its signatures and rules: Lars, RmsProp, Adadelta, Wngrad and Ftrl
-(dense, and sparse on the rows of a GradientSlice).
+(dense, and sparse on the rows of a GradientSlice), and RAdam (Caffe2's `Adam(enableRAdam=True)`).
 
 As elsewhere in graphpar, a learning-rate input is added to the param (negative for descent, Caffe2's
 sign), and the sparse variants sum duplicate indices first (`sparse_optim.coalesce`; Caffe2 applied
@@ -8,13 +8,17 @@ each duplicate in turn) and update the touched rows in place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 
+from graphpar.core.ir import DeviceOption
 from graphpar.core.schema import NOT_DIFFERENTIABLE, KernelContext, TensorSpec, Trait, register_op
+from graphpar.core.shapes import on_meta
 from graphpar.ops.common import op_label
+from graphpar.ops.optim import counter_at
 from graphpar.ops.sparse_optim import coalesce
 
 _UPDATE = (Trait.INPLACE_UPDATE,)
@@ -204,3 +208,66 @@ register_op(
     "SparseFtrl", inputs=4, outputs=2, enforce_inplace={(0, 0), (1, 1)}, args=_FTRL_ARGS, kernel=_sparse_ftrl,
     gradient=NOT_DIFFERENTIABLE, traits=_COALESCING, infer=_same_specs(0, 1),
     doc="[var, n_z, indices, grad] -> [var, n_z] in place: Ftrl on the rows `indices`.")
+
+
+# ---------------------------------------------------------------------------------------------- RAdam
+
+
+def _radam_rows(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
+                lr: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.optim.RAdam's step t (t >= 1), with Caffe2's negative lr."""
+    m1 = torch.lerp(m1, g, 1.0 - a.beta1)
+    m2 = torch.addcmul(m2 * a.beta2, g, g, value=1.0 - a.beta2)
+    step = m1 * (_scalar(lr, g.dtype) / (1.0 - a.beta1 ** t))
+    rho_inf = 2.0 / (1.0 - a.beta2) - 1.0
+    rho_t = rho_inf - 2.0 * t * a.beta2 ** t / (1.0 - a.beta2 ** t)
+    if rho_t > 5.0:  # the variance is tractable: rectified adaptive step
+        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        step = step * (rect * math.sqrt(1.0 - a.beta2 ** t)) / (m2.sqrt() + a.epsilon)
+    return p + step, m1, m2
+
+
+def _count(it: torch.Tensor, where: str) -> int:
+    t = int(it.item())
+    if t < 1:
+        raise ValueError(f"{where}: the iteration counter is {t}; RAdam needs t >= 1")
+    return t
+
+
+def _radam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    where = op_label(ctx.op)
+    return lambda p, m1, m2, g, lr, it: _radam_rows(a, p, m1, m2, g, lr, _count(it, where))
+
+
+def _sparse_radam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    where = op_label(ctx.op)
+
+    def run(param: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor,
+            lr: torch.Tensor, it: torch.Tensor) -> tuple:
+        t = _count(it, where)
+        rows, g = coalesce(indices, grad, where)
+        new = _radam_rows(a, param.index_select(0, rows), m1.index_select(0, rows), m2.index_select(0, rows), g,
+                          lr, t)
+        for state, value in zip((param, m1, m2), new):
+            state.index_copy_(0, rows, value)
+        return param, m1, m2
+
+    return run
+
+
+_HOST = DeviceOption()
+_ADAM_ARGS = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
+register_op(
+    "RAdam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)}, args=_ADAM_ARGS, kernel=_radam,
+    gradient=NOT_DIFFERENTIABLE, traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), check=counter_at(5),
+    infer=lambda a, _ctx, inputs: on_meta(lambda *xs: _radam_rows(a, *xs, 1), inputs[:5]),
+    device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
+    doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: rectified Adam, torch.optim.RAdam's update with "
+        "t = iter (lr negative). Caffe2 ran it as Adam with enableRAdam=1; graphpar's build_adam records "
+        "this op instead.")
+register_op(
+    "SparseRAdam", inputs=7, outputs=3, enforce_inplace={(0, 0), (1, 1), (2, 2)}, args=_ADAM_ARGS,
+    kernel=_sparse_radam, gradient=NOT_DIFFERENTIABLE, traits=_COALESCING, infer=_same_specs(0, 1, 2),
+    check=counter_at(6), device_inference=lambda op, d: ([d] * 6 + [_HOST], [d] * 3),
+    doc="[param, m1, m2, indices, grad, lr, iter] -> [param, m1, m2] in place: RAdam on the rows of the "
+        "coalesced slice.")

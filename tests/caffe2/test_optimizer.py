@@ -62,8 +62,8 @@ def test_adam_accepts_caffe2_options() -> None:
     optimizer.build_adam(model, 0.01, max_gradient_norm=1.0, allow_lr_injection=True)
     _train(model)
     assert workspace.HasBlob("fc_w_first_moment")
-    with pytest.raises(NotImplementedError, match="enableRAdam"):
-        optimizer.build_adam(_model(), 0.01, enableRAdam=True)
+    with pytest.raises(NotImplementedError, match="use_smart_decay"):
+        optimizer.build_adam(_model(), 0.01, use_smart_decay=True)
 
 
 @pytest.mark.parametrize("build, local, shared", [
@@ -76,7 +76,10 @@ def test_adam_accepts_caffe2_options() -> None:
      []),
     (lambda m: optimizer.build_wngrad(m, 2.0), ["fc_b_moment", "fc_w_moment"], []),
     (lambda m: optimizer.build_ftrl(m, engine=None, alpha=0.5, beta=0.1), ["fc_b_ftrl_nz", "fc_w_ftrl_nz"], []),
-], ids=["sgd-lars", "adagrad-lars", "rms_prop", "adadelta", "wngrad", "ftrl"])
+    (lambda m: optimizer.build_adam(m, 0.05, enableRAdam=True),
+     ["fc_b_first_moment", "fc_b_second_moment", "fc_w_first_moment", "fc_w_second_moment"],
+     ["optimizer_iteration"]),
+], ids=["sgd-lars", "adagrad-lars", "rms_prop", "adadelta", "wngrad", "ftrl", "radam"])
 def test_more_caffe2_optimizers_train_and_list_their_state(build, local, shared) -> None:  # noqa: ANN001
     model = _model()
     opt = build(model)

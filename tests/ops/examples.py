@@ -151,6 +151,8 @@ EXAMPLES: dict[str, list[Example]] = {
     "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
     "CreateCommonWorld": [ex(_STORE, size=1, rank=0, name="example_cw"), ex(size=1, rank=0, name="example_cw")],
     "FileStoreHandlerCreate": [ex(path=_STORE_DIR, prefix="example")],
+    "RAdam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
+    "SparseRAdam": [ex(f(5, 2), f(5, 2), pos(5, 2), ints(1, 3, 1), f(3, 2), f(1), ints(7, dtype=torch.int64), outputs=3)],
     "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],
     "NCCLAllreduce": [ex(f(2, 3), f(2, 3), outputs=2), ex(f(4), outputs=1)],
     "NCCLBroadcast": [ex(f(2, 3), f(2, 3), f(2, 3), outputs=3, root=1)],

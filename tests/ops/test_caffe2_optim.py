@@ -98,3 +98,22 @@ def test_ftrl_dense_and_sparse(l1: float) -> None:
         expected = old.copy()
         expected[[3, 0]] = full[[3, 0]]
         np.testing.assert_allclose(state.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_radam_equals_torch_radam_and_sparse_rows_equal_dense() -> None:
+    param, grads = torch.randn(4, 3, dtype=torch.float64), [torch.randn(4, 3, dtype=torch.float64) for _ in range(8)]
+    reference = param.clone().requires_grad_()
+    opt = torch.optim.RAdam([reference], lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    p, m1, m2 = param.clone(), torch.zeros_like(param), torch.zeros_like(param)
+    lr, args = torch.tensor([-0.1], dtype=torch.float64), {"beta1": 0.9, "beta2": 0.99, "epsilon": 1e-8}
+    for t, g in enumerate(grads, 1):  # steps 1..5 take the un-rectified branch, later ones the rectified
+        reference.grad = g.clone()
+        opt.step()
+        p, m1, m2 = run_kernel("RAdam", [p, m1, m2, g, lr, torch.tensor([t])], 3, **args)
+        torch.testing.assert_close(p, reference.detach(), rtol=1e-12, atol=1e-12)
+    dense = run_kernel("RAdam", [p, m1, m2, grads[0], lr, torch.tensor([9])], 3, **args)
+    rows = run_kernel("SparseRAdam", [p.clone(), m1.clone(), m2.clone(), torch.tensor([2, 0]), grads[0][[2, 0]], lr,
+                                      torch.tensor([9])], 3, **args)
+    for got, want, old in zip(rows, dense, (p, m1, m2)):
+        torch.testing.assert_close(got[[0, 2]], want[[0, 2]])
+        torch.testing.assert_close(got[[1, 3]], old[[1, 3]])
