@@ -38,9 +38,12 @@ dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
@@ -50,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphpar.core import net as core_net
 from graphpar.core.ir import DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import device_option_for_blob, num_cuda_devices
@@ -618,6 +622,77 @@ def StringifyProto(obj: Any) -> str | bytes:  # noqa: N802
     if not hasattr(obj, "SerializeToString"):
         raise ValueError(f"Unexpected argument to StringifyProto of type {type(obj).__name__}")
     return obj.SerializeToString()
+
+
+_IMMEDIATE = "_CAFFE2_IMMEDIATE"  # Caffe2's name of the immediate-mode workspace
+_immediate_root_folder = ""
+
+
+def IsImmediate() -> bool:  # noqa: N802
+    """Whether immediate mode is on (StartImmediate)."""
+    return core_net.on_record is not None
+
+
+@contextlib.contextmanager
+def WorkspaceGuard(workspace_name: str) -> Iterator[None]:  # noqa: N802
+    """Switch to workspace `workspace_name` (created if missing) for the block, then back."""
+    current = CurrentWorkspace()
+    SwitchWorkspace(workspace_name, True)
+    try:
+        yield
+    finally:
+        SwitchWorkspace(current)
+
+
+def StartImmediate(i_know: bool = False) -> None:  # noqa: N802
+    """Caffe2's immediate mode, a debugging aid: from now on every op recorded into any Net also runs at
+    once in the separate workspace `_CAFFE2_IMMEDIATE` (read it with FetchImmediate/ImmediateBlobs). Slow;
+    `i_know=True` skips the warning."""
+    global _immediate_root_folder
+    StopImmediate()
+    with WorkspaceGuard(_IMMEDIATE):
+        _immediate_root_folder = tempfile.mkdtemp()
+        ResetWorkspace(_immediate_root_folder)
+    core_net.on_record = RunOperatorImmediate
+    if not i_know:
+        logging.getLogger(__name__).warning("immediate mode: every recorded op runs at once (slow, for "
+                                            "debugging); StopImmediate() ends it")
+
+
+def StopImmediate() -> None:  # noqa: N802
+    """End immediate mode: empty its workspace and delete its root folder."""
+    global _immediate_root_folder
+    if not IsImmediate():
+        return
+    core_net.on_record = None
+    with WorkspaceGuard(_IMMEDIATE):
+        ResetWorkspace()
+    shutil.rmtree(_immediate_root_folder, ignore_errors=True)
+    _immediate_root_folder = ""
+
+
+def RunOperatorImmediate(op: OperatorDef) -> None:  # noqa: N802
+    """Run `op` once in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        RunOperatorOnce(op)
+
+
+def ImmediateBlobs() -> list[str]:  # noqa: N802
+    """The blob names of the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return Blobs()
+
+
+def FetchImmediate(name: str) -> np.ndarray:  # noqa: N802
+    """FetchBlob in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return FetchBlob(name)
+
+
+def FeedImmediate(name: str, value: Any, device_option: DeviceOption | None = None) -> bool:  # noqa: N802
+    """FeedBlob in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return FeedBlob(name, value, device_option)
 
 
 class Predictor:

@@ -174,6 +174,7 @@ def _schema(op_type: str) -> Any:
 
 
 _recorders: dict[str, Callable[..., Any]] = {}
+on_record: Callable[[OperatorDef], None] | None = None  # set by workspace.StartImmediate (Caffe2's immediate mode)
 
 
 def _recorder(op_type: str) -> Callable[..., Any]:
@@ -267,6 +268,8 @@ class Net:
         self._net.ops.append(op)
         produced.update(op.outputs)
         self._remember_shape()
+        if on_record is not None:  # workspace.StartImmediate: run each op as it is recorded
+            on_record(op)
 
     def _CheckLookupTables(self) -> None:  # noqa: N802 - Caffe2's self-check, used by its tests
         """Raise RuntimeError unless the cached lookup tables agree with the NetDef."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -127,3 +129,22 @@ def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
     np.testing.assert_array_equal(out, [[516.5, 516.5]])
     with pytest.raises(ValueError, match="expected 1 inputs"):
         predictor.run([])
+
+
+def test_immediate_mode_runs_recorded_ops_in_their_own_workspace() -> None:
+    workspace.StartImmediate(i_know=True)
+    try:
+        root = workspace._immediate_root_folder
+        assert workspace.IsImmediate() and os.path.isdir(root)
+        net = core.Net("immediate")
+        net.ConstantFill([], "filled", shape=[2], value=3.0)
+        assert workspace.ImmediateBlobs() == ["filled"] and not workspace.HasBlob("filled")
+        np.testing.assert_array_equal(workspace.FetchImmediate("filled"), [3.0, 3.0])
+        assert workspace.FeedImmediate("filled", np.zeros(2, np.float32))
+        assert workspace.FetchImmediate("filled").tolist() == [0.0, 0.0]
+    finally:
+        workspace.StopImmediate()
+    assert not workspace.IsImmediate() and not os.path.exists(root)
+    with pytest.raises(RuntimeError):
+        workspace.FetchImmediate("filled")
+    assert workspace.CurrentWorkspace() == "default"
