@@ -1,4 +1,4 @@
-"""Caffe2's `workspace_test.py` behaviours that apply to graphpar (no strings, plans or C.Workspace)."""
+"""Caffe2's `workspace_test.py` behaviours that apply to graphpar (its C.Workspace binding objects are not here)."""
 
 from __future__ import annotations
 
@@ -148,3 +148,26 @@ def test_immediate_mode_runs_recorded_ops_in_their_own_workspace() -> None:
     with pytest.raises(RuntimeError):
         workspace.FetchImmediate("filled")
     assert workspace.CurrentWorkspace() == "default"
+
+
+def test_plans_run_steps_and_substeps_num_iter_times() -> None:
+    pytest.importorskip("google.protobuf", reason="plans are caffe2_pb2 messages (optional protobuf package)")
+    init, body = core.Net("plan_init"), core.Net("plan_body")
+    init.ConstantFill([], "count", shape=[1], value=0, dtype="int64")
+    body.Iter(["count"], ["count"])
+    outer = core.ExecutionStep("outer", init)
+    outer.AddSubstep(core.ExecutionStep("loop", body, num_iter=3))
+    plan = core.Plan("counting")
+    plan.AddStep(outer)
+    assert [n.Name() for n in plan.Nets()] == [init.Name(), body.Name()]
+    assert workspace.RunPlan(plan.Proto().SerializeToString())  # the wire format, as Caffe2's C++ API took
+    assert workspace.FetchBlob("count").tolist() == [3]
+    assert workspace.RunPlan(core.ExecutionStep("again", body, num_iter=2))
+    assert workspace.FetchBlob("count").tolist() == [5]
+    background = workspace.RunPlanInBackground(plan)
+    background.wait()
+    assert background.is_done() and background.is_succeeded() and workspace.FetchBlob("count").tolist() == [3]
+    with_criteria = plan.Proto()
+    with_criteria.execution_step[0].should_stop_blob = "stop"
+    with pytest.raises(NotImplementedError, match="should_stop_blob"):
+        workspace.RunPlan(with_criteria)
