@@ -93,6 +93,21 @@ def _bad_input(model, tmp_path):
     return lambda: dpm.RunNet(model, 1)
 
 
+def _some_devices_fed(model, tmp_path):
+    workspace.FeedBlob("cpu_0/data", workspace.FetchBlob("cpu_0/data"))  # cpu_1 keeps its previous batch
+    return lambda: dpm.RunNet(model, 1)
+
+
+def _float_counter(model, tmp_path):
+    workspace.FeedBlob("optimizer_iteration", np.array([1.0], np.float32))
+    return lambda: dpm.RunNet(model, 1)
+
+
+def _mismatched_create(model, tmp_path):
+    workspace.FeedBlob("cpu_0/pred_w_momentum", np.zeros(2, np.float32))  # the state the one update reads
+    return lambda: dpm.CreateNet(model, overwrite=True)
+
+
 def _bad_feed(model, tmp_path):
     workspace.FeedBlob("cpu_0/pred_w", object())
 
@@ -143,6 +158,9 @@ CASES = {
     "CreateNet of created nets": (_create_again, RuntimeError),
     "RunNet failing in an update": (_bad_update, OperatorError),
     "RunNet failing in the forward pass": (_bad_input, OperatorError),
+    "RunNet feeding only some devices": (_some_devices_fed, RuntimeError),
+    "RunNet with a float counter": (_float_counter, OperatorError),
+    "CreateNet of a [2] momentum for a [3, 18] param": (_mismatched_create, ValueError),
     "FeedBlob": (_bad_feed, TypeError),
     "checkpoint.load": (_corrupt_load, CheckpointError),
     "checkpoint.save": (_bad_save, CheckpointError),

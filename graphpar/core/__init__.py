@@ -16,6 +16,7 @@ from graphpar.core.ir import (
 )
 from graphpar.core.ir import same_device as device_equal
 from graphpar.core.net import CreateOperator, Net
+from graphpar.core.plan import ExecutionStep, Plan
 from graphpar.core.scope import (
     CurrentDeviceScope,
     CurrentNameScope,
@@ -29,7 +30,7 @@ __all__ = [
     "CPU", "CUDA", "Argument", "BlobReference", "DataType", "InferBlobDevices", "IsGPUDeviceType", "IsOperator",
     "IsOperatorWithEngine", "device_equal", "get_net_name", "output_to_list", "CreateOperator", "CurrentDeviceScope", "CurrentNameScope",
     "DeviceOption", "DeviceScope", "DeviceType", "GradientSlice", "NameScope", "Net", "NetDef",
-    "OperatorDef", "ScopedBlobReference", "ScopedName", "device_option_equal",
+    "OperatorDef", "ScopedBlobReference", "ScopedName", "device_option_equal", "ExecutionStep", "Plan",
 ]
 
 

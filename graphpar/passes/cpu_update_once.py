@@ -32,7 +32,7 @@ is overwritten by the first device's value at the next update.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
 from graphpar.core.ir import CPU, NetDef, OperatorDef
@@ -105,13 +105,15 @@ def _number(net: NetDef, start: Mapping[str, int], numbering: _Numbering) -> tup
     return current, per_op
 
 
-def _analyze(init: NetDef, net: NetDef) -> tuple[list, _Numbering]:
+def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tuple[list, _Numbering]:
     """Per op of `net`: (key, output ids), numbered from the values the init net leaves, keeping only
-    the equalities between loaded blobs that a run of `net` preserves (a fixpoint)."""
+    the equalities between loaded blobs that a run of `net` preserves (a fixpoint); blobs that the
+    model's `others` nets write (run between steps) are assumed equal to nothing."""
     loaded = _loaded(net.ops)
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
-    start = {blob: after_init[blob] for blob in loaded if blob in after_init}
+    unstable = {b for other in others for op in other.ops for b in op.outputs}
+    start = {blob: after_init[blob] for blob in loaded if blob in after_init and blob not in unstable}
     while True:
         numbering.table.clear()
         end, per_op = _number(net, start, numbering)
@@ -145,11 +147,11 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
 
-def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout) -> int:
-    """Rewrite `net` (CPU replicas' train net, `init` its param init net) as the module docstring says;
-    returns how many updates were replaced."""
+def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: Collection[NetDef] = ()) -> int:
+    """Rewrite `net` (CPU replicas' train net, `init` its param init net, `others` the model's nets
+    that run between its steps) as the module docstring says; returns how many updates were replaced."""
     master = layout.master
-    per_op, numbering = _analyze(init, net)
+    per_op, numbering = _analyze(init, net, others)
     ops = net.ops
 
     def replica(op: OperatorDef) -> int | None:
@@ -275,4 +277,5 @@ def _without_dead(ops: list[OperatorDef], keep: set[str], removable: Any) -> lis
 
 def update_once(state: ParallelState) -> None:
     """`update_once_on_cpu` on the train net (CPU replicas of one process, not a shared model)."""
-    update_once_on_cpu(state.model.net.Proto(), state.model.param_init_net.Proto(), state.layout)
+    others = [] if state.accumulate_net is None else [state.accumulate_net.Proto()]
+    update_once_on_cpu(state.model.net.Proto(), state.model.param_init_net.Proto(), state.layout, others)

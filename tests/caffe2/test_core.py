@@ -3,6 +3,8 @@ device_option_equal, Net(netdef, inplace), Clone/ClonePartial, reroute_tensor, e
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from graphpar import core, workspace
@@ -126,3 +128,12 @@ def test_small_net_helpers() -> None:
     net._CheckLookupTables()  # Caffe2's self-check
     assert core.device_equal(core.DeviceOption(core.CPU, 0), None)
     assert not core.device_equal(core.DeviceOption(core.CPU, 0), core.DeviceOption(core.CPU, 1))
+
+
+def test_populate_proto_with_file_name_names_ops_by_file_line_and_function() -> None:
+    net = core.Net("named_ops")
+    net.Relu("x", "y"); line = sys._getframe().f_lineno  # noqa: E702
+    net.Relu("y", "z", name="kept")
+    net.PopulateProtoWithFileName()
+    assert net.Proto().op[0].name == f"{__file__}:{line}:{sys._getframe().f_code.co_name}"
+    assert net.Proto().op[1].name == "kept"
