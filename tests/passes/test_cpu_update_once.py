@@ -10,7 +10,10 @@ from graphpar import data_parallel_model as dpm
 from graphpar import model_helper, optimizer, workspace
 from graphpar.core.graph import dependency_graph
 from graphpar.core.schema import Trait, has_trait
+from graphpar.engine import Trainer
 from graphpar.models import mlp
+from tests.test_accumulate import K, _micro_batches
+from tests.test_accumulate import _model as accumulating
 from tests.test_engine import CASES, MODELS, assert_identical, train
 
 ON = {"cpu_update_once": True}
@@ -159,3 +162,14 @@ def test_dag_stress_matches_simple_and_a_test_model_reads_the_shared_params():
     np.testing.assert_array_equal(dag_softmax, simple_softmax)
     for name, value in dag.items():
         np.testing.assert_array_equal(value, dag[name.replace(name.split("/")[0], "cpu_0")], err_msg=name)
+
+
+def test_gradient_accumulation_trains_bit_identically():
+    def run(on: bool) -> dict[str, np.ndarray]:
+        workspace.ResetWorkspace()
+        workspace.SetSeed(2)
+        model = accumulating([0, 1], K, cpu_update_once=on)
+        Trainer(model, _micro_batches(2 * K), max_iter=2).train()
+        return {n: workspace.FetchBlob(n) for n in workspace.Blobs() if n.startswith("cpu_")}
+
+    assert_identical(run(True), run(False))
