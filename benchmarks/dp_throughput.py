@@ -4,8 +4,8 @@ At a fixed global batch, the samples per second of momentum-SGD training of an M
 - eager PyTorch on the whole batch in one process (torch's default threads: the machine's cores);
 - graphpar with N = 1, 2, 4 CPU devices, net type "dag" (replicas run side by side) and "simple",
   "dag" with `shared_model` (Caffe2's CPU option: the replicas read one copy of the params, so
-  it is updated once instead of N times), and both with `cpu_update_once` (each replica keeps its
-  params by name, but they alias the first device's tensors, updated once);
+  it is updated once instead of N times), and both with `cpu_update_once=False` ("update per
+  replica": every replica updates its own copy, as before `cpu_update_once` became the default);
 - PyTorch DDP with N gloo processes (N = 2, 4), each on batch / N with cores / N threads.
 graphpar and eager alternate in one process after warm-up (medians over repeats); DDP runs in its own
 processes and reports the median over its timed steps. Ratios are against eager.
@@ -43,7 +43,7 @@ def mlp_module(dims: list[int]) -> nn.Module:
 
 
 def graphpar_step(dims: list[int], devices: int, net_type: str, x: np.ndarray, y: np.ndarray,  # noqa: ANN201
-                  shared_model: bool = False, cpu_update_once: bool = False):
+                  shared_model: bool = False, cpu_update_once: bool = True):
     """A function running one graphpar training step on `devices` CPU replicas (built and initialised)."""
     name = f"dp_{net_type}_{devices}_{shared_model}_{cpu_update_once}"
     workspace.SwitchWorkspace(name, True)  # one workspace per candidate
@@ -142,8 +142,8 @@ def main() -> None:
         if n > 1:
             candidates[f"graphpar dag, {n} devices, shared model"] = graphpar_step(dims, n, "dag", x, y, True)
             for net_type in ("dag", "simple"):
-                candidates[f"graphpar {net_type}, {n} devices, cpu_update_once"] = graphpar_step(
-                    dims, n, net_type, x, y, cpu_update_once=True)
+                candidates[f"graphpar {net_type}, {n} devices, update per replica"] = graphpar_step(
+                    dims, n, net_type, x, y, cpu_update_once=False)
     torch.set_num_threads(default_threads)
     times = compare(candidates, repeats=args.repeats, warmup=args.warmup)
     seconds = {name: median(ts) for name, ts in times.items()}

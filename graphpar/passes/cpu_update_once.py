@@ -21,12 +21,16 @@ memory traffic. On replicas that are all CPU devices of one process this pass:
 net's ops are numbered in order; an op with the same type, engine, arguments and input values as an
 earlier one produces the same values; copies and aliases keep their input's value; random, counter
 and collective ops always produce new values), and the values a run starts with are assumed equal
-only where the init net made them equal and one train-net run keeps them so (a fixpoint). Random
-streams, kernels and thread counts do not depend on the replica, so equal values are equal bits.
+only where the init net made them equal and one train-net run keeps them so (a fixpoint that splits
+a class by the values a run leaves in it); blobs that the model's other nets write between steps
+(the accumulate net) are assumed equal to nothing. Kernels are functional (docs/extending.md) and
+run with the same thread count on every CPU replica, so equal values are equal bits.
 
 Results are bit-identical to the option off: every replica's params, optimizer state and gradients.
-A blob fed to one replica only (rather than to all, as checkpoints and FinalizeAfterCheckpoint do)
-is overwritten by the first device's value at the next update.
+The replicas' rebound state is listed in the net's `aliased_state` argument (kept by freeing runs;
+a checkpoint that loaded it counts as read). A blob fed to one replica only (rather than to all, as
+checkpoints and FinalizeAfterCheckpoint do) is overwritten by the first device's value at the next
+update.
 """
 
 from __future__ import annotations
