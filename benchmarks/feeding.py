@@ -1,13 +1,16 @@
 """Loading overlapped with compute: a training loop fed directly vs through a `DeviceFeeder`.
 
-The main job's CNN (digits, 8x8) is parallelized over `--devices` CPU devices; one training step is
-timed first (median of `--repeats`). A loader then takes as long as a step per batch (`--load-ms`,
-default: the measured step time; `time.sleep`, as waiting for I/O or DataLoader worker processes
-does, so the GIL is free). `--steps` steps are run fed directly (load, then step: ideally
-load + compute per step) and through a `DeviceFeeder` (the next batches load on a thread while the
-step runs: ideally max(load, compute)). The overlap ratio is the time saved over the time that could
-be saved, (serial - fed) / min(load, compute) per step: 1.0 is perfect overlap, 0 none. With --save,
-results go to benchmarks/results/feeding.json.
+The main job's CNN (digits, 8x8) is parallelized over `--devices` CPU devices; `--repeats` steps
+are timed first. A loader then takes as long as a step per batch (`--load-ms`, default: that step
+time; `time.sleep`, as waiting for I/O or DataLoader worker processes does, so the GIL is free).
+In `--rounds` alternated rounds, `--steps` steps are run with an instant loader (compute only), fed
+directly (load, then step: ideally load + compute per step) and through a `DeviceFeeder` (the next
+batches load on a thread while the step runs: ideally max(load, compute)); medians per step. The
+overlap ratio is the share of the hideable time that the feeder hides,
+(load + compute - fed) / min(load, compute) per step: 1.0 is perfect overlap (fed =
+max(load, compute)), 0 none (fed = load + compute). It uses the compute-only time, not the direct
+loop's, whose sleeps overshoot on a busy machine. With --save, results go to
+benchmarks/results/feeding.json.
 
     python -m benchmarks.feeding [--devices 4] [--batch 64] [--steps 40] [--load-ms MS] [--repeats 20]
 """
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from benchmarks._common import markdown_table, median, time_once, write_json
+from benchmarks._common import markdown_table, median, write_json
 from graphpar import data_parallel_model as dpm
 from graphpar import workspace
 from graphpar.data import DeviceFeeder, feed
@@ -66,29 +69,29 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=20, help="steps timed to measure the compute time")
+    parser.add_argument("--repeats", type=int, default=20, help="steps timed to set the load time")
     parser.add_argument("--rounds", type=int, default=3, help="alternated direct / feeder passes (medians)")
     parser.add_argument("--load-ms", type=float, default=None, help="load time per batch (default: a step's)")
     parser.add_argument("--save", action="store_true", help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
     workspace.ResetWorkspace()
     model, _ = build(list(range(opts.devices)), True, 0.01, 10**6)
-    probe = SlowLoader(1, opts.batch, 0.0)
-    feed(model, next(iter(probe)))
+    feed(model, next(iter(SlowLoader(1, opts.batch, 0.0))))
     dpm.RunInitNet(model)
-    compute = median([time_once(lambda: (feed(model, next(iter(probe))), dpm.RunNet(model, 1)))
-                      for _ in range(opts.repeats)])
-    load = compute if opts.load_ms is None else opts.load_ms / 1e3
-    loader = SlowLoader(opts.steps, opts.batch, load)
-    times: dict[str, list[float]] = {"direct": [], "DeviceFeeder": []}
-    for _ in range(opts.rounds):
-        for name in times:
+    calibration = SlowLoader(opts.repeats, opts.batch, 0.0)
+    load = run(model, calibration, False) / opts.repeats if opts.load_ms is None else opts.load_ms / 1e3
+    loaders = {"compute only": SlowLoader(opts.steps, opts.batch, 0.0), "direct": SlowLoader(opts.steps, opts.batch, load),
+               "DeviceFeeder": SlowLoader(opts.steps, opts.batch, load)}
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    for _ in range(opts.rounds):  # alternated, so drifts of a busy machine hit every loop alike
+        for name, loader in loaders.items():
             times[name].append(run(model, loader, name == "DeviceFeeder") / opts.steps)
-    serial, fed = median(times["direct"]), median(times["DeviceFeeder"])
-    overlap = (serial - fed) / min(load, compute)
+    compute, serial, fed = (median(times[name]) for name in loaders)
+    overlap = (load + compute - fed) / min(load, compute)
     print(f"digits CNN, {opts.devices} CPU devices, batch {opts.batch}, {torch.get_num_threads()} torch threads; "
           f"compute {1e3 * compute:.2f} ms/step, load {1e3 * load:.2f} ms/batch\n")
     print(markdown_table(["loop", "ms / step", "steps / s", "ideal steps / s"], [
+        ["compute only", 1e3 * compute, 1 / compute, 1 / compute],
         ["fed directly", 1e3 * serial, 1 / serial, 1 / (load + compute)],
         ["DeviceFeeder", 1e3 * fed, 1 / fed, 1 / max(load, compute)]]))
     print(f"\noverlap ratio {overlap:.2f} (1.0: loading fully hidden behind compute)")
@@ -96,7 +99,7 @@ def main() -> None:
         path = write_json("feeding", {
             "model": "digits CNN (graphpar.examples.train)", "devices": opts.devices, "batch": opts.batch,
             "steps": opts.steps, "rounds": opts.rounds, "compute_ms": 1e3 * compute, "load_ms": 1e3 * load,
-            "ms_per_step": {"direct": 1e3 * serial, "device_feeder": 1e3 * fed},
+            "ms_per_step": {"compute_only": 1e3 * compute, "direct": 1e3 * serial, "device_feeder": 1e3 * fed},
             "steps_per_s": {"direct": 1 / serial, "device_feeder": 1 / fed,
                             "ideal_direct": 1 / (load + compute), "ideal_device_feeder": 1 / max(load, compute)},
             "overlap_ratio": overlap, "times_s_per_step": times})

@@ -3,8 +3,10 @@
 Two measurements, each in fresh processes on this machine (gloo over loopback, a FileStore):
 
 1. samples/s of one MLP step on the same global batch: graphpar with 1 process x 2 CPU devices,
-   graphpar with 2 processes x 1 device (rendezvous), and PyTorch DDP with 2 processes (same layer
-   sizes, SGD with momentum). Rank 0's wall time over `--steps` steps after warm-up.
+   graphpar with 2 processes x 1 device (rendezvous; dag executor, and the simple one, whose
+   collectives cannot overlap the backward pass), and PyTorch DDP with 2 processes (same layer
+   sizes, SGD with momentum). Rank 0's wall time over `--steps` steps after warm-up; every process
+   gets cores / processes intra-op threads, as `graphpar.launch` gives them.
 2. all-reduce of the same tensors across 2 processes: graphpar's path (a net of `Allreduce` ops on a
    communicator from `CreateCommonWorld`, run by the simple executor) vs raw
    `torch.distributed.all_reduce` in a loop on the default group; the goal is at most 10% overhead.
@@ -37,7 +39,8 @@ def _data(batch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.randn(batch, DIM_IN).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
 
-def _graphpar_steps(rank: int, shards: int, devices: int, store: str, batch: int, hidden: int, steps: int) -> float:
+def _graphpar_steps(rank: int, shards: int, devices: int, net_type: str, store: str, batch: int, hidden: int,
+                    steps: int) -> float:
     """Seconds for `steps` graphpar steps of this shard (after 3 warm-up steps)."""
     from graphpar import brew, optimizer, workspace
     from graphpar import data_parallel_model as dpm
@@ -55,7 +58,8 @@ def _graphpar_steps(rank: int, shards: int, devices: int, store: str, batch: int
     rendezvous = {"kv_handler": "store_handler", "shard_id": rank, "num_shards": shards} if shards > 1 else None
     model = ModelHelper(name="bench")
     dpm.Parallelize(model, lambda m: None, forward, optimizer_builder_fun=lambda m: optimizer.build_sgd(
-        m, 0.01, momentum=0.9), devices=list(range(devices)), cpu_device=True, rendezvous=rendezvous)
+        m, 0.01, momentum=0.9), devices=list(range(devices)), cpu_device=True, rendezvous=rendezvous,
+        net_type=net_type)
     share = batch // shards
 
     def step(k: int) -> None:
@@ -174,11 +178,13 @@ def main() -> None:
                         help="also write benchmarks/results/multihost.json (a tracked file)")
     args = parser.parse_args()
     rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count()}
-    for label, job, count, shards, devices in (("graphpar 1 process x 2 devices", "graphpar", 1, 1, 2),
-                                               ("graphpar 2 processes x 1 device", "graphpar", 2, 2, 1),
-                                               ("DDP 2 processes", "ddp", 2, 2, 1)):
+    for label, job, count, shards, devices, net_type in (
+            ("graphpar 1 process x 2 devices", "graphpar", 1, 1, 2, "dag"),
+            ("graphpar 2 processes x 1 device", "graphpar", 2, 2, 1, "dag"),
+            ("graphpar 2 processes x 1 device, simple executor (no overlap)", "graphpar", 2, 2, 1, "simple"),
+            ("DDP 2 processes", "ddp", 2, 2, 1, "")):
         with tempfile.TemporaryDirectory() as store:
-            extra = (shards, devices, store) if job == "graphpar" else (store,)
+            extra = (shards, devices, net_type, store) if job == "graphpar" else (store,)
             seconds = _processes(job, count, (*extra, args.batch, args.hidden, args.steps))[0]
         rate = args.batch * args.steps / seconds
         results[label] = {"samples_per_s": rate}

@@ -154,15 +154,26 @@ def _batch_size(batch: Any, dim: int) -> int | None:
         ValueError: leaves of different sizes (naming them), or an array leaf with too few axes.
     """
     sizes: dict[str, int] = {}
-    for name, leaf in flatten(_unwrap_for_size(batch)).items():
-        if _is_array(leaf):
-            if leaf.ndim <= dim:
-                raise ValueError(f"batch field {name!r} of shape {tuple(leaf.shape)} has no axis {dim} to split")
-            sizes[name] = int(leaf.shape[dim])
+    for name, leaf in _arrays(_unwrap_for_size(batch), "batch"):
+        if leaf.ndim <= dim:
+            raise ValueError(f"batch field {name} of shape {tuple(leaf.shape)} has no axis {dim} to split")
+        sizes[name] = int(leaf.shape[dim])
     if len(set(sizes.values())) > 1:
         raise ValueError(f"the fields of a batch must have the same batch size (axis {dim}), got {sizes}; "
                          f"fix the loader so every field has one row per sample")
     return next(iter(sizes.values()), None)
+
+
+def _arrays(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of every array leaf, paths like batch['meta'][0] (any keys: scatter takes them)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _arrays(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for k, item in enumerate(value):
+            yield from _arrays(item, f"{path}[{k}]")
+    elif _is_array(value):
+        yield path, value
 
 
 def _unwrap_for_size(batch: Any) -> Any:

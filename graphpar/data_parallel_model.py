@@ -109,6 +109,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     average_computed_params: bool = False,
     uneven_batches: bool = False,
     check_finite_loss: bool = False,
+    accumulate_gradients: int = 1,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -157,6 +158,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             batch that is not a multiple of the device count): each replica's loss gradient is
             multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
             whole batch. `feed` must then feed every step (the train net reads the blob).
+        accumulate_gradients: k >= 1 micro-batches per update (DDP's `no_sync`): `model._accumulate_net`
+            runs forward and backward and adds the gradients to running sums (no all-reduce); the
+            train net adds its own micro-batch, all-reduces the mean once and updates. Run the
+            accumulate net k - 1 times, then `RunNet` (engine.Trainer does); the same update as one
+            step on the k-times batch. See `graphpar.passes.accumulate`.
         dynamic_memory_management: the train net frees every intermediate right after its last use
             within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
             counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
@@ -180,7 +186,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
             broadcast from shard 0's first device (average_computed_params averages over every
             replica of every shard). `RunInitNet` checks that every shard built the same model and
-            ends at a barrier. Not with shared_model, combine_spatial_bn or sparse gradients.
+            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse
+            gradients are gathered across shards (`Allgather`). Not with shared_model.
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
@@ -207,7 +214,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model, combine_spatial_bn=combine_spatial_bn)
+                            shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
@@ -217,7 +224,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
-        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec))
+        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
+        _accumulation(accumulate_gradients))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -225,7 +233,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout), options.num_shards,
-                               max_concurrent_distributed_ops)
+                               max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
@@ -313,7 +321,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
                                  barrier_net_timeout_sec=float(barrier_net_timeout_sec))
     blob_to_device: dict[str, DeviceOption] = {}
-    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops)
+    reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
+                       order=rdv.reduce_order if rdv else "ring")
     bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
                         _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
@@ -421,6 +430,10 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
 
 def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     """Run every init net of a parallelized model once (fills, then the broadcast), then create its nets.
+
+    With a rendezvous the init net first creates the communicators and checks that every shard built
+    the same model (an OperatorError naming the shards otherwise), the broadcast comes from shard 0,
+    and a barrier (`barrier_net_timeout_sec`) ends it.
 
     Everything that can be checked is checked before the first init net runs (the model's nets must
     not exist yet: a second RunInitNet would reset trained params, optimizer state and counters;
@@ -593,17 +606,20 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
 
 
 def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
-    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope."""
+    """Refuse to broadcast a model's initial values while its checkpoint sits under another device's scope
+    (a non-first replica's or a device's that is not a replica)."""
     layout = _state_of(model).layout
-    orphans = [n for n in ws.loaded
-               if parse_device_scope(n) is not None and layout.replica_of(n) is None and stripBlobName(n) in grouped]
+    first = layout.scoped(layout.master, "")
+    orphans = [n for n in ws.loaded if parse_device_scope(n) is not None and not n.startswith(first)
+               and stripBlobName(n) in grouped and first + stripBlobName(n) not in ws.loaded]
     if orphans:
         raise CheckpointError(
             f"FinalizeAfterCheckpoint({model.name!r}): blobs {orphans[:3]} were loaded from checkpoint "
-            f"{ws.loaded[orphans[0]]!r} under the scope of a device that is not one of the model's "
-            f"({layout.scope(layout.master)} first): the checkpoint was saved with another first device, and "
-            f"the model would train from its initial values. Load it with checkpoint.load(path, model=model), "
-            f"which maps its names onto the model's first device")
+            f"{ws.loaded[orphans[0]]!r} under the scope of another device than the model's first one "
+            f"({layout.scope(layout.master)}), which holds no loaded value: the checkpoint was saved with "
+            f"another first device, and the broadcast would make every replica train from the initial "
+            f"values. Load it with checkpoint.load(path, model=model), which maps its names onto the "
+            f"model's first device")
 
 
 def first_device_scope(model: ModelHelper) -> str:
@@ -801,6 +817,13 @@ def _blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
     return tuple(str(n) for n in listed)
 
 
+def _accumulation(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ParallelizeError(f"Parallelize: accumulate_gradients must be an int >= 1 (micro-batches per "
+                               f"update), got {k!r}")
+    return k
+
+
 def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -> None:
     options = {"first_bucket_bytes": first_bucket_bytes}
     if gradient_bucket_bytes is not None:
@@ -893,12 +916,13 @@ def _log_built(state: ParallelState) -> None:
     log.info("Parallelize(%r): %d replica(s) %s on %s; %s", state.model.name, len(layout.devices),
              _replica_scopes(layout), layout.device_type.name,
              "training" if state.training else "forward only")
-    log.info("Parallelize(%r): %d params, %d computed params, %d gradients all-reduced by %s (%s); "
-             "%d cross-device ops in net %r (%d collectives), %d ops in all, type %r, %d workers",
-             state.model.name, len(state.param_names), len(state.computed_param_names), len(state.grad_names),
-             type(state.reducer).__name__,
-             f"buckets of <= {options.gradient_bucket_bytes} bytes" if options.gradient_bucket_bytes
-             else "one collective per gradient", len(moves), train.name, collectives, len(train.ops),
+    reduced = "no gradients" if not state.training else (
+        f"{len(state.grad_names)} gradients all-reduced by {type(state.reducer).__name__} ("
+        + (f"buckets of <= {options.gradient_bucket_bytes} bytes)" if options.gradient_bucket_bytes
+           else "one collective per gradient)"))
+    log.info("Parallelize(%r): %d params, %d computed params, %s; %d cross-device ops in net %r (%d "
+             "collectives), %d ops in all, type %r, %d workers", state.model.name, len(state.param_names),
+             len(state.computed_param_names), reduced, len(moves), train.name, collectives, len(train.ops),
              train.type, train.num_workers)
     log.info("Parallelize(%r): init net %r: %d ops, then broadcasts %d blobs from %s to %s",
              state.model.name, init.name, len(init.ops), len(state.sync_names), layout.scoped(layout.master, ""),

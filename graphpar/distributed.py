@@ -30,7 +30,8 @@ ENGINES = ("GLOO", "NCCL")
 TRANSPORTS = ("tcp", "ibverbs")
 DEFAULT_TIMEOUT_SEC = 30.0  # Caffe2's _DEFAULT_TIMEOUT_SEC for common worlds
 RENDEZVOUS_KEYS = ("shard_id", "num_shards", "engine", "kv_handler", "transport", "interface", "exit_nets",
-                   "mpi_rendezvous", "timeout_sec")
+                   "mpi_rendezvous", "timeout_sec", "reduce_order")
+REDUCE_ORDERS = ("ring", "tree")
 DEFAULT_STORE = -1  # CreateCommonWorld's `store` argument: torch.distributed's default store (env://)
 
 
@@ -46,6 +47,7 @@ class Rendezvous:
     interface: str = ""
     exit_nets: tuple = ()
     timeout_sec: float = DEFAULT_TIMEOUT_SEC
+    reduce_order: str = "ring"
 
 
 def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> Rendezvous | None:
@@ -56,7 +58,10 @@ def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> R
     `FileStoreHandlerCreate` / `TCPStoreHandlerCreate`, or None: torch.distributed's default group if
     it is initialised, else `env://` with torchrun's variables RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), optional `transport` ("tcp" or "ibverbs"), `interface`, `exit_nets`,
-    `mpi_rendezvous` (must be false) and `timeout_sec` (every collective's timeout, default 30 s).
+    `mpi_rendezvous` (must be false), `timeout_sec` (every collective's timeout, default 30 s) and
+    `reduce_order`: "ring" (default, the backend's all-reduce) or "tree" (an all-gather, then the same
+    Sum tree over the shards as one process uses over devices: S shards x D devices then sum exactly as
+    1 x S*D for power-of-2 counts, at (S-1)x the traffic; with 2 shards both orders are exact).
     With `kv_handler=None`, `shard_id` and `num_shards` default to the default group's (or RANK and
     WORLD_SIZE) and must agree with them.
 
@@ -93,8 +98,12 @@ def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> R
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ParallelizeError(f"{what}: rendezvous['timeout_sec'] must be a number of seconds > 0, "
                                f"got {timeout!r}")
+    order = rendezvous.get("reduce_order", "ring")
+    if order not in REDUCE_ORDERS:
+        raise ParallelizeError(f"{what}: rendezvous['reduce_order'] must be one of {REDUCE_ORDERS}, got {order!r}")
     exit_nets = rendezvous.get("exit_nets") or ()
-    return Rendezvous(shard_id, num_shards, engine, kv, transport, interface, tuple(exit_nets), float(timeout))
+    return Rendezvous(shard_id, num_shards, engine, kv, transport, interface, tuple(exit_nets), float(timeout),
+                      order)
 
 
 def _shard(rendezvous: Mapping, kv: Any, what: str) -> tuple[int, int]:
@@ -246,15 +255,23 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
         timeout = datetime.timedelta(seconds=timeout_sec)
         try:
             prefixed.set_timeout(timeout)
-            if engine == "NCCL":
-                group = torch.distributed.ProcessGroupNCCL(prefixed, rank, size)
+            if engine == "NCCL":  # not run on real multi-GPU hardware yet
+                options = torch.distributed.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
             else:
                 group = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
         except (RuntimeError, ValueError) as exc:
             raise RuntimeError(f"shard {rank} of {size}: could not create communicator {name!r} with "
                                f"{engine} within {timeout_sec:g} s (are all {size} shards running the same "
                                f"model with the same rendezvous?): {exc}") from None
+    return register_world(Communicator(name, rank, size, timeout_sec, group, prefixed))
+
+
+def register_world(world: Any) -> int:
+    """Keep communicator `world` (a `Communicator`, or anything with its methods) for this process;
+    returns its handle."""
     with _lock:
         handle = len(_worlds)
-        _worlds[handle] = Communicator(name, rank, size, timeout_sec, group, prefixed)
-    return handle
+        _worlds[handle] = world
+        return handle

@@ -33,7 +33,7 @@ import numpy as np
 
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar.data import feed
+from graphpar.data import Fed, feed
 from graphpar.naming import unscoped_name
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
@@ -273,18 +273,24 @@ class Trainer:
         data: an iterable of batches `graphpar.data.feed` accepts (a DataLoader, a list, a
             `DeviceFeeder`); iterated once per epoch, again when exhausted.
         hooks: HookBase instances, run in order (after_* too, as in Detectron2).
-        max_iter: iterations to train in all (a resumed run continues up to it).
+        max_iter: iterations (updates) to train in all (a resumed run continues up to it); default one
+            epoch of `data` (its length; over `accumulate_gradients` with accumulation).
 
     Raises:
         ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
     """
 
-    def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (), max_iter: int = 0) -> None:
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-            raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
+    def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (),
+                 max_iter: int | None = None) -> None:
         if not getattr(getattr(model, "_parallel", None), "training", False):
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
+        if max_iter is None:
+            if not hasattr(data, "__len__"):
+                raise ValueError("Trainer: pass max_iter (the data has no length to make one epoch of)")
+            max_iter = len(data) // model._parallel.options.accumulate_gradients
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
         self.model, self.data, self.max_iter = model, data, max_iter
         self.iter = 0
         self.start_iter = 0
@@ -295,6 +301,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self.register_hooks(hooks)
 
     def register_hooks(self, hooks: Iterable[HookBase | None]) -> None:
@@ -388,10 +395,11 @@ class Trainer:
             return
         if per_epoch < 1:
             return
+        consumed = iteration * self.model._parallel.options.accumulate_gradients  # batches per update
         self._pending = None
         self._drop_iterator()
-        self.epoch = iteration // per_epoch
-        for _ in range(iteration % per_epoch):
+        self.epoch = consumed // per_epoch
+        for _ in range(consumed % per_epoch):
             self._next_batch()
 
     # -- the loop --
@@ -421,10 +429,25 @@ class Trainer:
         self.storage.iter = self.iter
 
     def run_step(self) -> None:
-        """Feed the next batch, run the train net once, record each loss (the batch's mean)."""
-        fed = feed(self.model, self._next_batch())
+        """Feed the next batch, run the train net once, record each loss (the batch's mean).
+
+        With `Parallelize(accumulate_gradients=k)`, first k - 1 micro-batches each through the
+        accumulate net (no all-reduce, no update); the losses recorded are the micro-batches' mean.
+        """
+        state = self.model._parallel
+        micro = state.accumulate_net
+        values: list[dict[str, float]] = []
+        for _ in range(state.options.accumulate_gradients - 1):
+            fed = feed(self.model, self._next_batch())
+            if micro.Proto().name not in workspace.get_workspace().nets:
+                workspace.CreateNet(micro)
+            workspace.RunNet(micro)
+            values.append(self.losses(fed.sizes))
+        fed = self.last_fed = feed(self.model, self._next_batch())
         dpm.RunNet(self.model, 1)
-        for name, value in self.losses(fed.sizes).items():
+        values.append(self.losses(fed.sizes))
+        for name in values[-1]:
+            value = sum(v[name] for v in values) / len(values)
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss {name!r} became {value} at iteration {self.iter}")
             self.storage.put_scalar(name, value)

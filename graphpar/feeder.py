@@ -23,10 +23,11 @@ stand-in for the copier (no GPU on the development machine).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from graphpar.core.ir import CUDA
@@ -122,16 +123,18 @@ class DeviceFeeder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prepare(self, batch: Any) -> Prepared:
-        prepared = prepare(self.model, batch, self.dim)
-        if self.copier is not None:
-            copier = self.copier
-            prepared.blobs = [{name: copier.copy(d, value) if _is_array(value) else value
-                               for name, value in per_device.items()}
-                              for d, per_device in zip(prepared.devices, prepared.blobs)]
-            prepared.ready = [copier.record(d) for d in prepared.devices]
-            prepared.copier = copier
-        return prepared
+
+
+def _prepare(model: Any, dim: int, copier: Any, batch: Any) -> Prepared:
+    """`data.prepare`, then (with a copier) each array copied to its device and an event per device."""
+    prepared = prepare(model, batch, dim)
+    if copier is not None:
+        prepared.blobs = [{name: copier.copy(d, value) if _is_array(value) else value
+                           for name, value in per_device.items()}
+                          for d, per_device in zip(prepared.devices, prepared.blobs)]
+        prepared.ready = [copier.record(d) for d in prepared.devices]
+        prepared.copier = copier
+    return prepared
 
 
 def _is_array(value: Any) -> bool:
@@ -146,43 +149,48 @@ class _Failure:
 _END = object()
 
 
+def _load(iterable: Iterable[Any], work: Callable[[Any], Prepared], out: queue.Queue, stop: threading.Event) -> None:
+    """The loading thread: prepare each batch of one pass into `out` until the end, an error or `stop`."""
+    iterator = None
+    try:
+        iterator = iter(iterable)
+        while not stop.is_set():  # checked before pulling: nothing is loaded after close()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                _put(out, stop, _END)
+                return
+            _put(out, stop, work(batch))
+    except BaseException as error:  # handed to the consumer, who re-raises it
+        _put(out, stop, _Failure(error))
+    finally:
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+
+
+def _put(out: queue.Queue, stop: threading.Event, item: Any) -> bool:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class _Epoch(Iterator[Prepared]):
     """One pass over the iterable: the loading thread and the consumer's end of the queue."""
 
     def __init__(self, feeder: DeviceFeeder) -> None:
-        self._feeder = feeder
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=feeder.depth)
         self._stop = threading.Event()
         self._done = False
-        self.thread = threading.Thread(target=self._load, name="graphpar-DeviceFeeder", daemon=True)
+        # The thread holds no reference to this object or the feeder, so dropping both stops it (__del__).
+        work = functools.partial(_prepare, feeder.model, feeder.dim, feeder.copier)
+        self.thread = threading.Thread(target=_load, args=(feeder.iterable, work, self._queue, self._stop),
+                                       name="graphpar-DeviceFeeder", daemon=True)
         self.thread.start()
-
-    def _load(self) -> None:
-        iterator = None
-        try:
-            iterator = iter(self._feeder.iterable)
-            while not self._stop.is_set():  # checked before pulling: nothing is loaded after close()
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    self._put(_END)
-                    return
-                self._put(self._feeder._prepare(batch))
-        except BaseException as error:  # handed to the consumer, who re-raises it
-            self._put(_Failure(error))
-        finally:
-            close = getattr(iterator, "close", None)
-            if callable(close):
-                close()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def __next__(self) -> Prepared:
         if self._done:

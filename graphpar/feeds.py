@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from graphpar.core.ir import NetDef
+from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
 
 
@@ -30,7 +31,7 @@ class FeedTracker:
         for blob in net.external_inputs:
             if layout.replica_of(blob) is None or blob in created or blob in written:
                 continue
-            name = blob.partition("/")[2]
+            name = stripBlobName(blob)
             if name not in params:
                 groups.setdefault(name, []).append(blob)
         self.groups = {name: blobs for name, blobs in groups.items() if len(blobs) > 1}

@@ -4,6 +4,7 @@
     launch.launch(main, num_processes_per_machine=2, args=(...,))        # in Python
 
     python -m graphpar.launch --nproc-per-node 2 train.py --epochs 3      # from the shell
+    python -m graphpar.launch --nproc-per-node 2 -m graphpar.examples.train --devices 2
     python -m graphpar.launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --dist-url tcp://HOST:PORT train.py
 
 Every process gets torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -162,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
     parser.add_argument("--dist-url", default="auto", help="'auto' (a free local port) or tcp://HOST:PORT")
-    parser.add_argument("script", help="the training script (or -m module)")
+    parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
+    parser.add_argument("script", help="the training script, or a module with -m")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
     if options.nproc_per_node < 1 or options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
@@ -171,8 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         addr, port = _master(options.dist_url, options.nnodes)
     except ValueError as exc:
         parser.error(str(exc))
-    command = [sys.executable, *(["-m", options.script_args[0], *options.script_args[1:]]
-                                 if options.script == "-m" else [options.script, *options.script_args])]
+    command = [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
     per, world = options.nproc_per_node, options.nproc_per_node * options.nnodes
     procs = [subprocess.Popen(command, env={**os.environ, **_environment(
         options.node_rank * per + k, k, world, per, options.node_rank, addr, port)}) for k in range(per)]

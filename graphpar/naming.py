@@ -13,6 +13,11 @@ def grad_name(blob: str) -> str:
     return f"{blob}_grad"
 
 
+def accumulated_grad_name(grad: str) -> str:
+    """The running sum of `grad` over micro-batches (`accumulate_gradients`): 'x_grad' -> 'x_grad_accumulated'."""
+    return f"{grad}_accumulated"
+
+
 def autosplit_grad_name(grad: str, k: int) -> str:
     """The k-th renamed partial gradient that a `Sum` later accumulates into `grad`."""
     return f"_{grad}_autosplit_{k}"

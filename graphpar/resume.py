@@ -26,7 +26,8 @@ RESUME_ORDER = ("RunInitNet, then checkpoint.load(path, model=model) (which maps
 
 
 def unsynced_replicas(reads: Iterable[str], loaded: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(loaded blob, a replica of it in `reads`) pairs: same unscoped name, another replica scope."""
+    """(loaded blob, a replica of it in `reads` that was not loaded) pairs: same unscoped name, another
+    replica scope."""
     scoped: dict[str, list[str]] = {}
     for name in loaded:
         if parse_device_scope(name) is not None:
@@ -36,9 +37,9 @@ def unsynced_replicas(reads: Iterable[str], loaded: Mapping[str, str]) -> list[t
     pairs = []
     for read in reads:
         scope = parse_device_scope(read)
-        for name in scoped.get(stripBlobName(read), ()) if scope is not None else ():
-            if parse_device_scope(name) != scope:
-                pairs.append((name, read))
+        if scope is None or read in loaded:  # a replica loaded from the file too holds its saved value
+            continue
+        pairs.extend((name, read) for name in scoped.get(stripBlobName(read), ()))
     return pairs
 
 

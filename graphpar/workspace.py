@@ -256,7 +256,8 @@ class Workspace:
         plan = self.nets.get(name)
         if plan is None:
             raise RuntimeError(f"net {name!r} has not been created in workspace {self.name!r}; call "
-                           f"CreateNet first (known nets: {sorted(self.nets)})")
+                               f"CreateNet first, or data_parallel_model.RunInitNet(model) for a parallelized "
+                               f"model (known nets: {sorted(self.nets)})")
         if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 0:
             raise ValueError(f"RunNet({name!r}): num_iter must be a non-negative int, got {num_iter!r}")
         executor = get_executor(plan.type)

@@ -56,7 +56,7 @@ def test_feed_batch_feeds_nothing_when_the_batch_does_not_split() -> None:
     model = _parallelized([0, 1])
     with pytest.raises(ValueError, match="batch of 3 cannot be split evenly over 2 devices.*uneven_batches=True"):
         feed_batch(model, {"data": np.ones((3, 2), dtype=np.float32), "label": np.zeros(3, dtype=np.int32)})
-    with pytest.raises(ValueError, match=r"same batch size \(axis 0\), got \{'data': 4, 'label': 3\}"):
+    with pytest.raises(ValueError, match=r"same batch size \(axis 0\), got \{\"batch\['data'\]\": 4, \"batch\['label'\]\": 3\}"):
         feed_batch(model, {"data": np.ones((4, 2), dtype=np.float32), "label": np.zeros(3, dtype=np.int32)})
     with pytest.raises(ValueError, match="has no rows.*bias the gradient.*drop_last=True"):
         feed_batch(model, {"data": np.ones((0, 2), dtype=np.float32)})

@@ -32,7 +32,10 @@ def assert_unchanged(before: dict[str, torch.Tensor]) -> None:
         name for plan in ws.nets.values() for name in plan.persistent}
     assert set(after) <= set(before) and set(before) - set(after) <= transient, set(before) ^ set(after)
     for name, value in after.items():
-        assert value.dtype == before[name].dtype and torch.equal(value, before[name]), name
+        old = before[name]
+        assert value.dtype == old.dtype and value.shape == old.shape, name
+        assert torch.equal(value, old) or (value.is_floating_point() and torch.allclose(
+            value, old, rtol=0, atol=0, equal_nan=True)), name
 
 
 def parallelize(devices=(0, 1), **options) -> model_helper.ModelHelper:
@@ -111,8 +114,16 @@ def test_a_misspelt_fed_blob_gets_did_you_mean() -> None:
     feed(model, skip="cpu_1")
     workspace.FeedBlob("cpu_1/dta", np.zeros((2, 6), np.float32))
     workspace.FeedBlob("cpu_1/label", np.zeros(2, np.int32))
+    before = snapshot()
     with pytest.raises(MissingBlobError, match=r"'cpu_1/data' does not exist(.|\n)*Did you mean 'cpu_1/dta'"):
         dpm.RunInitNet(model)
+    assert_unchanged(before)
+
+
+def test_running_a_parallelized_net_directly_before_run_init_net_names_run_init_net() -> None:
+    model = parallelize()
+    with pytest.raises(RuntimeError, match=r"has not been created(.|\n)*RunInitNet\(model\)"):
+        workspace.RunNet(model.net)
 
 
 # ---- item 8: a NaN or infinite loss stops the step before any update ----------------------------
@@ -226,3 +237,19 @@ def test_a_loss_not_multiplied_by_loss_scale_is_warned_about(caplog: pytest.LogC
         assert messages == []
     else:
         assert len(messages) == 1 and "loss 'cpu_0/" in messages[0] and warned in messages[0], messages
+
+
+@pytest.mark.parametrize("options", [{"combine_spatial_bn": True}, {"gradient_bucket_bytes": 64},
+                                     {"dynamic_memory_management": True, "optimize_gradient_memory": True}],
+                         ids=["combine_spatial_bn", "buckets", "memory"])
+def test_check_finite_loss_with_batch_norm_and_other_options_stops_before_any_update(options) -> None:
+    from tests.test_data_parallel_model import feed as feed_batch
+    from tests.test_reliability import BN_DATA, trained
+
+    model = trained(check_finite_loss=True, **options)
+    x, y = BN_DATA[1]
+    feed_batch(model, np.where(np.arange(x.size).reshape(x.shape) == 5, np.nan, x).astype(np.float32), y)
+    before = snapshot()
+    with pytest.raises(OperatorError, match="is nan \\(not finite\\)"):
+        dpm.RunNet(model, 1)
+    assert_unchanged(before)

@@ -3,6 +3,7 @@ the side-stream copy path (a recording copier on logical CUDA devices), and the 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from graphpar import brew, optimizer, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar import workspace
-from graphpar.data import DeviceFeeder, Prepared, feed
+from graphpar.data import DataContainer, DeviceFeeder, Prepared, collate, feed
 from graphpar.devices import cuda_on_cpu
-from graphpar.engine import Trainer
+from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer
 from graphpar.model_helper import ModelHelper
 from tests.test_trainer import _batches, _model, _params
 
@@ -196,3 +197,67 @@ def test_bad_arguments():
         DeviceFeeder([], _relu_model(), depth=0)
     with pytest.raises(Exception, match="Parallelize"):
         DeviceFeeder([], ModelHelper(name=f"feeder_plain_{next(_names)}"))
+
+
+class _Images(torch.utils.data.Dataset):
+    """Dicts of variable-size images, labels and metadata."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        h, w = 6 + i % 5, 7 + i % 3
+        return {"img": DataContainer(rng.random((3, h, w), dtype=np.float32), stack=True),
+                "label": np.int32(i % 4), "meta": DataContainer({"id": i, "shape": (h, w)}, cpu_only=True)}
+
+
+def _image_net(m, scale):
+    h = brew.relu(m, brew.conv(m, "img", "conv", dim_in=3, dim_out=8, kernel=3, pad=1), "relu")
+    pred = brew.fc(m, m.net.AveragePool([h], "gap", global_pooling=1), "pred", dim_in=8, dim_out=4)
+    _, loss = m.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    return [m.net.Scale(loss, "scaled_loss", scale=scale)]
+
+
+def test_a_dataloader_of_dicts_with_variable_size_images_and_metadata_trains_through_the_trainer(capsys):
+    workspace.ResetWorkspace()
+    model = ModelHelper(name=f"feeder_images_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_image_net,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9),
+                    devices=[0, 1], cpu_device=True)
+    loader = torch.utils.data.DataLoader(_Images(), batch_size=8, num_workers=2,
+                                         collate_fn=functools.partial(collate, samples_per_device=4))
+    seen = []
+
+    class Metadata(HookBase):  # cpu_only fields reach the hooks, per device
+        def after_step(self):
+            seen.extend(m["id"] for m in self.trainer.last_fed.host[1]["meta"])
+
+    with DeviceFeeder(loader, model) as feeder:
+        trainer = Trainer(model, feeder, [IterationTimer(), LRScheduler(), PeriodicWriter(None, 4), Metadata()],
+                          max_iter=6)
+        trainer.train()
+    assert seen == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert len(trainer.storage.history["scaled_loss"]) == 6 and "iter 6/6" in capsys.readouterr().out
+    assert _feeder_threads() == []
+
+
+def test_a_feeder_dropped_without_close_stops_its_thread():
+    import gc
+
+    def endless():
+        k = 0
+        while True:
+            k += 1
+            yield {"x": np.full((2, 2), k, dtype=np.float32)}
+
+    model = _relu_model()
+    feeder = DeviceFeeder(endless(), model)
+    batches = iter(feeder)
+    next(batches)
+    del feeder, batches
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _feeder_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _feeder_threads() == []

@@ -77,13 +77,18 @@ def test_scatter_numpy_along_another_axis_and_explicit_sizes():
     (lambda: chunk_sizes(8, 2, [3, 4]), r"chunk sizes \[3, 4\] must be 2 sizes >= 1 that add up to the batch of 8"),
     (lambda: chunk_sizes(8, 2, [0, 8]), "sizes >= 1"),
     (lambda: chunk_sizes(8, 0), "num_devices must be a positive int"),
-    (lambda: scatter({"a": np.zeros(4), "b": np.zeros(3)}, 2), r"same batch size .*'a': 4, 'b': 3"),
+    (lambda: scatter({"a": np.zeros(4), "b": np.zeros(3)}, 2), r"same batch size .*\['a'\]\": 4, \"batch\['b'\]\": 3"),
     (lambda: flatten({"a_b": 1, "a": {"b": 2}}), "both become blob 'a_b'"),
     (lambda: flatten({"a/b": 1}), "without '/'"),
 ])
 def test_bad_splits_are_refused_with_the_fix(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_scatter_takes_any_dict_keys_like_torch():
+    batch = {1: torch.arange(4), (2, "x"): [torch.ones(4, 2)]}
+    _assert_same(scatter(batch, 2), _torch_scatter(batch, 2, torch.chunk))
 
 
 def test_flatten_names_nested_keys_and_indices():
@@ -131,7 +136,7 @@ def test_feed_refuses_empty_uneven_and_inconsistent_batches_and_feeds_nothing():
         ({"img": x[:0]}, {}, "has no rows.*bias the gradient.*drop_last=True"),
         ({"img": x[:5]}, {}, r"batch of 5 cannot be split evenly over 2 devices.*multiple of 2.*uneven_batches=True"),
         ({"img": x}, {"sizes": [2, 6]}, r"rows per device \[2, 6\] differ; Parallelize\(..., uneven_batches=True\)"),
-        ({"img": x, "label": np.zeros(7)}, {}, r"same batch size.*'img': 8, 'label': 7"),
+        ({"img": x, "label": np.zeros(7)}, {}, r"same batch size.*\['img'\]\": 8, \"batch\['label'\]\": 7"),
         ({"name": "only metadata"}, {}, "has no array to feed"),
     ]
     for batch, kwargs, message in cases:

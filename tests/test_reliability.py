@@ -11,9 +11,11 @@ import torch
 
 from graphpar import checkpoint, model_helper, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.core import NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import CheckpointError, MissingBlobError, OperatorError, ParallelizeError
 from graphpar.executor import get_executor
+from tests.executor import toy_ops
 from tests.test_data_parallel_model import MLP, MLP_PARAMS, _bn_forward, batches, feed, fetch_params, sgd
 
 BN_DATA = batches(3, 4, (2, 3, 3))
@@ -91,6 +93,21 @@ def _bad_input(model, tmp_path):
     return lambda: dpm.RunNet(model, 1)
 
 
+def _some_devices_fed(model, tmp_path):
+    workspace.FeedBlob("cpu_0/data", workspace.FetchBlob("cpu_0/data"))  # cpu_1 keeps its previous batch
+    return lambda: dpm.RunNet(model, 1)
+
+
+def _float_counter(model, tmp_path):
+    workspace.FeedBlob("optimizer_iteration", np.array([1.0], np.float32))
+    return lambda: dpm.RunNet(model, 1)
+
+
+def _mismatched_create(model, tmp_path):
+    workspace.FeedBlob("cpu_1/pred_w_momentum", np.zeros(2, np.float32))
+    return lambda: dpm.CreateNet(model, overwrite=True)
+
+
 def _bad_feed(model, tmp_path):
     workspace.FeedBlob("cpu_0/pred_w", object())
 
@@ -120,6 +137,17 @@ def _finalize_orphans(model, tmp_path):
     return lambda: dpm.FinalizeAfterCheckpoint(model)
 
 
+def _create_unbuildable(model, tmp_path):
+    with toy_ops.registered():
+        workspace.CreateNet(NetDef("bad", [OperatorDef("_TestBadFactory", ["cpu_0/pred_w"], ["out"])]))
+
+
+def _run_once_failing(model, tmp_path):
+    with toy_ops.registered():
+        workspace.RunNetOnce(NetDef("bad", [OperatorDef("GaussianFill", [], ["noise"], {"shape": [2]}),
+                                            OperatorDef("_TestFail", ["noise"], ["out"])]))
+
+
 def _parallelize_again(model, tmp_path):
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_bn_forward,
                     devices=[0, 1], cpu_device=True)
@@ -130,13 +158,20 @@ CASES = {
     "CreateNet of created nets": (_create_again, RuntimeError),
     "RunNet failing in an update": (_bad_update, OperatorError),
     "RunNet failing in the forward pass": (_bad_input, OperatorError),
+    "RunNet feeding only some devices": (_some_devices_fed, RuntimeError),
+    "RunNet with a float counter": (_float_counter, OperatorError),
+    "CreateNet of a [2] momentum for a [3, 18] param": (_mismatched_create, ValueError),
     "FeedBlob": (_bad_feed, TypeError),
     "checkpoint.load": (_corrupt_load, CheckpointError),
     "checkpoint.save": (_bad_save, CheckpointError),
     "FinalizeAfterCheckpoint, missing blob": (_finalize_missing, MissingBlobError),
     "FinalizeAfterCheckpoint, other device": (_finalize_orphans, CheckpointError),
     "Parallelize": (_parallelize_again, ParallelizeError),
+    "workspace.CreateNet": (_create_unbuildable, OperatorError),
+    "workspace.RunNetOnce": (_run_once_failing, OperatorError),
 }
+DIRECT = {"RunInitNet twice", "CreateNet of created nets", "FeedBlob", "checkpoint.load", "checkpoint.save",
+          "Parallelize", "workspace.CreateNet", "workspace.RunNetOnce"}
 
 
 @pytest.mark.parametrize("net_type", ["simple", "dag"])
@@ -144,10 +179,7 @@ CASES = {
 def test_a_call_that_raises_leaves_workspace_and_model_as_they_were(case, net_type, tmp_path):
     model = trained(net_type=net_type)
     setup, error = CASES[case]
-    call = (lambda: setup(model, tmp_path)) if case in ("RunInitNet twice", "CreateNet of created nets", "FeedBlob",
-                                                        "checkpoint.load", "checkpoint.save", "Parallelize") else None
-    if call is None:
-        call = setup(model, tmp_path)
+    call = (lambda: setup(model, tmp_path)) if case in DIRECT else setup(model, tmp_path)
     before, state = snapshot(), model_state(model)
     with pytest.raises(error):
         call()
@@ -231,13 +263,16 @@ def _resumable(devices, cpu_device=True):
     return model
 
 
-def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_with_it(tmp_path):
+@pytest.mark.parametrize("saved_on, resumed_on", [((0, 1), (2, 3)), ((1, 2), (0, 1))],
+                         ids=["not a replica", "a replica but not the first"])
+def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_with_it(tmp_path, saved_on,
+                                                                                      resumed_on):
     workspace.SwitchWorkspace("uninterrupted", True)
-    expected = fetch_params(trained((0, 1), 2, forward=MLP, data=MLP_DATA), MLP_PARAMS)
-    path = _saved(tmp_path)
+    expected = fetch_params(trained(saved_on, 2, forward=MLP, data=MLP_DATA), MLP_PARAMS)
+    path = _saved(tmp_path, saved_on)
 
-    model = _resumable([2, 3])
-    checkpoint.load(path)  # names cpu_0/...: no replica of the model
+    model = _resumable(list(resumed_on))
+    checkpoint.load(path)  # names cpu_<saved_on[0]>/...: not the model's first device
     before = snapshot()
     with pytest.raises(CheckpointError, match="another first device"):
         dpm.FinalizeAfterCheckpoint(model)
@@ -247,13 +282,13 @@ def test_resume_onto_another_first_device_is_refused_without_mapping_and_exact_w
     assert_same(before)
 
     workspace.ResetWorkspace()
-    model = _resumable([2, 3])
+    model = _resumable(list(resumed_on))
     loaded = checkpoint.load(path, model=model)
-    assert "cpu_2/fc1_w" in loaded and "optimizer_iteration" in loaded and not workspace.HasBlob("cpu_0/fc1_w")
+    assert f"cpu_{resumed_on[0]}/fc1_w" in loaded and "optimizer_iteration" in loaded
     dpm.FinalizeAfterCheckpoint(model)
     feed(model, *MLP_DATA[1])
     dpm.RunNet(model, 1)
-    for d in (2, 3):
+    for d in resumed_on:
         for name, value in fetch_params(model, MLP_PARAMS, d).items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=f"{name} on {d}")
     assert workspace.FetchBlob("optimizer_iteration").tolist() == [2]
@@ -305,6 +340,14 @@ def test_skipping_finalize_after_checkpoint_is_detected(tmp_path, direct):
     for name, value in fetch_params(model, MLP_PARAMS, 1).items():
         np.testing.assert_array_equal(value, workspace.FetchBlob(f"cpu_0/{name}"))
     assert workspace.get_workspace().loaded == {}
+
+
+def test_a_checkpoint_of_every_replica_needs_no_broadcast(tmp_path):
+    model = _resumable([0, 1])
+    path = tmp_path / "all.safetensors"
+    checkpoint.save(path, [n for n in workspace.Blobs() if n.startswith(("cpu_0/", "cpu_1/")) and "fc" in n])
+    checkpoint.load(path)
+    dpm.RunNet(model, 1)
 
 
 def test_loading_before_run_init_net_is_detected(tmp_path):

@@ -160,6 +160,9 @@ def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
         Trainer(forward, _batches(), max_iter=1)
     with pytest.raises(ValueError, match="max_iter must be an int >= 0"):
         Trainer(_model(), _batches(), max_iter=-1)
+    assert Trainer(_model(), _batches(3)).max_iter == 3  # default: one epoch
+    with pytest.raises(ValueError, match="pass max_iter"):
+        Trainer(_model(), iter(_batches(3)))
     with pytest.raises(ValueError, match="yielded no batch in epoch 0"):
         Trainer(_model(), [], max_iter=1).train()
     bad = _batches(1)
@@ -236,3 +239,48 @@ def test_resume_false_with_a_path_loads_only_the_weights(tmp_path):
     assert not workspace.FetchBlob("cpu_0/fc1_w_momentum").any()
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         trainer.resume_or_load(resume=True, path=tmp_path / "missing.safetensors")
+
+
+def test_lr_scheduler_multiplier_feeds_lr_injection():
+    workspace.ResetWorkspace()
+    model = ModelHelper(name=f"trainer_inject_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, allow_lr_injection=True),
+                    devices=[0, 1], cpu_device=True)
+    frozen = Trainer(model, _batches(), [LRScheduler(lambda it: 0.0 if it < 2 else 0.5)], max_iter=2)
+    frozen.initialize()
+    before = _params(model)
+    frozen.train()
+    for name, value in _params(model).items():  # LR x 0: nothing moved but the counter
+        if name != "optimizer_iteration":
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+    frozen.max_iter = 4
+    frozen.train()
+    assert [v for _, v in frozen.storage.history["lr"]] == pytest.approx([0.0, 0.0, 0.1, 0.1])
+    assert workspace.FetchBlob("lr_injection")[0] == 0.5
+    assert not np.array_equal(_params(model)["cpu_0/fc1_w"], before["cpu_0/fc1_w"])
+
+
+def test_periodic_writer_sends_scalars_to_tensorboard_when_installed(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    events = []
+
+    class SummaryWriter:
+        def __init__(self, logdir):
+            events.append(("open", logdir))
+
+        def add_scalar(self, name, value, step):
+            events.append((name, step))
+
+        def close(self):
+            events.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    workspace.ResetWorkspace()
+    Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, period=2, console=False)], max_iter=3).train()
+    assert events == [("open", str(tmp_path)), ("scaled_loss", 1), ("scaled_loss", 2), ("close",)]
+    with pytest.raises(ImportError):  # asked for explicitly, but not installed
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+        Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, tensorboard=True)], max_iter=1).train()

@@ -43,6 +43,7 @@ shape rule at CreateNet, where shapes are known, so a mismatch is reported there
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -298,15 +299,20 @@ def same_shape(*groups: Iterable[int] | Callable[[int], Iterable[Iterable[int]]]
     """An input check: the inputs of each group (input indices) have one shape, so nothing broadcasts.
 
     A group may be a function of the op's input count returning groups (for ops with k params).
+    Indices past the op's inputs (optional inputs) are skipped.
     """
 
+    @functools.cache
+    def expanded(count: int) -> tuple[tuple[int, ...], ...]:
+        flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
+        return tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat) if len(kept) > 1)
+
     def check(_args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
-        for group in groups:
-            for indices in group(len(inputs)) if callable(group) else (group,):
-                indices = [i for i in indices if i < len(inputs)]
-                shapes = [tuple(inputs[i].shape) for i in indices]
-                if any(shape != shapes[0] for shape in shapes):
-                    listed = ", ".join(f"{i} {op.inputs[i]!r} {list(shape)}" for i, shape in zip(indices, shapes))
+        for indices in expanded(len(inputs)):  # the run-time cost: a few shape comparisons
+            first = inputs[indices[0]].shape
+            for i in indices[1:]:
+                if inputs[i].shape != first:
+                    listed = ", ".join(f"{k} {op.inputs[k]!r} {list(inputs[k].shape)}" for k in indices)
                     raise ValueError(f"{op.type}: inputs {listed} must have one shape ({op.type} does not "
                                      f"broadcast); feed or create them with the same shape")
 

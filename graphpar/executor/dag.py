@@ -12,7 +12,9 @@ concurrency a plan has asked for (no threads are created per run); ready steps s
 order. A plan that may run only one step at a time (one CPU device, or a budget of one thread per
 kernel) runs in program order in the calling thread, as "simple" does. A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
-`num_workers`. A run has the plan's two phases (`executor.plan.Plan`): the updates and the steps that
+`num_workers`. Collectives across processes (Trait.DISTRIBUTED) mostly wait for the network, so they
+take slots of their own, one per communicator they use, beyond that limit: communication overlaps
+computation even with a budget of one thread. A run has the plan's two phases (`executor.plan.Plan`): the updates and the steps that
 depend on them start only once every other step finished and the state check passed. When a step
 fails, no new step starts; the run waits for the steps already running, then raises the error
 "simple" would raise for that op, and the workspace is unchanged. Under
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphpar.core.schema import Trait, has_trait
 from graphpar.executor.failure import op_failure
 from graphpar.executor.frame import StateChanged, commit, open_frame
 from graphpar.executor.simple import SimpleExecutor
@@ -52,6 +55,8 @@ class Schedule:
     size: int
     concurrency: int
     staged: bool  # the second phase: it starts with the state check
+    waits: frozenset[int] = frozenset()  # collectives across processes: they run in the slots below
+    wait_slots: int = 0  # one per communicator those collectives use
 
 
 def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
@@ -60,6 +65,9 @@ def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
     many steps may run at once."""
     concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
                              len(plan.steps)))
+    ops = plan.netdef.ops
+    waits = frozenset(j for j, step in enumerate(plan.steps) if has_trait(ops[step.index], Trait.DISTRIBUTED))
+    channels = len({ops[plan.steps[j].index].inputs[0] for j in waits})
     phases = [plan.order[:plan.staged_from], plan.order[plan.staged_from:]]
     schedules = []
     for staged, phase in enumerate(phases):
@@ -75,7 +83,7 @@ def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
                     indegree[j] += 1
         schedules.append(Schedule(tuple(map(tuple, successors)), tuple(indegree),
                                   tuple(j for j in phase if indegree[j] == 0), len(phase), concurrency,
-                                  bool(staged)))
+                                  bool(staged), waits, channels))
     return tuple(schedules)
 
 
@@ -86,7 +94,9 @@ class _Run:
         self.plan, self.frame, self.streams = plan, frame, streams
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.running = 0
+        self.waiting = 0  # collectives across processes running (Schedule.waits)
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
+        self.wait_backlog: list[int] = []  # the same for Schedule.waits
         self.failure: tuple[int, Exception] | None = None
         self.lock = threading.Lock()
 
@@ -118,12 +128,13 @@ class DagExecutor:
             schedules = self._schedules[plan] = make_schedules(plan)
         backend = current_streams()
         concurrency = schedules[0].concurrency if schedules else 1
-        if concurrency == 1 and backend is NO_STREAMS:  # nothing to overlap: the plan's order
+        wait_slots = schedules[0].wait_slots if schedules else 0
+        if concurrency == 1 and not wait_slots and backend is NO_STREAMS:  # nothing to overlap: the plan's order
             self._serial.run(plan, blobs)
             return
         frame = open_frame(plan, blobs)
         if plan.steps:
-            self._ensure_workers(concurrency)
+            self._ensure_workers(concurrency + wait_slots)
             streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
             state = _Run(plan, frame, streams)
             try:
@@ -166,11 +177,15 @@ class DagExecutor:
 
     def _release(self, state: _Run, ready: list[int]) -> None:
         """Hand ready steps to the workers, up to the plan's concurrency (call with state.lock held)."""
+        schedule = state.schedule
         for index in ready:
-            heapq.heappush(state.backlog, index)
-        while state.backlog and state.running < state.schedule.concurrency:
+            heapq.heappush(state.wait_backlog if index in schedule.waits else state.backlog, index)
+        while state.backlog and state.running < schedule.concurrency:
             state.running += 1
             self._tasks.put((state, heapq.heappop(state.backlog)))
+        while state.wait_backlog and state.waiting < schedule.wait_slots:
+            state.waiting += 1
+            self._tasks.put((state, heapq.heappop(state.wait_backlog)))
 
     @staticmethod
     def _free(state: _Run, index: int) -> None:
@@ -200,7 +215,10 @@ class DagExecutor:
                 except Exception as exc:  # reported by the thread that called run()
                     error = exc
             with state.lock:
-                state.running -= 1
+                if index in state.schedule.waits:
+                    state.waiting -= 1
+                else:
+                    state.running -= 1
                 state.left -= 1
                 if error is not None and state.failure is None:
                     state.failure = (index, error)
@@ -212,8 +230,9 @@ class DagExecutor:
                         if state.pending[j] == 0:
                             ready.append(j)
                     self._release(state, ready)
-                elif state.running == 0:
+                elif state.running == 0 and state.waiting == 0:
                     state.backlog.clear()
+                    state.wait_backlog.clear()
                     state.finished.set()
                     continue
                 if state.left == 0:

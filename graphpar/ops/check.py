@@ -9,6 +9,7 @@ with the params and optimizer state as they were.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ def _check_finite(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tupl
 
     def run(*xs: torch.Tensor) -> tuple:
         for name, x in zip(names, xs):
-            if not bool(torch.isfinite(x).all()):
+            if not (math.isfinite(x.item()) if x.numel() == 1 else bool(torch.isfinite(x).all())):
                 bad = x[~torch.isfinite(x)].reshape(-1)[0].item()
                 raise FloatingPointError(
                     f"{name!r} is {bad} (not finite): the step stopped before any parameter update, so the "

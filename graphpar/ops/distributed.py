@@ -33,6 +33,7 @@ from graphpar.core.schema import (
     Trait,
     register_op,
 )
+from graphpar.core.trees import tree_levels
 from graphpar.ops.common import op_label
 
 _HANDLE = TensorSpec((), torch.int64)
@@ -177,12 +178,30 @@ def _shifted(i: int, o: int) -> bool:
     return i == o + 1
 
 
+def _allreduce(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
+    if a.order not in distributed.REDUCE_ORDERS:
+        raise ValueError(f"Allreduce: order must be one of {distributed.REDUCE_ORDERS}, got {a.order!r}")
+    if a.order == "ring" or comm.size == 1:
+        comm.allreduce(x)
+        return
+    parts = comm.allgather(x)  # every shard adds the same values in the same tree order
+    for level in tree_levels(len(parts)):
+        for positions in level:
+            total = parts[positions[0]]
+            for position in positions[1:]:
+                total = total + parts[position]
+            parts[positions[0]] = total
+    x.copy_(parts[0])
+
+
 register_op(
-    "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted,
-    kernel=_collective(lambda comm, x, _a: comm.allreduce(x)), infer=_copies_rule,
+    "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted, args={"order": "ring"},
+    kernel=_collective(_allreduce), infer=_copies_rule,
     gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
     doc="Output i = the sum over the shards of input i + 1 (input 0: the communicator); each input is "
-        "reduced on its own, in place enforced.")
+        "reduced on its own, in place enforced. order='ring': the backend's all-reduce; 'tree': an "
+        "all-gather, then Parallelize's Sum tree over shard positions (pairwise for 4, 8, 16 shards), so "
+        "shards x devices sum exactly as one process's tree over all devices.")
 
 
 def _broadcast(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
@@ -196,6 +215,32 @@ register_op(
     kernel=_collective(_broadcast), infer=_copies_rule, gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED,
     device_inference=_handle_device,
     doc="Output i = shard `root`'s input i + 1 (input 0: the communicator); in place enforced.")
+
+
+def _allgather(_a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def run(world: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        comm = distributed.get_world(int(world))
+        sizes = [int(n) for n in comm.allgather(torch.tensor([x.shape[0]], dtype=torch.int64))]
+        if max(sizes) == 0:
+            return x.clone()
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))  # gloo gathers equal shapes: pad, then cut
+        padded[:x.shape[0]] = x
+        return torch.cat([part[:n] for part, n in zip(comm.allgather(padded), sizes)])
+
+    return run
+
+
+def _allgather_infer(_a: SimpleNamespace, _ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    if not inputs[1].shape:
+        raise ValueError("Allgather: X needs an axis 0 to concatenate along")
+    return [None]  # the length depends on the other shards
+
+
+register_op(
+    "Allgather", inputs=2, outputs=1, inplace={(1, 0)}, kernel=_allgather, infer=_allgather_infer,
+    gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    doc="Y = every shard's X (input 1; input 0: the communicator) concatenated along axis 0 in shard order; "
+        "the lengths may differ (sparse gradients' indices and values).")
 
 
 def _barrier(_a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], tuple]:

@@ -32,7 +32,7 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.state import ParallelState
 
 BN_TYPES = ("SpatialBN", "SpatialBNGradient")
@@ -48,6 +48,8 @@ def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
     ops and their all-reduce; each op of the group gets the summed statistics as inputs 5, 6 and
     `num_batches=N`; every new non-collective op runs on its replica's device and touches only its
     replica's blobs. Other ops are unchanged; already combined (7-input) or `is_test` ops are left alone. A single device is a no-op.
+    Across shards (`DistributedReducer`) the statistics are summed over every replica of every shard
+    and N counts them all.
     Returns `netdef`, edited in place.
 
     Raises:
@@ -55,7 +57,7 @@ def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
     """
     layout = reducer.layout
     count = len(layout.devices)
-    if count < 2:
+    if copies(reducer) < 2:
         return netdef
     taken = {b for op in netdef.ops for b in (*op.inputs, *op.outputs)} | set(netdef.external_inputs)
     counts: dict[str, str] = {}  # a forward op's saved mean -> its global count blob
@@ -117,7 +119,7 @@ def _combine(group: list[OperatorDef], reducer: Reducer, taken: set[str],
                   for op in reducer.allreduce(stripBlobName(copies[0]), copies)]
     for op, stat, more in zip(group, stats, extra):
         op.inputs.extend([*stat.outputs, *more])
-        op.args["num_batches"] = len(group)
+        op.args["num_batches"] = copies(reducer)  # every replica of every shard
     return [*stats, *reduce_ops, *group]
 
 

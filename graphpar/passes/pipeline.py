@@ -19,6 +19,7 @@ from pathlib import Path
 from graphpar.core.ir import CUDA
 from graphpar.core.schema import validate_net
 from graphpar.passes import (
+    accumulate,
     allreduce,
     analyze,
     broadcast_computed,
@@ -99,6 +100,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("validate_params_again", analyze.validate_params, training),
     Pass("group_gradients", group_by_device.group_gradients, training),
     Pass("infer_devices", analyze.infer_devices, training),
+    Pass("accumulate_gradients", accumulate.accumulate_gradients, _option("accumulate_gradients", lambda k: k > 1)),
     Pass("sync_computed_params", broadcast_computed.sync_computed_params,
          lambda s: s.training and _computed_params_sync(s)),
     Pass("allreduce_gradients", allreduce.allreduce_gradients, lambda s: s.training and not _buckets(s)),

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
-from graphpar.errors import ParallelizeError
+from graphpar.core.trees import tree_levels
 from graphpar.passes.common import DPM_SUM_NAME, BlobDevices, DeviceLayout, Group, copy_device, make_op
 
 PeerAccess = Callable[[int, int], bool]  # (root device id, peer device id) -> may root read peer's memory
@@ -54,22 +54,6 @@ class Reducer(Protocol):
         single output) holds the copies of `group` concatenated along axis 0 in device order. Used for
         sparse gradients (indices and values), whose rows differ per device; `name` names temporaries."""
         ...
-
-
-def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
-    """The Sum tree over `count` device positions: levels of position tuples, root first in each.
-
-    4, 8 and 16 devices reduce pairwise, doubling the stride each level (16: (0,1)…(14,15), then
-    (0,2),(4,6),(8,10),(12,14), then (0,4),(8,12), then (0,8)), as Caffe2 did; any other count is
-    one flat Sum of every position onto position 0. The root of the last level is position 0.
-    """
-    if count not in (4, 8, 16):
-        return [[tuple(range(count))]]
-    levels, stride = [], 1
-    while stride < count:
-        levels.append([(i, i + stride) for i in range(0, count, 2 * stride)])
-        stride *= 2
-    return levels
 
 
 class TreeReducer:
@@ -148,8 +132,9 @@ class DistributedReducer:
     """Local reduction onto the first device, one collective across shards, local broadcast back."""
 
     def __init__(self, local: Reducer, num_shards: int, max_concurrent: int,
-                 blob_devices: BlobDevices) -> None:
+                 blob_devices: BlobDevices, order: str = "ring") -> None:
         self.layout = local.layout
+        self.order = order  # the cross-shard Allreduce's order ("ring" or "tree")
         self.local = local
         self.num_shards = num_shards
         self.blob_devices = blob_devices
@@ -165,7 +150,7 @@ class DistributedReducer:
     def allreduce(self, name: str, group: Sequence[str], to_all: bool = True) -> list[OperatorDef]:
         layout, root = self.layout, group[0]
         ops = self.local.allreduce(name, group, to_all=False) if len(group) > 1 else []
-        ops.append(make_op("Allreduce", [self.world(), root], [root], self._device(root)))
+        ops.append(make_op("Allreduce", [self.world(), root], [root], self._device(root), order=self.order))
         if to_all and len(group) > 1:
             ops.extend(self.local.broadcast(dict(zip(layout.devices, group))))
         return ops
@@ -178,9 +163,14 @@ class DistributedReducer:
         return ops
 
     def allgather(self, name: str, group: Sequence[str], outputs: Sequence[str]) -> list[OperatorDef]:
-        raise ParallelizeError(f"gradient {name!r} is sparse (GradientSlice): sparse gradients across shards "
-                               f"(rendezvous) are not supported yet; use a dense gradient (e.g. Gather "
-                               f"through a dense path) or train on one process")
+        """The local concatenation on the first device, then one cross-shard `Allgather` of it (shard
+        order, so device order over all shards), then copies to the other outputs."""
+        first = outputs[0]
+        ops = self.local.allgather(name, group, outputs[:1])
+        ops.append(make_op("Allgather", [self.world(), first], [first], self._device(first)))
+        if len(outputs) > 1:
+            ops.extend(self.local.broadcast(dict(zip(self.layout.devices, outputs))))
+        return ops
 
     def _device(self, blob: str) -> DeviceOption:
         return self.blob_devices.get(blob) or self.layout.option(self.layout.master)
@@ -188,7 +178,7 @@ class DistributedReducer:
 
 def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool = False,
                  peer_access: PeerAccess | None = None, num_shards: int = 1,
-                 max_concurrent: int = 1) -> Reducer:
+                 max_concurrent: int = 1, order: str = "ring") -> Reducer:
     """The reducer for Parallelize's options: NCCL for CUDA replicas with `use_nccl`, else Sum trees;
     wrapped in a `DistributedReducer` over `max_concurrent` communicators for several shards."""
     local: Reducer
@@ -197,7 +187,7 @@ def make_reducer(layout: DeviceLayout, blob_devices: BlobDevices, use_nccl: bool
     else:
         local = TreeReducer(layout, blob_devices, peer_access)
     if num_shards > 1:
-        return DistributedReducer(local, num_shards, max_concurrent, blob_devices)
+        return DistributedReducer(local, num_shards, max_concurrent, blob_devices, order)
     return local
 
 

@@ -52,6 +52,7 @@ class ParallelizeOptions:
     check_finite_loss: bool = False
     max_concurrent_distributed_ops: int = 16
     barrier_net_timeout_sec: float = 300.0
+    accumulate_gradients: int = 1
 
     @property
     def num_shards(self) -> int:
@@ -92,6 +93,7 @@ class ParallelState:
     checkpoint_net: Any = None
     feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
     sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
+    accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
 
     @property
     def training(self) -> bool:

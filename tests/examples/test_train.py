@@ -113,6 +113,41 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, capsys, mo
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_plot_draws_loss_and_accuracy_per_epoch(tmp_path, monkeypatch, capsys):
+    import sys
+    import types
+
+    drawn = {}
+
+    class Axes:
+        def __init__(self, key):
+            self.key = key
+
+        def plot(self, x, y, **kwargs):
+            drawn[self.key] = (list(x), list(y))
+
+        def set(self, **kwargs):
+            pass
+
+    class Figure:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path):
+            drawn["file"] = path
+
+    pyplot = types.SimpleNamespace(subplots=lambda *a, **k: (Figure(), (Axes("loss"), Axes("accuracy"))))
+    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=lambda backend: None, pyplot=pyplot))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"iteration": 21, "epoch_loss": 0.5, "test_accuracy": 0.9}\n{"iteration": 30, "lr": 0.1}\n'
+                       '{"iteration": 43, "epoch_loss": 0.2, "test_accuracy": 0.95}\n')
+    train._plot(metrics, tmp_path / "training.png")
+    assert drawn == {"loss": ([22, 44], [0.5, 0.2]), "accuracy": ([22, 44], [0.9, 0.95]),
+                     "file": tmp_path / "training.png"}
+    assert "plot: " in capsys.readouterr().out
+
+
 def _checkpoint(path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 

@@ -100,15 +100,18 @@ def test_add_distributed_blob_sync_all_reduces_across_shards_only(tmp_path: Path
     assert len(plain.net.Proto().ops) == before
 
 
-def test_sparse_gradients_across_shards_are_refused_and_the_model_left_unchanged(tmp_path: Path) -> None:
+def test_sparse_gradients_are_gathered_locally_then_across_shards(tmp_path: Path) -> None:
     from graphpar.models.dlrm import dlrm
 
     model = model_helper.ModelHelper(name="sparse")
-    with pytest.raises(ParallelizeError, match="sparse gradients across shards"):
-        dpm.Parallelize(model, lambda m: None, lambda m, s: dlrm(m, s), devices=[0, 1], cpu_device=True,
-                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
-                        rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "store"})
-    assert getattr(model, "_parallel", None) is None and not model.net.Proto().ops
+    dpm.Parallelize(model, lambda m: None, lambda m, s: dlrm(m, s), devices=[0, 1], cpu_device=True,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                    rendezvous={"shard_id": 0, "num_shards": 2, "kv_handler": "store"})
+    ops = model.net.Proto().ops
+    k = next(i for i, op in enumerate(ops) if op.type == "Allgather")
+    assert [op.type for op in ops[k - 2:k + 2]] == ["Copy", "Concat", "Allgather", "Copy"]
+    assert ops[k].inputs[1] == ops[k].outputs[0] == ops[k - 1].outputs[0] == "cpu_0/indices_1_concat"
+    assert ops[k + 1].outputs == ["cpu_1/indices_1_concat"]
 
 
 def test_without_kv_handler_shards_come_from_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,3 +142,41 @@ def test_save_checkpoint_writes_on_shard_0_or_a_lone_process_only(tmp_path: Path
     dpm.RunInitNet(alone)
     assert dpm.save_checkpoint(alone, tmp_path / "alone.safetensors", metadata={"epoch": 1}) is True
     assert checkpoint.read_metadata(tmp_path / "alone.safetensors")["metadata"] == {"epoch": 1}
+
+
+class _Rendezvous:
+    """A communicator stand-in: its allreduce on channel "wait" blocks until channel "set" ran."""
+
+    def __init__(self, event, role: str) -> None:
+        self.event, self.role = event, role
+
+    def allreduce(self, tensor) -> None:
+        if self.role == "set":
+            self.event.set()
+        elif not self.event.wait(10):
+            raise RuntimeError("the other collective never ran: collectives did not overlap")
+
+
+def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_with_one_thread(monkeypatch):
+    """The first collective (program order) can only finish once the second has run: a serial run
+    would time out. With a budget of one thread, cross-process collectives still get slots of their own."""
+    import threading
+
+    from graphpar import distributed, workspace
+    from graphpar.core.ir import NetDef, OperatorDef
+    from graphpar.executor.dag import make_schedules
+
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "1")
+    event = threading.Event()
+    for name, role in (("cw_wait", "wait"), ("cw_set", "set")):
+        workspace.FeedBlob(name, torch.tensor(distributed.register_world(_Rendezvous(event, role))))
+    workspace.FeedBlob("a", torch.ones(3))
+    workspace.FeedBlob("b", torch.ones(3))
+    net = NetDef("overlap", [OperatorDef("Allreduce", ["cw_wait", "a"], ["a"]), OperatorDef("Relu", ["b"], ["c"]),
+                             OperatorDef("Allreduce", ["cw_set", "b"], ["b"])], ["cw_wait", "cw_set", "a", "b"])
+    net.type, net.num_workers = "dag", 4
+    plan = workspace.get_workspace().create_net(net)
+    (schedule,) = make_schedules(plan)
+    assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({0, 2}), 2)
+    workspace.RunNet("overlap")
+    assert event.is_set() and workspace.FetchBlob("c").tolist() == [1.0, 1.0, 1.0]

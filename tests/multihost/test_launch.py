@@ -71,3 +71,6 @@ def test_the_command_sets_torchrun_variables_and_a_failure_stops_the_rest(tmp_pa
     failed = subprocess.run([*command, "fail"], cwd=ROOT, timeout=60, capture_output=True, text=True)
     assert failed.returncode == 7 and "exited with 7; stopping the others" in failed.stderr
     assert time.monotonic() - start < 30
+    module = subprocess.run([sys.executable, "-m", "graphpar.launch", "--nproc-per-node", "2", "-m", "this"], cwd=ROOT,
+                            timeout=60, capture_output=True, text=True)
+    assert module.returncode == 0 and module.stdout.count("Beautiful is better than ugly") == 2

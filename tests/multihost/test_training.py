@@ -21,13 +21,14 @@ from tests.multihost.helpers import assert_identical, load, run_processes
 STEPS = 10
 RUNS = [{"kind": "mlp"}, {"kind": "mlp", "gradient_bucket_bytes": 64, "first_bucket_bytes": 64},
         {"kind": "cnn"}, {"kind": "cnn", "gradient_bucket_bytes": 1 << 20, "average_computed_params": True},
-        {"kind": "mlp", "bmuf": True}]
+        {"kind": "mlp", "bmuf": True}, {"kind": "cnn", "combine_spatial_bn": True}, {"kind": "dlrm"}]
 
 
 @pytest.mark.slow
 def test_two_shards_of_two_devices_train_bit_identically_to_one_shard_of_four(tmp_path: Path) -> None:
     """MLP and CNN with batch norm, with and without buckets (and averaged computed params), 10 momentum
-    SGD steps, and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
+    SGD steps, synchronised batch norm (combine_spatial_bn: statistics of all 4 replicas), DLRM (sparse embedding
+    gradients, gathered across shards), and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
     every shard); shard 1 is seeded differently and still starts from shard 0's params. Every replica
     of every shard equals the 1 x 4 run's after init and after every step."""
     single = tmp_path / "single"
@@ -68,6 +69,53 @@ def test_one_shard_of_two_devices_and_two_shards_of_one_match_one_device(tmp_pat
     one = load(ref_dir / "two_1.npz")
     for key, value in one.items():
         np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_path: Path) -> None:
+    """reduce_order='tree' sums (g0 + g1) + (g2 + g3) on every shard, as one process's tree over 4
+    devices: bit for bit. gloo's ring all-reduce of 4 shards adds in another order: float tolerance."""
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    runs = [{"kind": "mlp", "steps": 4, "reduce_order": "tree"}, {"kind": "mlp", "steps": 4}]
+    codes = run_processes(workers.train_all, [(str(ref_dir / "four"), runs[:1])] + [
+        (str(tmp_path / f"shard{r}"), runs) for r in range(4)],
+        [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(ref_dir))] + [
+            dict(shard=r, num_shards=4, devices=[0], store=str(tmp_path), seed=r) for r in range(4)])
+    assert codes == [0] * 5
+    four = load(ref_dir / "four_0.npz")
+    for r in range(4):
+        assert_identical(load(tmp_path / f"shard{r}_0.npz"), four)
+        ring = load(tmp_path / f"shard{r}_1.npz")
+        for key, value in ring.items():
+            np.testing.assert_allclose(value, four[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_identical(load(tmp_path / "shard3_1.npz"), load(tmp_path / "shard0_1.npz"))  # ranks agree
+
+
+def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_exactly(tmp_path: Path) -> None:
+    """2 shards x 2 devices train 3 steps and save (shard 0 writes); 4 shards x 1 device (tree order)
+    and 1 process x 4 devices each load it, FinalizeAfterCheckpoint and train steps 3..5: both equal the
+    uninterrupted 1 x 4 run of 6 steps."""
+    ckpt = str(tmp_path / "two.safetensors")
+    for d in ("two", "four", "one"):
+        (tmp_path / d).mkdir()
+    codes = run_processes(workers.train_all, [(str(tmp_path / "two" / f"shard{r}"), [{"kind": "mlp", "steps": 3}])
+                                              for r in range(2)] + [
+        (str(tmp_path / "one" / "full"), [{"kind": "mlp", "steps": 6}])],
+        [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path / "two"), save_to=ckpt) for r in range(2)]
+        + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
+    assert codes == [0, 0, 0] and not list(tmp_path.glob("*/*.error"))
+    resume = {"kind": "mlp", "steps": 6, "resume_from": ckpt}
+    codes = run_processes(workers.train_all, [(str(tmp_path / "four" / f"shard{r}"), [resume]) for r in range(4)] + [
+        (str(tmp_path / "one" / "resumed"), [resume])],
+        [dict(shard=r, num_shards=4, devices=[0], store=str(tmp_path / "four"), reduce_order="tree", seed=r)
+         for r in range(4)] + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
+    assert codes == [0] * 5, [p.read_text() for p in tmp_path.glob("*/*.error")]
+    full = load(tmp_path / "one" / "full_0.npz")
+    for got in [load(tmp_path / "four" / f"shard{r}_0.npz") for r in range(4)] + [
+            load(tmp_path / "one" / "resumed_0.npz")]:
+        steps = [key for key in got if key.split("/")[0] in ("3", "4", "5")]
+        assert len(steps) >= 12
+        assert_identical(got, full, steps)
 
 
 def test_a_shard_that_dies_makes_the_other_raise_within_its_timeout(tmp_path: Path) -> None:

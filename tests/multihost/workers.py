@@ -33,7 +33,12 @@ def forward(kind: str, hidden: int = 8):  # noqa: ANN201
         h = brew.max_pool(model, h, "pool1", kernel=2, stride=2)
         return softmax_loss(model, brew.fc(model, h, "pred", dim_in=3 * 2 * 2, dim_out=3), "label", loss_scale)
 
-    return {"mlp": mlp, "cnn": cnn}[kind]
+    def dlrm(model, loss_scale):  # noqa: ANN001, ANN202
+        from graphpar.models.dlrm import dlrm
+
+        return dlrm(model, loss_scale, num_dense=3, table_rows=(40, 30), dim=4, bottom=(6,), top=(5,))
+
+    return {"mlp": mlp, "cnn": cnn, "dlrm": dlrm}[kind]
 
 
 def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +79,14 @@ def feed(kind: str, step: int, shard: int, num_shards: int, devices: list[int]) 
     """Shard `shard`'s local devices get global slices shard*D .. shard*D + D - 1 of the batch."""
     from graphpar import workspace
 
+    if kind == "dlrm":  # sparse lookups: every global device gets its examples' indices
+        from graphpar.models.dlrm import split_clicks, synthetic_clicks
+
+        chunks = split_clicks(synthetic_clicks(GLOBAL_BATCH, 3, (40, 30), seed=100 + step), len(devices) * num_shards)
+        for d, device in enumerate(devices):
+            for name, value in chunks[shard * len(devices) + d].items():
+                workspace.FeedBlob(f"cpu_{device}/{name}", value)
+        return
     x, y = batch(kind, step)
     parts = np.split(np.arange(GLOBAL_BATCH), len(devices) * num_shards)
     for d, device in enumerate(devices):
@@ -94,11 +107,13 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
-          bmuf: bool = False, **options: Any) -> None:
+          bmuf: bool = False, reduce_order: str = "ring", save_to: str | None = None,
+          resume_from: str | None = None, **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
-    `hang_at` makes it sleep there for three timeouts, then exit."""
+    `hang_at` makes it sleep there for three timeouts, then exit. `save_to` writes a checkpoint after
+    the last step (shard 0 only); `resume_from` loads one after init and continues from its step."""
     import torch
 
     from graphpar import data_parallel_model as dpm
@@ -112,13 +127,20 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
     rendezvous = None
     if num_shards > 1:
         rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards,
-                      "engine": "GLOO", "timeout_sec": timeout_sec}
+                      "engine": "GLOO", "timeout_sec": timeout_sec, "reduce_order": reduce_order}
     try:
         model = build(kind, devices, rendezvous, bmuf=bmuf, **options)
         feed(kind, 0, shard, num_shards, devices)
         dpm.RunInitNet(model)
         saved = {f"init/{k}": v for k, v in state(model).items()}
-        for step in range(steps):
+        first = 0
+        if resume_from is not None:
+            from graphpar import checkpoint
+
+            checkpoint.load(resume_from)
+            dpm.FinalizeAfterCheckpoint(model)
+            first = int(workspace.FetchBlob("optimizer_iteration")[0])
+        for step in range(first, steps):
             if die_at is not None and step == die_at:
                 os._exit(3)
             if hang_at is not None and step == hang_at:
@@ -127,6 +149,8 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
             feed(kind, step, shard, num_shards, devices)
             dpm.RunNet(model, 2 if bmuf else 1)
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
+        if save_to is not None:
+            dpm.save_checkpoint(model, save_to)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         with open(out + ".error", "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")
