@@ -12,7 +12,7 @@ Two measurements, each in fresh processes on this machine (gloo over loopback, a
    `torch.distributed.all_reduce` in a loop on the default group; the goal is at most 10% overhead.
 
 Numbers from a small, shared CPU machine are noisy and say nothing about GPUs or real networks.
-Results go to benchmarks/results/multihost.json.
+With --save, results go to benchmarks/results/multihost.json.
 
     python -m benchmarks.multihost [--steps 30] [--batch 256] [--hidden 1024] [--repeats 20]
 """
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--save", action="store_true",
+                        help="also write benchmarks/results/multihost.json (a tracked file)")
     args = parser.parse_args()
     rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count()}
     for label, job, count, shards, devices, net_type in (
@@ -195,7 +197,8 @@ def main() -> None:
         results[f"allreduce_{n}"] = {"graphpar_s": ours, "raw_s": raw, "overhead": ours / raw - 1}
         rows.append([f"8 x {n * 4 // 1024} KiB", f"{ours * 1e3:.2f}", f"{raw * 1e3:.2f}", f"{ours / raw - 1:+.0%}"])
     print(markdown_table(["tensors", "graphpar ms", "torch.distributed ms", "overhead"], rows))
-    write_json("multihost", results)
+    if args.save:
+        write_json("multihost", results)
 
 
 if __name__ == "__main__":
