@@ -19,8 +19,9 @@ memory traffic. On replicas that are all CPU devices of one process this pass:
 
 "Provably computes the same" is value numbering: blobs get value ids (the init net's and the train
 net's ops are numbered in order; an op with the same type, engine, arguments and input values as an
-earlier one produces the same values; copies and aliases keep their input's value; random, counter
-and collective ops always produce new values), and the values a run starts with are assumed equal
+earlier one produces the same values, so per-replica iteration counters that start equal stay
+equal; copies and aliases keep their input's value; random and collective ops always produce new
+values), and the values a run starts with are assumed equal
 only where the init net made them equal and one train-net run keeps them so (a fixpoint that splits
 a class by the values a run leaves in it); blobs that the model's other nets write between steps
 (the accumulate net) are assumed equal to nothing. Kernels are functional (docs/extending.md) and
@@ -46,7 +47,7 @@ from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 
 _SAME_VALUE = frozenset({"Copy", "Alias", "StopGradient"})  # output 0 is input 0's value
-_FRESH = (Trait.RANDOM, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED)  # new values every time
+_FRESH = (Trait.RANDOM, Trait.COLLECTIVE, Trait.DISTRIBUTED)  # new values every time
 _SIDE_EFFECTS = (Trait.INPLACE_UPDATE, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED, Trait.RANDOM)
 # in-place update inputs whose storage the kernel never writes (MomentumSGDUpdate rebinds its grad)
 _UNWRITTEN = {"MomentumSGDUpdate": frozenset({0})}
@@ -167,7 +168,8 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
-        if has_trait(op, Trait.INPLACE_UPDATE) and key is not None and replica(op) not in (None, master):
+        if has_trait(op, Trait.INPLACE_UPDATE) and not has_trait(op, Trait.COUNTER) and key is not None \
+                and replica(op) not in (None, master):
             twin = numbering.table[key][0]
             if twin != j and replica(ops[twin]) == master and \
                     all(last_writer.get(b) == twin for b in ops[twin].outputs):

@@ -6,8 +6,8 @@ import networkx as nx
 import numpy as np
 import pytest
 
+from graphpar import brew, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar import model_helper, optimizer, workspace
 from graphpar.core.graph import dependency_graph
 from graphpar.core.schema import Trait, has_trait
 from graphpar.engine import Trainer
@@ -54,9 +54,10 @@ def _forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
 def _model(devices: list[int], build=None, **options) -> model_helper.ModelHelper:  # noqa: ANN001
     workspace.ResetWorkspace()
     model = model_helper.ModelHelper(name="update_once")
+    if "param_update_builder_fun" not in options:
+        options["optimizer_builder_fun"] = build or (lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9,
+                                                                                   weight_decay=1e-3))
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_forward,
-                    optimizer_builder_fun=build or (lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9,
-                                                                                 weight_decay=1e-3)),
                     devices=devices, cpu_device=True, **options)
     return model
 
@@ -72,6 +73,24 @@ def _trained(steps: int, **options) -> dict[str, np.ndarray]:
             dpm.RunInitNet(model)
         dpm.RunNet(model, 1)
     return {n: workspace.FetchBlob(n) for n in workspace.Blobs() if n.startswith("cpu_")}
+
+
+def _per_device_updates(model: model_helper.ModelHelper) -> None:
+    """Caffe2's per-replica builder: each replica's own counter, learning rate and momentum updates."""
+    it = brew.iter(model, "ITER")
+    lr = model.net.LearningRate([it], "LR", base_lr=0.1, policy="step", stepsize=2, gamma=0.5)
+    for param in model.GetParams():
+        momentum = model.param_init_net.ConstantFill([param], f"{dpm.stripBlobName(param)}_momentum", value=0.0)
+        grad = model.param_to_grad[param]
+        model.net.MomentumSGDUpdate([grad, momentum, lr, param], [grad, momentum, param], momentum=0.9)
+
+
+def test_a_per_device_update_builder_with_its_own_counters_updates_once_and_identically():
+    per_device = {"param_update_builder_fun": _per_device_updates}
+    net = _model([0, 1, 2], **per_device).net.Proto()
+    assert {op.device_option.device_id for op in net.ops if op.type == "MomentumSGDUpdate"} == {0}
+    assert sorted(op.outputs[0] for op in net.ops if op.type == "Iter") == [f"cpu_{d}/ITER" for d in range(3)]
+    assert_identical(_trained(4, **per_device), _trained(4, cpu_update_once=False, **per_device))
 
 
 @pytest.mark.parametrize("build", [lambda m: optimizer.build_adam(m, 0.01),
