@@ -36,6 +36,7 @@ update.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
@@ -224,10 +225,16 @@ class _Index:
         self.position = {id(op): i for i, op in enumerate(ops)}
         self.loaded_readers: dict[str, list[int]] = {}
         self.mutators: dict[str, list[int]] = {}
+        self.reads: dict[str, list[int]] = {}
+        self.writes: dict[str, list[int]] = {}
         written: set[str] = set()
         for i, op in enumerate(ops):
             for blob in dict.fromkeys(b for b in op.inputs if b not in written):
                 self.loaded_readers.setdefault(blob, []).append(i)
+            for blob in dict.fromkeys(op.inputs):
+                self.reads.setdefault(blob, []).append(i)
+            for blob in dict.fromkeys(op.outputs):
+                self.writes.setdefault(blob, []).append(i)
             written.update(op.outputs)
             for blob in _inplace_written(op):
                 self.mutators.setdefault(blob, []).append(i)
@@ -238,6 +245,15 @@ class _Index:
     def writers_in_place(self, blobs: set[str]) -> set[int]:
         return {i for b in blobs for i in self.mutators.get(b, ())}
 
+    def accessed_between(self, positions: Mapping[str, list[int]], blobs: set[str], start: int, stop: int) -> bool:
+        """Whether an op strictly between positions `start` and `stop` appears in `positions` of `blobs`."""
+        for blob in blobs:
+            found = positions.get(blob, ())
+            k = bisect.bisect_right(found, start)
+            if k < len(found) and found[k] < stop:
+                return True
+        return False
+
 
 def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: list[OperatorDef]) -> bool:
     """Whether, in the rewritten `ops`, a replaced update's aliases see what it would have computed and
@@ -246,7 +262,8 @@ def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: lis
     every update writing the twin's tensors in place (so control inputs can order it)."""
     start, stop = index.position[id(twin)], index.position[id(aliases[0])]
     blobs, shared = {a.outputs[0] for a in aliases}, set(twin.outputs)
-    if any(blobs.intersection(op.inputs) or (blobs | shared).intersection(op.outputs) for op in ops[start + 1:stop]):
+    if index.accessed_between(index.reads, blobs, start, stop) or \
+            index.accessed_between(index.writes, blobs | shared, start, stop):
         return False
     first_mutator = min(index.writers_in_place(shared), default=len(ops))
     return all(r < first_mutator for r in index.readers(blobs))
