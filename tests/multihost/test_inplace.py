@@ -89,3 +89,27 @@ def test_claim_passes_a_tensor_only_the_frame_holds_and_copies_any_other() -> No
     assert claim(frame, 2, 0) is not frame[2]  # and so does its base
     copy = claim(frame, 2, 0)
     assert copy.tolist() == [1.0] and copy.data_ptr() != frame[2].data_ptr()
+
+
+@pytest.mark.parametrize("net_type", ["simple", "dag"])
+def test_param_gradients_and_their_local_sum_are_reduced_without_a_copy(cw: str, net_type: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphpar.executor import program
+
+    copies = []
+
+    def counting(frame: list, slot: int, holders: int) -> torch.Tensor:
+        out = claim(frame, slot, holders)
+        if out is not frame[slot]:
+            copies.append(slot)
+        return out
+
+    monkeypatch.setattr(program, "claim", counting)
+    for name, shape in (("x", (4, 3)), ("w", (2, 3)), ("dy", (4, 2))):
+        workspace.FeedBlob(name, torch.ones(shape))
+    _run([OperatorDef("FCGradient", ["x", "w", "dy"], ["dw", "db", "dx"]),
+          OperatorDef("FCGradient", ["x", "w", "dy"], ["dw1", "db1", "dx1"]),
+          OperatorDef("Sum", ["dw", "dw1"], ["dw"]),
+          *(OperatorDef("Allreduce", [cw, g], [g]) for g in ("dw", "db"))], [cw, "x", "w", "dy"], net_type)
+    assert copies == []
+    assert workspace.FetchBlob("dw").tolist() == [[16.0] * 3] * 2 and workspace.FetchBlob("db").tolist() == [8.0] * 2
