@@ -10,9 +10,8 @@ Two measurements, each in fresh processes on this machine (gloo over loopback, a
 2. all-reduce of the same tensors across 2 processes: graphpar's path (a net of `Allreduce` ops on a
    communicator from `CreateCommonWorld`, run by the simple executor) vs raw
    `torch.distributed.all_reduce` in a loop on the default group, alternated (each first every other
-   repeat); the
-   goal is at most 10% overhead. Reported: the ratio of the medians and, as the spread, the quartiles
-   of the per-repeat ratios (a loaded machine slows both sides of a pair alike).
+   repeat); the goal is at most 10% overhead. Reported: the ratio of the medians and, as the spread,
+   the quartiles of the per-repeat ratios (a loaded machine slows both sides of a pair alike).
 
 Numbers from a small, shared CPU machine are noisy and say nothing about GPUs or real networks; the
 load average at the start is recorded. With --save, results go to benchmarks/results/multihost.json.
@@ -180,7 +179,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only-allreduce", action="store_true", help="skip the training throughput")
-    parser.add_argument("--save", action="store_true", help="write benchmarks/results/multihost.json")
+    parser.add_argument("--save", action="store_true",
+                        help="also write benchmarks/results/multihost.json (a tracked file)")
     args = parser.parse_args()
     rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count(),
                          "load_average_at_start": os.getloadavg()[0],

@@ -11,7 +11,7 @@ Two nets do the same step, built from the ops Parallelize emits:
 
 Both give the same tables (checked). The table gives the bytes the cross-replica ops move and the
 median step times (one process, alternated after warm-up); sparse wins once the table is much larger
-than the lookups. Results go to benchmarks/results/sparse.json.
+than the lookups. With --save, results go to benchmarks/results/sparse.json.
 
     python -m benchmarks.sparse [--devices 4] [--dim 16] [--lookups 512] [--rows 1000 10000 100000 250000]
 """
@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--save", action="store_true",
+                        help="also write benchmarks/results/sparse.json (a tracked file)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     layout = DeviceLayout(tuple(range(opts.devices)), "cpu")
@@ -128,10 +130,11 @@ def main() -> None:
         [[r["rows"], r["table_mb"], r["bytes_moved"]["sparse"] / 2**20, r["bytes_moved"]["dense"] / 2**20,
           r["step_ms"]["sparse"], r["step_ms"]["dense"], r["step_ms"]["dense"] / r["step_ms"]["sparse"]]
          for r in results]))
-    path = write_json("sparse", {"devices": opts.devices, "dim": opts.dim, "lookups": opts.lookups,
-                                 "repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
-                                 "results": results})
-    print(f"\nwrote {path}")
+    if opts.save:
+        path = write_json("sparse", {"devices": opts.devices, "dim": opts.dim, "lookups": opts.lookups,
+                                     "repeats": opts.repeats, "warmup": opts.warmup, "threads": opts.threads,
+                                     "results": results})
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,7 @@ class Optimizer:
         self.policy_args = policy_args
         self._lr_sign = lr_sign
         self._lr_multiplier: BlobReference | dict[DeviceOption, BlobReference] | None = None
+        self._internal: set[str] = set()  # init blobs that are not auxiliary parameters (as in Caffe2)
         self._created: list[tuple[str, list]] = []  # (param, the init ops its update created)
 
     def get_cpu_blob_name(self, name: str) -> str:
@@ -184,13 +185,31 @@ class Optimizer:
         `<param>_momentum`) and `shared` (ONE, weight decay; Adam's iteration counter), as in Caffe2."""
         aux = AuxOptimizerParams(local=[], shared=[])
         for param, ops in self._created:  # Caffe2's split: state named after its param is local
-            for blob in (b for op in ops for b in op.outputs if b != OPTIMIZER_ITERATION):
+            for blob in (b for op in ops for b in op.outputs if b != OPTIMIZER_ITERATION and b not in self._internal):
                 (aux.local if blob.startswith(param + "_") else aux.shared).append(BlobReference(blob))
         if self._iteration_is_aux and self._created:
             aux.shared.append(BlobReference(OPTIMIZER_ITERATION))
         return aux
 
     _iteration_is_aux = False  # whether the step counter is state of the update (Adam's, in Caffe2)
+
+    def _internal_constant(self, init_net: Net, name: str, value: float, device: DeviceOption) -> BlobReference:
+        """This optimizer's constant `name` on `device`, not counted as an auxiliary parameter."""
+        blob = _constant(init_net, self.blob_name(name, device), value, device)
+        self._internal.add(str(blob))
+        return blob
+
+    def _lars_lr(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference, lr: BlobReference,
+                 device: DeviceOption) -> BlobReference:
+        """`lr` times Caffe2's LARS factor `<param>_lars` (Lars with offset=lars, trust 1, weight decay 0,
+        no upper bound), when the optimizer has `lars`; dense gradients only, as in Caffe2."""
+        if getattr(self, "lars", None) is None:
+            return lr
+        wd, trust, lr_max = (self._internal_constant(init_net, name, value, device) for name, value in (
+            ("lars_wd", 0.0), ("lars_trust", 1.0), ("lars_lr_max", float(np.finfo(np.float32).max))))
+        factor = net.Lars([param, grad, wd, trust, lr_max], BlobReference(f"{param}_lars"), offset=self.lars,
+                          lr_min=0.0)
+        return net.Mul([lr, factor], BlobReference(f"{param}_lars_scaled_lr"))
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -205,15 +224,19 @@ class SgdOptimizer(Optimizer):
     """SGD with optional (Nesterov) momentum and L2 weight decay on every param (as torch.optim.SGD)."""
 
     def __init__(self, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0, **policy_args: Any) -> None:
+                 nesterov: bool = False, weight_decay: float = 0.0, lars: float | None = None,
+                 **policy_args: Any) -> None:
         _check_number("momentum", momentum, low=0.0)
         _check_number("weight_decay", weight_decay, low=0.0)
+        if lars is not None:
+            _check_number("lars", lars, low=0.0)
         if nesterov and momentum == 0.0:
             raise ValueError("build_sgd: nesterov=True needs momentum > 0")
         super().__init__(base_learning_rate, policy, 1.0 if momentum > 0 else -1.0, **policy_args)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
+        self.lars = lars
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -221,7 +244,7 @@ class SgdOptimizer(Optimizer):
         if self.weight_decay > 0:
             wd = _constant(init_net, self.blob_name("weight_decay", device), self.weight_decay, device)
             net.WeightedSum([grad, one, param, wd], grad)
-        lr = self.build_lr(net, init_net, device)
+        lr = self._lars_lr(net, init_net, param, grad, self.build_lr(net, init_net, device), device)
         if self.momentum == 0:
             net.WeightedSum([param, one, grad, lr], param)
             return
@@ -289,12 +312,14 @@ class AdamOptimizer(Optimizer):
     _iteration_is_aux = True
 
     def __init__(self, base_learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, policy: str = "fixed", **policy_args: Any) -> None:
+                 epsilon: float = 1e-8, policy: str = "fixed", enableRAdam: bool = False,  # noqa: N803
+                 **policy_args: Any) -> None:
         for name, beta in (("beta1", beta1), ("beta2", beta2)):
             _check_number(name, beta, low=0.0, below=1.0)
         _check_number("epsilon", epsilon, low=0.0)
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.radam = bool(enableRAdam)  # rectified Adam: the RAdam / SparseRAdam ops
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
@@ -302,8 +327,9 @@ class AdamOptimizer(Optimizer):
         m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
         init_net.ConstantFill([param], m1, value=0.0)
         init_net.ConstantFill([param], m2, value=0.0)
-        net.Adam([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
-                 beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+        op = net.RAdam if self.radam else net.Adam
+        op([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
+           beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
 
     supports_sparse = True
 
@@ -314,8 +340,9 @@ class AdamOptimizer(Optimizer):
         m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
         init_net.ConstantFill([param], m1, value=0.0)
         init_net.ConstantFill([param], m2, value=0.0)
-        net.SparseAdam([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
-                       [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+        op = net.SparseRAdam if self.radam else net.SparseAdam
+        op([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
+           [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
 
 
 class AdagradOptimizer(Optimizer):
@@ -323,8 +350,12 @@ class AdagradOptimizer(Optimizer):
     (`<param>_avg_squared_sum`) for sparse gradients."""
 
     def __init__(self, base_learning_rate: float = 0.01, epsilon: float = 1e-4, decay: float = 1.0,
-                 policy: str = "fixed", rowWise: bool = False, **policy_args: Any) -> None:  # noqa: N803
+                 policy: str = "fixed", rowWise: bool = False, lars: float | None = None,  # noqa: N803
+                 **policy_args: Any) -> None:
         _check_number("epsilon", epsilon, low=0.0)
+        if lars is not None:
+            _check_number("lars", lars, low=0.0)
+        self.lars = lars
         _check_number("decay", decay, low=0.0)
         if epsilon == 0 or decay == 0 or decay > 1:
             raise ValueError(f"build_adagrad: needs epsilon > 0 and 0 < decay <= 1, got epsilon={epsilon}, "
@@ -344,7 +375,7 @@ class AdagradOptimizer(Optimizer):
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
-        lr = self.build_lr(net, init_net, device)
+        lr = self._lars_lr(net, init_net, param, grad, self.build_lr(net, init_net, device), device)
         moment = BlobReference(f"{param}_squared_sum")
         init_net.ConstantFill([param], moment, value=0.0)
         net.Adagrad([param, moment, grad, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
@@ -360,6 +391,125 @@ class AdagradOptimizer(Optimizer):
             init_net.ConstantFill([param], moment, value=0.0)
         op = net.RowWiseSparseAdagrad if self.row_wise else net.SparseAdagrad
         op([param, moment, grad.indices, grad.values, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
+
+
+class RmsPropOptimizer(Optimizer):
+    """Caffe2's RmsProp: `RmsProp` turns the gradient into a step (state `<param>_mean_squares` and
+    `<param>_momentum`), which `WeightedSum` adds times -lr. Dense gradients only, as in Caffe2."""
+
+    def __init__(self, base_learning_rate: float = 0.01, decay: float = 0.9, momentum: float = 0.0,
+                 epsilon: float = 1e-5, policy: str = "fixed", **policy_args: Any) -> None:
+        for name, value in (("decay", decay), ("momentum", momentum), ("epsilon", epsilon)):
+            _check_number(name, value, low=0.0)
+        super().__init__(base_learning_rate, policy, -1.0, **policy_args)
+        self.decay, self.momentum, self.epsilon = float(decay), float(momentum), float(epsilon)
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        ms, mom = BlobReference(f"{param}_mean_squares"), BlobReference(momentum_name(param))
+        init_net.ConstantFill([param], ms, value=0.0)
+        init_net.ConstantFill([param], mom, value=0.0)
+        one = _one(init_net, device)
+        self._internal.add(str(one))  # RmsProp's rate input, not state (Caffe2 does not list it)
+        step = BlobReference(f"{param}_grad_o")
+        net.RmsProp([grad, ms, mom, one], [step, ms, mom], decay=self.decay, momentum=self.momentum,
+                    epsilon=self.epsilon)
+        net.WeightedSum([param, one, step, lr], param)
+
+
+class AdadeltaOptimizer(Optimizer):
+    """Caffe2's Adadelta: state `<param>_squared_moment` and `<param>_squared_moment_update`; sparse
+    gradients update their rows (`SparseAdadelta`)."""
+
+    supports_sparse = True
+
+    def __init__(self, base_learning_rate: float = 0.01, epsilon: float = 1e-4, decay: float = 0.95,
+                 policy: str = "fixed", **policy_args: Any) -> None:
+        _check_number("epsilon", epsilon, low=0.0)
+        _check_number("decay", decay, low=0.0, below=1.0)
+        super().__init__(base_learning_rate, policy, -1.0, **policy_args)
+        self.epsilon, self.decay = float(epsilon), float(decay)
+
+    def _state(self, init_net: Net, param: BlobReference) -> tuple[BlobReference, BlobReference]:
+        moment, delta = BlobReference(f"{param}_squared_moment"), BlobReference(f"{param}_squared_moment_update")
+        init_net.ConstantFill([param], moment, value=0.0)
+        init_net.ConstantFill([param], delta, value=0.0)
+        return moment, delta
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        moment, delta = self._state(init_net, param)
+        net.Adadelta([param, moment, delta, grad, lr], [param, moment, delta], epsilon=self.epsilon, decay=self.decay)
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        moment, delta = self._state(init_net, param)
+        net.SparseAdadelta([param, moment, delta, grad.indices, grad.values, lr], [param, moment, delta],
+                           epsilon=self.epsilon, decay=self.decay)
+
+
+class WngradOptimizer(Optimizer):
+    """Caffe2's WNGrad: one scalar state `<param>_moment` (starting at `moment_init`) per param."""
+
+    supports_sparse = True
+
+    def __init__(self, base_learning_rate: float = 1.0, epsilon: float = 1e-9, moment_init: float = 100.0,
+                 policy: str = "fixed", **policy_args: Any) -> None:
+        _check_number("epsilon", epsilon, low=0.0)
+        _check_number("moment_init", moment_init, low=0.0)
+        super().__init__(base_learning_rate, policy, -1.0, **policy_args)
+        self.epsilon, self.moment_init = float(epsilon), float(moment_init)
+
+    def _moment(self, init_net: Net, param: BlobReference) -> BlobReference:
+        moment = BlobReference(f"{param}_moment")
+        init_net.ConstantFill([], moment, shape=[1], value=self.moment_init)
+        return moment
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr, moment = self.build_lr(net, init_net, device), self._moment(init_net, param)
+        net.Wngrad([param, moment, grad, lr], [param, moment], epsilon=self.epsilon)
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        lr, moment = self.build_lr(net, init_net, device), self._moment(init_net, param)
+        net.SparseWngrad([param, moment, grad.indices, grad.values, lr], [param, moment], epsilon=self.epsilon)
+
+
+class FtrlOptimizer(Optimizer):
+    """Caffe2's FTRL-Proximal: state `<param>_ftrl_nz` (the param's shape + [2]: n and z); it has its own
+    per-coordinate rate, so it reads no learning rate (and ignores LR multipliers)."""
+
+    supports_sparse = True
+
+    def __init__(self, alpha: float = 0.01, beta: float = 1e-4, lambda1: float = 0.0, lambda2: float = 0.0,
+                 engine: str | None = "") -> None:
+        for name, value in (("alpha", alpha), ("beta", beta), ("lambda1", lambda1), ("lambda2", lambda2)):
+            _check_number(name, value, low=0.0)
+        super().__init__(0.0, "fixed", -1.0)
+        self.alpha, self.beta, self.lambda1, self.lambda2 = float(alpha), float(beta), float(lambda1), float(lambda2)
+        self.engine = engine or ""  # Caffe2's SIMD engine: PyTorch picks the kernels
+
+    def _nz(self, init_net: Net, param: BlobReference) -> BlobReference:
+        nz = BlobReference(f"{param}_ftrl_nz")
+        init_net.ConstantFill([param], nz, extra_shape=[2], value=0.0)
+        return nz
+
+    def _args(self) -> dict[str, float]:
+        return {"alpha": self.alpha, "beta": self.beta, "lambda1": self.lambda1, "lambda2": self.lambda2}
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        nz = self._nz(init_net, param)
+        net.Ftrl([param, nz, grad], [param, nz], **self._args())
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        nz = self._nz(init_net, param)
+        net.SparseFtrl([param, nz, grad.indices, grad.values], [param, nz], **self._args())
 
 
 def _rows(init_net: Net, param: BlobReference) -> int:
@@ -523,17 +673,19 @@ def build_sgd(model: ModelHelper, base_learning_rate: float, policy: str = "fixe
         momentum, nesterov: `MomentumSGDUpdate` with a zero-initialised `<param>_momentum` when momentum > 0.
         weight_decay: adds weight_decay·param to the gradient of *every* param (weights and biases), as
             torch.optim.SGD does; use `add_weight_decay` for Caffe2's weights-only decay.
-        max_gradient_norm: clip the gradients by their global L2 norm first (torch clip_grad_norm_).
+        max_gradient_norm: Caffe2's clipping by the global L2 norm: every LR is multiplied by
+            `norm_clipped_grad_update/norm_ratio` = max_norm / max(‖grads‖₂, max_norm) (for SGD, the same
+            step as torch's clip_grad_norm_).
         allow_lr_injection: multiply every LR by the CPU blob `lr_injection` (1.0 until the user feeds it).
-        lars: Caffe2's layer-wise rate scaling; accepted as None only (not implemented).
+        lars: Caffe2's layer-wise adaptive rate scaling: each dense param's LR times `Lars` (offset=lars,
+            trust 1, no weight decay, no upper bound), as Caffe2's SgdOptimizer(lars=...).
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter, nesterov without momentum, a model without gradients.
-        NotImplementedError: a sparse (GradientSlice) gradient with weight_decay or max_gradient_norm, or `lars`.
+        NotImplementedError: a sparse (GradientSlice) gradient with weight_decay.
     """
-    _not_implemented("build_sgd", lars=lars)
     _check_clip_norm(max_gradient_norm)
-    optimizer = SgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay, **policy_args)
+    optimizer = SgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay, lars, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
@@ -545,17 +697,18 @@ def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9
 
     Args are those of `build_sgd` plus Adam's betas and epsilon; the state blobs are
     `<param>_first_moment` and `<param>_second_moment` (zeros), and the step count is `optimizer_iteration`.
-    `max_gradient_norm` clips the gradients as in `build_sgd` (torch's rule; Caffe2 scaled the
-    learning rate instead, which for Adam is not the same). Caffe2's `use_smart_decay` and
-    `enableRAdam` are accepted as False only.
+    `max_gradient_norm` and `allow_lr_injection` multiply the learning rate as in `build_sgd`
+    (Caffe2's mechanism; for Adam this differs from clipping the gradients). `enableRAdam`: rectified Adam
+    (torch.optim.RAdam's update, ops `RAdam` / `SparseRAdam`). Caffe2's `use_smart_decay` is accepted
+    as False only.
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
-        NotImplementedError: use_smart_decay or enableRAdam.
+        NotImplementedError: use_smart_decay.
     """
-    _not_implemented("build_adam", use_smart_decay=use_smart_decay, enableRAdam=enableRAdam)
+    _not_implemented("build_adam", use_smart_decay=use_smart_decay)
     _check_clip_norm(max_gradient_norm)
-    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, **policy_args)
+    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, enableRAdam, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
@@ -590,23 +743,54 @@ def build_multi_precision_sgd(model: ModelHelper, base_learning_rate: float, mom
 
 def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float = 1e-4, decay: float = 1.0,
                   policy: str = "fixed", rowWise: bool = False, max_gradient_norm: float | None = None,  # noqa: N803
-                  allow_lr_injection: bool = False, **policy_args: Any) -> AdagradOptimizer:
+                  allow_lr_injection: bool = False, lars: float | None = None,
+                  **policy_args: Any) -> AdagradOptimizer:
     """Add Adagrad updates for every param of `model` with a gradient (Caffe2's `build_adagrad`).
 
     Dense gradients: `Adagrad` (moment = decay moment + g^2; param -= lr g / (sqrt(moment) + epsilon));
     sparse ones (GradientSlice): `SparseAdagrad` on their rows, or `RowWiseSparseAdagrad` (one moment
     value per row) with `rowWise`, which Caffe2 allows for sparse gradients only. State:
     `<param>_squared_sum` (`<param>_avg_squared_sum` row-wise), zeros. Equals torch.optim.Adagrad
-    (lr_decay 0, initial_accumulator_value 0, eps=epsilon) with decay 1.
+    (lr_decay 0, initial_accumulator_value 0, eps=epsilon) with decay 1. `lars`, `max_gradient_norm`,
+    `allow_lr_injection`: as in `build_sgd` (LARS scales dense updates only, as in Caffe2).
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
-        NotImplementedError: rowWise with a dense gradient; max_gradient_norm with a sparse one.
+        NotImplementedError: rowWise with a dense gradient.
     """
-    if max_gradient_norm is not None:
-        _check_number("max_gradient_norm", max_gradient_norm, low=0.0)
-    optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, **policy_args)
+    _check_clip_norm(max_gradient_norm)
+    optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, lars, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
+
+
+def build_rms_prop(model: ModelHelper, base_learning_rate: float, max_gradient_norm: float | None = None,
+                   allow_lr_injection: bool = False, **kwargs: Any) -> RmsPropOptimizer:
+    """Add Caffe2's RmsProp updates (`RmsPropOptimizer`: decay, momentum, epsilon, policy and its args)."""
+    _check_clip_norm(max_gradient_norm)
+    return _build(model, RmsPropOptimizer(base_learning_rate, **kwargs), max_gradient_norm=max_gradient_norm,
+                  allow_lr_injection=allow_lr_injection)
+
+
+def build_adadelta(model: ModelHelper, base_learning_rate: float, max_gradient_norm: float | None = None,
+                   allow_lr_injection: bool = False, **kwargs: Any) -> AdadeltaOptimizer:
+    """Add Caffe2's Adadelta updates (`AdadeltaOptimizer`: epsilon, decay, policy and its args)."""
+    _check_clip_norm(max_gradient_norm)
+    return _build(model, AdadeltaOptimizer(base_learning_rate, **kwargs), max_gradient_norm=max_gradient_norm,
+                  allow_lr_injection=allow_lr_injection)
+
+
+def build_wngrad(model: ModelHelper, base_learning_rate: float, max_gradient_norm: float | None = None,
+                 allow_lr_injection: bool = False, **kwargs: Any) -> WngradOptimizer:
+    """Add Caffe2's WNGrad updates (`WngradOptimizer`: epsilon, moment_init, policy and its args)."""
+    _check_clip_norm(max_gradient_norm)
+    return _build(model, WngradOptimizer(base_learning_rate, **kwargs), max_gradient_norm=max_gradient_norm,
+                  allow_lr_injection=allow_lr_injection)
+
+
+def build_ftrl(model: ModelHelper, engine: str | None = "SIMD", **kwargs: Any) -> FtrlOptimizer:
+    """Add Caffe2's FTRL updates (`FtrlOptimizer`: alpha, beta, lambda1, lambda2); `engine` is accepted
+    and ignored."""
+    return _build(model, FtrlOptimizer(engine=engine, **kwargs))
 
 
 def build_fp16_sgd(model: ModelHelper, base_learning_rate: float, momentum: float = 0.0,

@@ -41,6 +41,8 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
@@ -50,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphpar.core import net as core_net
 from graphpar.core.ir import DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import device_option_for_blob, num_cuda_devices
@@ -609,15 +612,185 @@ def GetNameScope() -> str:  # noqa: N802
     return CurrentNameScope()
 
 
-def StringifyProto(obj: Any) -> str:  # noqa: N802
-    """A str as is; a Net, NetDef or OperatorDef in Caffe2's protobuf text format (needs protobuf)."""
-    if isinstance(obj, str):
+def StringifyProto(obj: Any) -> str | bytes:  # noqa: N802
+    """A str or bytes as is; a Net, NetDef or OperatorDef (or a caffe2_pb2 message) serialized in Caffe2's
+    wire format, as Caffe2's `SerializeToString()` (needs protobuf)."""
+    if isinstance(obj, (str, bytes)):
         return obj
-    from google.protobuf import text_format
+    if hasattr(obj, "Proto"):
+        obj = obj.Proto()
+    if not hasattr(obj, "SerializeToString"):
+        raise ValueError(f"Unexpected argument to StringifyProto of type {type(obj).__name__}")
+    return obj.SerializeToString()
 
-    from graphpar.proto.convert import to_proto
 
-    return text_format.MessageToString(obj if hasattr(obj, "DESCRIPTOR") else to_proto(obj))
+def RunPlan(plan_or_step: Any) -> bool:  # noqa: N802
+    """Run a Caffe2 execution plan in the current workspace: a core.Plan or ExecutionStep, a
+    caffe2_pb2.PlanDef, or its serialized bytes (needs protobuf). Each step runs its networks, then its
+    sub-steps, `num_iter` times (once if unset); returns True. Raises NotImplementedError for the
+    step features graphpar does not run (stop criteria, report nets, concurrent sub-steps)."""
+    from graphpar.core.plan import ExecutionStep, Plan
+    from graphpar.proto import caffe2_pb2
+
+    if isinstance(plan_or_step, ExecutionStep):
+        plan_or_step = Plan(plan_or_step)
+    if isinstance(plan_or_step, Plan):
+        plan_or_step = plan_or_step.Proto()
+    plan = caffe2_pb2.PlanDef.FromString(plan_or_step) if isinstance(plan_or_step, (bytes, bytearray)) \
+        else plan_or_step
+    nets = {net.name: _as_netdef(net) for net in plan.network}
+    ws = get_workspace()
+
+    def run(step: Any) -> None:
+        unsupported = [f for f in ("criteria_network", "report_net", "should_stop_blob", "concurrent_substeps",
+                                   "run_every_ms", "create_workspace", "only_once") if step.HasField(f)]
+        if unsupported:
+            raise NotImplementedError(f"RunPlan: step {step.name!r} uses {unsupported}, which graphpar does "
+                                      f"not run; loop over RunNet in Python instead")
+        for _ in range(step.num_iter if step.HasField("num_iter") else 1):
+            for name in step.network:
+                if name not in ws.nets:
+                    ws.create_net(nets[name])
+                ws.run_net(name)
+            for sub in step.substep:
+                run(sub)
+
+    for step in plan.execution_step:
+        run(step)
+    return True
+
+
+class _BackgroundPlan:
+    """RunPlanInBackground's handle: `is_done()`, `is_succeeded()` and `wait()`."""
+
+    def __init__(self, plan: Any) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(plan, CurrentWorkspace()), daemon=True)
+        self._thread.start()
+
+    def _run(self, plan: Any, workspace_name: str) -> None:
+        try:
+            with WorkspaceGuard(workspace_name):
+                RunPlan(plan)
+        except BaseException as exc:  # noqa: BLE001 - reported through is_succeeded
+            self._error = exc
+
+    def is_done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def is_succeeded(self) -> bool:
+        return self.is_done() and self._error is None
+
+    def wait(self) -> None:
+        """Block until the plan has run; re-raise its error, if any."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def RunPlanInBackground(plan_or_step: Any) -> _BackgroundPlan:  # noqa: N802
+    """RunPlan on a background thread; returns a handle with is_done() / is_succeeded()."""
+    return _BackgroundPlan(plan_or_step)
+
+
+_IMMEDIATE = "_CAFFE2_IMMEDIATE"  # Caffe2's name of the immediate-mode workspace
+_immediate_root_folder = ""
+
+
+def IsImmediate() -> bool:  # noqa: N802
+    """Whether immediate mode is on (StartImmediate)."""
+    return core_net.on_record is not None
+
+
+@contextmanager
+def WorkspaceGuard(workspace_name: str) -> Iterator[None]:  # noqa: N802
+    """Switch to workspace `workspace_name` (created if missing) for the block, then back."""
+    current = CurrentWorkspace()
+    SwitchWorkspace(workspace_name, True)
+    try:
+        yield
+    finally:
+        SwitchWorkspace(current)
+
+
+def StartImmediate(i_know: bool = False) -> None:  # noqa: N802
+    """Caffe2's immediate mode, a debugging aid: from now on every op recorded into any Net also runs at
+    once in the separate workspace `_CAFFE2_IMMEDIATE` (read it with FetchImmediate/ImmediateBlobs). Slow;
+    `i_know=True` skips the warning."""
+    global _immediate_root_folder
+    StopImmediate()
+    with WorkspaceGuard(_IMMEDIATE):
+        _immediate_root_folder = tempfile.mkdtemp()
+        ResetWorkspace(_immediate_root_folder)
+    core_net.on_record = RunOperatorImmediate
+    if not i_know:
+        logging.getLogger(__name__).warning("immediate mode: every recorded op runs at once (slow, for "
+                                            "debugging); StopImmediate() ends it")
+
+
+def StopImmediate() -> None:  # noqa: N802
+    """End immediate mode: empty its workspace and delete its root folder."""
+    global _immediate_root_folder
+    if not IsImmediate():
+        return
+    core_net.on_record = None
+    with WorkspaceGuard(_IMMEDIATE):
+        ResetWorkspace()
+    shutil.rmtree(_immediate_root_folder, ignore_errors=True)
+    _immediate_root_folder = ""
+
+
+def RunOperatorImmediate(op: OperatorDef) -> None:  # noqa: N802
+    """Run `op` once in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        RunOperatorOnce(op)
+
+
+def ImmediateBlobs() -> list[str]:  # noqa: N802
+    """The blob names of the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return Blobs()
+
+
+def FetchImmediate(name: str) -> np.ndarray:  # noqa: N802
+    """FetchBlob in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return FetchBlob(name)
+
+
+def FeedImmediate(name: str, value: Any, device_option: DeviceOption | None = None) -> bool:  # noqa: N802
+    """FeedBlob in the immediate-mode workspace."""
+    with WorkspaceGuard(_IMMEDIATE):
+        return FeedBlob(name, value, device_option)
+
+
+class Predictor:
+    """Caffe2's `workspace.Predictor(init_net, predict_net)`: a private workspace where `init_net` has run;
+    `run(inputs)` feeds the predict net's external inputs that the init net did not create (a list in
+    their order, or a {name: value} dict), runs it and returns its external outputs as numpy arrays.
+    Either net may be a Net, NetDef, caffe2_pb2.NetDef or its serialized bytes."""
+
+    _count = 0
+
+    def __init__(self, init_net: Any, predict_net: Any) -> None:
+        Predictor._count += 1
+        self._ws = Workspace(f"Predictor#{Predictor._count}")
+        self._net = _as_netdef(predict_net)
+        self._ws.run_net_once(_as_netdef(init_net))
+        self.input_names = [b for b in self._net.external_inputs if not self._ws.has_blob(b)]
+        self.output_names = list(self._net.external_outputs)
+
+    def run(self, inputs: list | dict) -> list[np.ndarray]:
+        """The external outputs after one run on `inputs`. Raises ValueError for a wrong input count."""
+        if not isinstance(inputs, dict):
+            if len(inputs) != len(self.input_names):
+                raise ValueError(f"Predictor.run: expected {len(self.input_names)} inputs "
+                                 f"{self.input_names}, got {len(inputs)}")
+            inputs = dict(zip(self.input_names, inputs))
+        for name, value in inputs.items():
+            self._ws.feed_blob(name, value)
+        self._ws.run_net_once(self._net)
+        return [self._ws.fetch_blob(name) for name in self.output_names]
 
 
 def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802

@@ -75,7 +75,7 @@ def test_caffe2_signatures() -> None:
         ("type", empty), ("inputs", empty), ("outputs", empty), ("name", ""), ("device_option", None),
         ("engine", ""), ("control_input", None), ("args", empty)]
     assert _parameters(core.NameScope) == [("prefix", empty), ("reset", False)]
-    assert _parameters(core.DeviceScope) == [("device_option", empty)]
+    assert _parameters(core.DeviceScope) == [("device_option", empty), ("node_name", None)]
     assert core.DeviceOption() == core.DeviceOption(device_type=core.CPU, device_id=0)
     assert core.GradientSlice(indices="i", values="v") == ("i", "v")
     assert _parameters(workspace.FeedBlob) == [("name", empty), ("value", empty), ("device_option", None)]

@@ -16,6 +16,7 @@ from graphpar.core.ir import (
 )
 from graphpar.core.ir import same_device as device_equal
 from graphpar.core.net import CreateOperator, Net
+from graphpar.core.plan import ExecutionStep, Plan
 from graphpar.core.scope import (
     CurrentDeviceScope,
     CurrentNameScope,
@@ -29,7 +30,8 @@ __all__ = [
     "CPU", "CUDA", "Argument", "BlobReference", "DataType", "InferBlobDevices", "IsGPUDeviceType", "IsOperator",
     "IsOperatorWithEngine", "device_equal", "get_net_name", "output_to_list", "CreateOperator", "CurrentDeviceScope", "CurrentNameScope",
     "DeviceOption", "DeviceScope", "DeviceType", "GradientSlice", "NameScope", "Net", "NetDef",
-    "OperatorDef", "ScopedBlobReference", "ScopedName", "device_option_equal",
+    "OperatorDef", "ScopedBlobReference", "ScopedName", "device_option_equal", "ExecutionStep", "Plan",
+    "InjectCrossDeviceCopies",
 ]
 
 
@@ -76,6 +78,24 @@ def InferBlobDevices(net: Net | NetDef) -> dict[str, DeviceOption]:  # noqa: N80
     from graphpar.core.graph import blob_devices
 
     return blob_devices(net.Proto() if isinstance(net, Net) else net)
+
+
+def InjectCrossDeviceCopies(net: Net, blob_to_device: dict | None = None, blob_remap: dict | None = None,  # noqa: N802
+                            placeHolderOps: list | None = None) -> tuple[Net, dict[str, DeviceOption]]:  # noqa: N803
+    """Caffe2's pass that adds the copies a net's cross-device reads need. For a net whose ops all run on
+    CPU it adds none, as Caffe2: it returns a copy of the net and {blob: device} (`blob_to_device`
+    updated). graphpar records cross-device copies explicitly (and `Parallelize` places every blob), so
+    a net with ops on other devices raises NotImplementedError. `blob_remap`, `placeHolderOps`:
+    accepted (placeholder ops are kept as they are)."""
+    netdef = net.Proto()
+    devices = [netdef.op_device(op) for op in netdef.ops]
+    if any(d.device_type != CPU for d in devices):
+        raise NotImplementedError("InjectCrossDeviceCopies: only all-CPU nets are supported; record the "
+                                  "Copy / CopyCPUToGPU ops explicitly (Parallelize places blobs itself)")
+    mapping = dict(blob_to_device or {})
+    for op, device in zip(netdef.ops, devices):
+        mapping.update(dict.fromkeys([*op.inputs, *op.outputs], device))
+    return net.Clone(f"{net.Name()}_cross_device"), mapping
 
 
 def get_net_name(netlike: Any) -> str:

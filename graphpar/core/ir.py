@@ -210,13 +210,15 @@ class OperatorDef:
     control_inputs: list[str] = field(default_factory=list)
     is_gradient_op: bool = False
     source: str = ""
+    function: str = ""  # the function that recorded it (Caffe2's PopulateProtoWithFileName names ops by both)
 
     def copy(self) -> OperatorDef:
         """A copy whose lists and args can be edited without touching this op (list args are copied,
         NetDef args deep-copied)."""
         args = {k: v if type(v) in _SCALAR_ARGS else _copy_arg(v) for k, v in self.args.items()}
         return OperatorDef(self.type, list(self.inputs), list(self.outputs), args, self.device_option,
-                           self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source)
+                           self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source,
+                           self.function)
 
     __hash__ = None  # mutable and compared by value
 

@@ -55,12 +55,13 @@ def _library_file(filename: str) -> bool:
     return known
 
 
-def _call_site() -> str:
-    """'file:line' of the first stack frame outside the graphpar library (the user's builder call)."""
+def _call_site() -> tuple[str, str]:
+    """('file:line', function name) of the first stack frame outside the graphpar library (the user's
+    builder call)."""
     frame = sys._getframe(1)
     while frame is not None and _library_file(frame.f_code.co_filename):
         frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+    return (f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name) if frame is not None else ("", "")
 
 
 def _names(blobs: BlobNames, what: str, op_type: str, scope: str | None = None) -> list[str]:
@@ -120,9 +121,10 @@ def _build_op(op_type: str, inputs: list[str], outputs: list[str], name: str,
         raise TypeError(f"{_where(op_type, net_name)}: name and engine must be str, got {name!r} and "
                         f"{engine!r}")
     args = {k: v if type(v) in _SCALARS else _plain_arg(v) for k, v in args.items()}
+    source, function = _call_site()
     op = OperatorDef(op_type, inputs, outputs, args,
                      device_option if device_option is not None else CurrentDeviceScope(),
-                     name, engine, control_inputs, source=_call_site())
+                     name, engine, control_inputs, source=source, function=function)
     if check:
         _check(op, net_name)
     return op
@@ -174,6 +176,7 @@ def _schema(op_type: str) -> Any:
 
 
 _recorders: dict[str, Callable[..., Any]] = {}
+on_record: Callable[[OperatorDef], None] | None = None  # set by workspace.StartImmediate (Caffe2's immediate mode)
 
 
 def _recorder(op_type: str) -> Callable[..., Any]:
@@ -267,6 +270,8 @@ class Net:
         self._net.ops.append(op)
         produced.update(op.outputs)
         self._remember_shape()
+        if on_record is not None:  # workspace.StartImmediate: run each op as it is recorded
+            on_record(op)
 
     def _CheckLookupTables(self) -> None:  # noqa: N802 - Caffe2's self-check, used by its tests
         """Raise RuntimeError unless the cached lookup tables agree with the NetDef."""
@@ -513,11 +518,11 @@ class Net:
         return [BlobReference(b, self) for b in self._net.external_outputs]
 
     def PopulateProtoWithFileName(self) -> None:  # noqa: N802
-        """Caffe2 copied each op's recording site into its name; graphpar keeps it in `op.source`
-        (`debug_info`) already, so this only names unnamed ops after their site."""
+        """Name each unnamed op after where it was recorded, 'file:line:function' as Caffe2 (graphpar
+        also keeps the site in `op.source`, Caffe2's `debug_info`)."""
         for op in self._net.ops:
             if not op.name and op.source:
-                op.name = op.source
+                op.name = f"{op.source}:{op.function}" if op.function else op.source
 
     def reroute_tensor(self, tensor: str, new_producer: OperatorDef,  # noqa: N802 - Caffe2 name
                        can_modify: Iterable[OperatorDef] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from graphpar.core.ir import BlobReference, DeviceOption, as_device_option
 
@@ -40,12 +41,19 @@ def NameScope(prefix: str | None, reset: bool = False) -> Iterator[None]:  # noq
 
 
 @contextmanager
-def DeviceScope(device_option: DeviceOption | None) -> Iterator[None]:  # noqa: N802
+def DeviceScope(device_option: DeviceOption | None, node_name: str | None = None) -> Iterator[None]:  # noqa: N802
     """Ops created inside (and blobs fed inside) get `device_option`; None clears the device scope.
+    With `node_name` (Caffe2's), the scope is `device_option` (CPU when it is None or 0) on that node.
 
     The previous device scope comes back on exit, also when the block raises. Raises TypeError if
     `device_option` is not a DeviceOption or None.
     """
+    if node_name is not None:
+        base = as_device_option(device_option) if device_option else DeviceOption()
+        if not isinstance(base, DeviceOption) or not isinstance(node_name, str):
+            raise TypeError(f"DeviceScope needs a DeviceOption and a str node_name, got {device_option!r}, "
+                            f"{node_name!r}")
+        device_option = replace(base, node_name=node_name)
     device_option = as_device_option(device_option)
     if device_option is not None and not isinstance(device_option, DeviceOption):
         raise TypeError(f"DeviceScope needs a DeviceOption, got {type(device_option).__name__}")

@@ -1,10 +1,11 @@
 """Caffe2's `caffe2.proto` messages, built at import time with the protobuf package (no protoc step).
 
 The messages a Caffe2 script or model file uses: `TensorProto` (with its `DataType` codes),
-`TensorProtos`, `Argument`, `DeviceOption`, `OperatorDef`, `NetDef` and `BlobProto`, with Caffe2's
+`TensorProtos`, `Argument`, `DeviceOption`, `OperatorDef`, `NetDef`, `ExecutionStep`, `PlanDef` and
+`BlobProto`, with Caffe2's
 field names and numbers, so `.pb` files Caffe2 wrote (model zoo `init_net.pb` / `predict_net.pb`)
 parse here and files written here load in Caffe2. Fields graphpar has no use for (quantized
-tensors, partition info, execution plans) are left out; parsing a file that has them keeps them
+tensors, partition info) are left out; parsing a file that has them keeps them
 as unknown fields. Device type constants: CPU, CUDA, MKLDNN, OPENGL, OPENCL, IDEEP, HIP.
 """
 
@@ -48,6 +49,17 @@ _MESSAGES = {
         (_OPT, "int32", "num_workers", 4), (_OPT, "DeviceOption", "device_option", 5),
         (_REP, "Argument", "arg", 6), (_REP, "string", "external_input", 7),
         (_REP, "string", "external_output", 8),
+    ],
+    "ExecutionStep": [
+        (_OPT, "string", "name", 1), (_REP, "ExecutionStep", "substep", 2), (_REP, "string", "network", 3),
+        (_OPT, "int64", "num_iter", 4), (_OPT, "string", "criteria_network", 5),
+        (_OPT, "bool", "concurrent_substeps", 6), (_OPT, "string", "report_net", 7),
+        (_OPT, "int32", "report_interval", 8), (_OPT, "string", "should_stop_blob", 9),
+        (_OPT, "bool", "only_once", 10), (_OPT, "int64", "run_every_ms", 11),
+        (_OPT, "bool", "create_workspace", 12), (_OPT, "int32", "num_concurrent_instances", 13),
+    ],
+    "PlanDef": [
+        (_OPT, "string", "name", 1), (_REP, "NetDef", "network", 2), (_REP, "ExecutionStep", "execution_step", 3),
     ],
     "BlobProto": [
         (_OPT, "string", "name", 1), (_OPT, "string", "type", 2), (_OPT, "TensorProto", "tensor", 3),
@@ -100,6 +112,8 @@ DeviceOption = _CLASSES["caffe2.DeviceOption"]
 OperatorDef = _CLASSES["caffe2.OperatorDef"]
 NetDef = _CLASSES["caffe2.NetDef"]
 BlobProto = _CLASSES["caffe2.BlobProto"]
+ExecutionStep = _CLASSES["caffe2.ExecutionStep"]
+PlanDef = _CLASSES["caffe2.PlanDef"]
 
 CPU, CUDA, MKLDNN, OPENGL, OPENCL, IDEEP, HIP = (_DEVICE_TYPES[k] for k in
                                                 ("CPU", "CUDA", "MKLDNN", "OPENGL", "OPENCL", "IDEEP", "HIP"))

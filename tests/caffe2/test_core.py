@@ -3,6 +3,8 @@ device_option_equal, Net(netdef, inplace), Clone/ClonePartial, reroute_tensor, e
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from graphpar import core, workspace
@@ -126,3 +128,28 @@ def test_small_net_helpers() -> None:
     net._CheckLookupTables()  # Caffe2's self-check
     assert core.device_equal(core.DeviceOption(core.CPU, 0), None)
     assert not core.device_equal(core.DeviceOption(core.CPU, 0), core.DeviceOption(core.CPU, 1))
+
+
+def test_populate_proto_with_file_name_names_ops_by_file_line_and_function() -> None:
+    net = core.Net("named_ops")
+    net.Relu("x", "y"); line = sys._getframe().f_lineno  # noqa: E702
+    net.Relu("y", "z", name="kept")
+    net.PopulateProtoWithFileName()
+    assert net.Proto().op[0].name == f"{__file__}:{line}:{sys._getframe().f_code.co_name}"
+    assert net.Proto().op[1].name == "kept"
+
+
+def test_inject_cross_device_copies_adds_none_on_cpu_and_device_scope_takes_a_node_name() -> None:
+    net = core.Net("cpu_only")
+    with core.DeviceScope(0, node_name="node:1"):
+        net.Proto().op.extend([core.CreateOperator("Placeholder:Recv", [], ["w"], src_node="node:0")])
+        net.FC(["data", "w", "b"], "fc")
+    assert net.Proto().op[1].device_option == core.DeviceOption(core.CPU, node_name="node:1")
+    copied, devices = core.InjectCrossDeviceCopies(net, {"other": core.DeviceOption()}, placeHolderOps=["x"])
+    assert [op.type for op in copied.Proto().op] == ["Placeholder:Recv", "FC"] and copied is not net
+    assert set(devices) == {"other", "w", "data", "b", "fc"}
+    gpu = core.Net("on_gpu")
+    with core.DeviceScope(core.DeviceOption(core.CUDA, 0)):
+        gpu.Relu("x", "y")
+    with pytest.raises(NotImplementedError, match="all-CPU"):
+        core.InjectCrossDeviceCopies(gpu)

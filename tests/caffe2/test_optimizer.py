@@ -62,10 +62,33 @@ def test_adam_accepts_caffe2_options() -> None:
     optimizer.build_adam(model, 0.01, max_gradient_norm=1.0, allow_lr_injection=True)
     _train(model)
     assert workspace.HasBlob("fc_w_first_moment")
-    with pytest.raises(NotImplementedError, match="enableRAdam"):
-        optimizer.build_adam(_model(), 0.01, enableRAdam=True)
-    with pytest.raises(NotImplementedError, match="lars"):
-        optimizer.build_sgd(_model(), 0.1, lars=0.5)
+    with pytest.raises(NotImplementedError, match="use_smart_decay"):
+        optimizer.build_adam(_model(), 0.01, use_smart_decay=True)
+
+
+@pytest.mark.parametrize("build, local, shared", [
+    (lambda m: optimizer.build_sgd(m, 0.1, lars=0.5), [], ["ONE_0_0"]),
+    (lambda m: optimizer.build_adagrad(m, 0.5, lars=0.5), ["fc_b_squared_sum", "fc_w_squared_sum"], []),
+    (lambda m: optimizer.build_rms_prop(m, 0.01, epsilon=0.1),
+     ["fc_b_mean_squares", "fc_b_momentum", "fc_w_mean_squares", "fc_w_momentum"], []),
+    (lambda m: optimizer.build_adadelta(m, 1.0, decay=0.995),
+     ["fc_b_squared_moment", "fc_b_squared_moment_update", "fc_w_squared_moment", "fc_w_squared_moment_update"],
+     []),
+    (lambda m: optimizer.build_wngrad(m, 2.0), ["fc_b_moment", "fc_w_moment"], []),
+    (lambda m: optimizer.build_ftrl(m, engine=None, alpha=0.5, beta=0.1), ["fc_b_ftrl_nz", "fc_w_ftrl_nz"], []),
+    (lambda m: optimizer.build_adam(m, 0.05, enableRAdam=True),
+     ["fc_b_first_moment", "fc_b_second_moment", "fc_w_first_moment", "fc_w_second_moment"],
+     ["optimizer_iteration"]),
+], ids=["sgd-lars", "adagrad-lars", "rms_prop", "adadelta", "wngrad", "ftrl", "radam"])
+def test_more_caffe2_optimizers_train_and_list_their_state(build, local, shared) -> None:  # noqa: ANN001
+    model = _model()
+    opt = build(model)
+    aux = opt.get_auxiliary_parameters()
+    assert (sorted(aux.local), aux.shared) == (local, shared)  # Caffe2's split
+    _train(model, 1)
+    first = float(workspace.FetchBlob("loss"))
+    workspace.RunNet(model.net, 30)
+    assert float(workspace.FetchBlob("loss")) < first
 
 
 def test_multi_precision_sgd_on_float32_params_is_sgd() -> None:

@@ -1,12 +1,14 @@
-"""Caffe2's `workspace_test.py` behaviours that apply to graphpar (no strings, plans or C.Workspace)."""
+"""Caffe2's `workspace_test.py` behaviours that apply to graphpar (its C.Workspace binding objects are not here)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from graphpar import core, workspace
+from graphpar import brew, core, model_helper, workspace
 
 
 def _fill_net() -> core.Net:
@@ -111,5 +113,61 @@ def test_name_scope_stringify_and_repeated_runs() -> None:
     assert workspace.RunOperatorMultiple(op, 3)
     assert workspace.FetchBlob("x").tolist() == [8.0, 8.0]
     assert workspace.StringifyProto("as is") == "as is"
-    pytest.importorskip("google.protobuf", reason="text format needs the optional protobuf package")
-    assert 'type: "Scale"' in workspace.StringifyProto(op)
+    pytest.importorskip("google.protobuf", reason="serializing needs the optional protobuf package")
+    assert workspace.StringifyProto(op) == op.SerializeToString()  # Caffe2's wire format
+
+
+def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
+    model = model_helper.ModelHelper(name="predictor_model")
+    y = brew.fc(model, "data", "y", dim_in=4, dim_out=2, weight_init=("ConstantFill", {"value": 1.0}),
+                bias_init=("ConstantFill", {"value": 0.5}))
+    model.net.AddExternalOutput(y)
+    predictor = workspace.Predictor(workspace.StringifyProto(model.param_init_net),
+                                    workspace.StringifyProto(model.net))
+    assert predictor.input_names == ["data"] and not workspace.HasBlob("y_w")
+    (out,) = predictor.run([np.array([[1, 3, 256, 256]], np.float32)])
+    np.testing.assert_array_equal(out, [[516.5, 516.5]])
+    with pytest.raises(ValueError, match="expected 1 inputs"):
+        predictor.run([])
+
+
+def test_immediate_mode_runs_recorded_ops_in_their_own_workspace() -> None:
+    workspace.StartImmediate(i_know=True)
+    try:
+        root = workspace._immediate_root_folder
+        assert workspace.IsImmediate() and os.path.isdir(root)
+        net = core.Net("immediate")
+        net.ConstantFill([], "filled", shape=[2], value=3.0)
+        assert workspace.ImmediateBlobs() == ["filled"] and not workspace.HasBlob("filled")
+        np.testing.assert_array_equal(workspace.FetchImmediate("filled"), [3.0, 3.0])
+        assert workspace.FeedImmediate("filled", np.zeros(2, np.float32))
+        assert workspace.FetchImmediate("filled").tolist() == [0.0, 0.0]
+    finally:
+        workspace.StopImmediate()
+    assert not workspace.IsImmediate() and not os.path.exists(root)
+    with pytest.raises(RuntimeError):
+        workspace.FetchImmediate("filled")
+    assert workspace.CurrentWorkspace() == "default"
+
+
+def test_plans_run_steps_and_substeps_num_iter_times() -> None:
+    pytest.importorskip("google.protobuf", reason="plans are caffe2_pb2 messages (optional protobuf package)")
+    init, body = core.Net("plan_init"), core.Net("plan_body")
+    init.ConstantFill([], "count", shape=[1], value=0, dtype="int64")
+    body.Iter(["count"], ["count"])
+    outer = core.ExecutionStep("outer", init)
+    outer.AddSubstep(core.ExecutionStep("loop", body, num_iter=3))
+    plan = core.Plan("counting")
+    plan.AddStep(outer)
+    assert [n.Name() for n in plan.Nets()] == [init.Name(), body.Name()]
+    assert workspace.RunPlan(plan.Proto().SerializeToString())  # the wire format, as Caffe2's C++ API took
+    assert workspace.FetchBlob("count").tolist() == [3]
+    assert workspace.RunPlan(core.ExecutionStep("again", body, num_iter=2))
+    assert workspace.FetchBlob("count").tolist() == [5]
+    background = workspace.RunPlanInBackground(plan)
+    background.wait()
+    assert background.is_done() and background.is_succeeded() and workspace.FetchBlob("count").tolist() == [3]
+    with_criteria = plan.Proto()
+    with_criteria.execution_step[0].should_stop_blob = "stop"
+    with pytest.raises(NotImplementedError, match="should_stop_blob"):
+        workspace.RunPlan(with_criteria)
