@@ -12,8 +12,9 @@ this process), so these ops read it as an ordinary input:
 `Allreduce` and `Broadcast` work in place, as Caffe2's (Trait.OVERWRITES_INPUTS): they reduce or
 overwrite the tensors they are given and return them. The plan never gives them a tensor that anything
 else still sees (a copy instead), and one loaded from the workspace only in the update phase, so no
-other blob, view or caller sees the change and a failed run leaves the workspace as it was. Each collective runs with the communicator's timeout and raises an
-error naming the shard, the communicator and the collective when a peer dies or hangs.
+other blob, view or caller sees the change and a run that fails before its updates leaves the
+workspace as it was. Each collective runs with the communicator's timeout and raises an error naming
+the shard, the communicator and the collective when a peer dies or hangs.
 """
 
 from __future__ import annotations
