@@ -9,12 +9,15 @@ Two measurements, each in fresh processes on this machine (gloo over loopback, a
    gets cores / processes intra-op threads, as `graphpar.launch` gives them.
 2. all-reduce of the same tensors across 2 processes: graphpar's path (a net of `Allreduce` ops on a
    communicator from `CreateCommonWorld`, run by the simple executor) vs raw
-   `torch.distributed.all_reduce` in a loop on the default group; the goal is at most 10% overhead.
+   `torch.distributed.all_reduce` in a loop on the default group, alternated (each first every other
+   repeat); the goal is at most 10% overhead. Reported: the ratio of the medians and, as the spread,
+   the quartiles of the per-repeat ratios (a loaded machine slows both sides of a pair alike).
 
-Numbers from a small, shared CPU machine are noisy and say nothing about GPUs or real networks.
-With --save, results go to benchmarks/results/multihost.json.
+Numbers from a small, shared CPU machine are noisy and say nothing about GPUs or real networks; the
+load average at the start is recorded. With --save, results go to benchmarks/results/multihost.json.
 
     python -m benchmarks.multihost [--steps 30] [--batch 256] [--hidden 1024] [--repeats 20]
+                                   [--only-allreduce] [--save]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -110,8 +114,8 @@ def _ddp_steps(rank: int, store: str, batch: int, hidden: int, steps: int) -> fl
     return elapsed
 
 
-def _allreduce_times(rank: int, store: str, repeats: int) -> dict[int, tuple[float, float]]:
-    """{elements: (graphpar median s, raw median s)} per tensor size, alternated."""
+def _allreduce_times(rank: int, store: str, repeats: int) -> dict[int, tuple[list[float], list[float]]]:
+    """{elements: (graphpar seconds, raw seconds) per repeat} per tensor size, alternated."""
     import torch
     import torch.distributed as dist
 
@@ -132,18 +136,18 @@ def _allreduce_times(rank: int, store: str, repeats: int) -> dict[int, tuple[flo
             workspace.FeedBlob(name, t)
         net = NetDef(f"allreduce_{n}", [OperatorDef("Allreduce", ["cw", b], [b]) for b in names], ["cw", *names])
         workspace.CreateNet(net)
-        ours, raw = [], []
-        for _ in range(repeats + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            workspace.RunNet(net.name)
-            ours.append(time.perf_counter() - start)
-            dist.barrier()
-            start = time.perf_counter()
-            for t in tensors:
-                dist.all_reduce(t)
-            raw.append(time.perf_counter() - start)
-        results[n] = (median(ours[2:]), median(raw[2:]))
+        times: dict[str, list[float]] = {"ours": [], "raw": []}
+        for k in range(repeats + 2):
+            for side in ("ours", "raw") if k % 2 else ("raw", "ours"):  # neither always goes first
+                dist.barrier()
+                start = time.perf_counter()
+                if side == "ours":
+                    workspace.RunNet(net.name)
+                else:
+                    for t in tensors:
+                        dist.all_reduce(t)
+                times[side].append(time.perf_counter() - start)
+        results[n] = (times["ours"][2:], times["raw"][2:])
     dist.destroy_process_group()
     return results
 
@@ -174,11 +178,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only-allreduce", action="store_true", help="skip the training throughput")
     parser.add_argument("--save", action="store_true",
                         help="also write benchmarks/results/multihost.json (a tracked file)")
     args = parser.parse_args()
-    rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count()}
-    for label, job, count, shards, devices, net_type in (
+    rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count(),
+                         "load_average_at_start": os.getloadavg()[0],
+                         "note": "a shared, loaded 2-core CPU machine: noisy; nothing about GPUs or networks"}
+    for label, job, count, shards, devices, net_type in () if args.only_allreduce else (
             ("graphpar 1 process x 2 devices", "graphpar", 1, 1, 2, "dag"),
             ("graphpar 2 processes x 1 device", "graphpar", 2, 2, 1, "dag"),
             ("graphpar 2 processes x 1 device, simple executor (no overlap)", "graphpar", 2, 2, 1, "simple"),
@@ -189,14 +196,20 @@ def main() -> None:
         rate = args.batch * args.steps / seconds
         results[label] = {"samples_per_s": rate}
         rows.append([label, f"{rate:.0f}"])
-    print(markdown_table(["configuration", "samples/s"], rows))
+    if rows:
+        print(markdown_table(["configuration", "samples/s"], rows))
     with tempfile.TemporaryDirectory() as store:
         times = _processes("allreduce", 2, (store, args.repeats))[0]
     rows = []
     for n, (ours, raw) in times.items():
-        results[f"allreduce_{n}"] = {"graphpar_s": ours, "raw_s": raw, "overhead": ours / raw - 1}
-        rows.append([f"8 x {n * 4 // 1024} KiB", f"{ours * 1e3:.2f}", f"{raw * 1e3:.2f}", f"{ours / raw - 1:+.0%}"])
-    print(markdown_table(["tensors", "graphpar ms", "torch.distributed ms", "overhead"], rows))
+        overhead = median(ours) / median(raw) - 1
+        low, _, high = (q - 1 for q in statistics.quantiles([a / b for a, b in zip(ours, raw)], n=4))
+        results[f"allreduce_{n}"] = {"graphpar_s": median(ours), "raw_s": median(raw), "overhead": overhead,
+                                     "paired_overhead_quartiles": [low, high]}
+        rows.append([f"8 x {n * 4 // 1024} KiB", f"{median(ours) * 1e3:.2f}", f"{median(raw) * 1e3:.2f}",
+                     f"{overhead:+.0%}", f"{low:+.0%} .. {high:+.0%}"])
+    print(markdown_table(["tensors", "graphpar ms", "torch.distributed ms", "overhead (medians)",
+                          "per-repeat quartiles"], rows))
     if args.save:
         write_json("multihost", results)
 

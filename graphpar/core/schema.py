@@ -92,6 +92,11 @@ class Trait(str, Enum):
     FILL = "fill"  # creates a tensor from its arguments (and at most an input's shape)
     RANDOM = "random"  # draws random numbers (from `KernelContext.random_stream`)
     INPLACE_UPDATE = "inplace_update"  # updates state blobs that are both inputs and outputs
+    # The kernel writes each in-place-enforced output into its input's storage and returns it (no copy).
+    # The plan hands it only tensors it may overwrite (`executor.plan`): a value loaded from the workspace
+    # makes the step an update (second phase); on each run a tensor that anything else still sees (another
+    # blob, a view, the caller) is replaced by a copy first (`executor.program.claim`).
+    OVERWRITES_INPUTS = "overwrites_inputs"
     LEARNING_RATE = "learning_rate"  # computes a learning rate from the iteration counter
     # The kernel reads tensor values into Python (`.item()`, `.tolist()`, a shape taken from a tensor's
     # values) for some inputs or arguments, so a CUDA run waits for the device there, and output

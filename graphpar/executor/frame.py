@@ -174,9 +174,9 @@ class StateGuard:
     in place must still have the shape and dtype it had at CreateNet (not fed or loaded anew since with
     others), so that no update runs on it and the state stays as it was.
 
-    The tensors last found good are remembered: a blob whose tensor is the same object as then (in-place
-    updates keep their tensors) costs one identity test. A replaced tensor stays referenced until the
-    next run checks its successor.
+    The tensors last found good are remembered (weakly: the guard must not count as a holder, see
+    `executor.program.claim`): a blob whose tensor is the same object as then (in-place updates keep
+    their tensors) costs one identity test.
     """
 
     def __init__(self, checks: tuple[StateCheck, ...]) -> None:
@@ -188,7 +188,7 @@ class StateGuard:
         verified = self._verified
         for k, check in enumerate(self.checks):
             value = frame[check.slot]
-            if value is verified[k]:
+            if verified[k] is not None and verified[k]() is value:
                 continue
             if value.shape != check.shape or value.dtype is not check.dtype:
                 raise StateChanged(check.step, (
@@ -197,7 +197,7 @@ class StateGuard:
                     f"{str(check.dtype).removeprefix('torch.')} at CreateNet (it was fed or loaded with "
                     f"another shape or dtype since); no state was updated. Feed it with its shape and "
                     f"dtype, or CreateNet(..., overwrite=True) if the model changed"))
-            verified[k] = value
+            verified[k] = weakref.ref(value)
 
 
 class StateChanged(ValueError):

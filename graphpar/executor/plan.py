@@ -45,10 +45,13 @@ class Step(NamedTuple):
     outputs: tuple[int, ...]  # frame slots written
     device: torch.device
     option: DeviceOption  # the logical device (a CUDA op placed on the CPU still says CUDA)
+    # (input position, known holders) of the inputs the kernel overwrites (Trait.OVERWRITES_INPUTS),
+    # each passed through `executor.program.claim`; holders 1: loaded from the workspace, 0: made by the run
+    claims: tuple[tuple[int, int], ...] = ()
 
     def with_kernel(self, kernel: Callable[..., Any]) -> Step:
         """The same step calling `kernel` instead (e.g. a timed wrapper of its own)."""
-        return self._replace(kernel=kernel, run=make_run(kernel, self.inputs, self.outputs))
+        return self._replace(kernel=kernel, run=make_run(kernel, self.inputs, self.outputs, self.claims))
 
 
 class BlobStore(Protocol):
@@ -70,7 +73,8 @@ class Plan:
     `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
     (`executor.threads`).
 
-    Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE). Every executor
+    Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE, and those that
+    overwrite a blob loaded from the workspace: Trait.OVERWRITES_INPUTS, see `_claims`). Every executor
     runs a plan in two phases: first every step that depends on no update (`order[:staged_from]`),
     then, once they all succeeded and `state_guard` passed (`executor.frame.StateGuard`), the
     updates and the steps that depend on them (`order[staged_from:]`); each phase respects
@@ -133,18 +137,40 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     get_executor(netdef.type, f"net {netdef.name!r}")
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     infer_specs(netdef, workspace.blobs)
-    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE))
+    claims = _claims(netdef)
+    updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE)
+                        or any(holders for _, holders in claims[i]))
     dependencies = predecessors(netdef)
     staged = _staged(dependencies, updates)
     order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
     frame = layout_frame(netdef, keep_all, order)
     streams = workspace.random_streams(netdef.name)
-    steps = tuple(_compile_op(netdef, index, op, frame.slot, streams) for index, op in enumerate(netdef.ops))
+    steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index])
+                  for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
     cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
     return Plan(netdef, steps, dependencies, {blob: span[1] for blob, span in lifetimes.items()},
                 frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
                 len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)))
+
+
+def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
+    """Per op: (input position, known holders) of each input its kernel overwrites (Trait.OVERWRITES_INPUTS,
+    its enforced in-place inputs): holders 1 for a blob loaded from the workspace (no earlier op writes
+    it; the step is then an update), 0 for a value made earlier in the run. A blob read twice by the op
+    is never overwritten (always a copy)."""
+    claims: list[tuple[tuple[int, int], ...]] = []
+    written: set[str] = set()
+    for op in netdef.ops:
+        schema = get_schema(op.type)
+        found: tuple[tuple[int, int], ...] = ()
+        if schema.has(Trait.OVERWRITES_INPUTS):
+            found = tuple((i, int(op.inputs[i] not in written))
+                          for i, _ in schema.enforced_pairs(len(op.inputs), len(op.outputs))
+                          if op.inputs.count(op.inputs[i]) == 1)
+        claims.append(found)
+        written.update(op.outputs)
+    return claims
 
 
 def _staged(dependencies: tuple[tuple[int, ...], ...], updates: frozenset[int]) -> list[bool]:
@@ -200,7 +226,7 @@ def checked_torch_device(option: DeviceOption, where: str) -> torch.device:
 
 
 def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, int],
-                streams: Callable[[int], RandomStream]) -> Step:
+                streams: Callable[[int], RandomStream], claims: tuple[tuple[int, int], ...]) -> Step:
     where = op_location(netdef, index)
     schema = get_schema(op.type)
     args = parse_args(schema, op.args, where)
@@ -220,4 +246,5 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
                             f"{recorded_at(op)}") from exc
     inputs = tuple(slot[b] for b in op.inputs)
     outputs = tuple(slot[b] for b in op.outputs)
-    return Step(fn, make_run(fn, inputs, outputs), index, inputs, outputs, device, netdef.op_device(op))
+    return Step(fn, make_run(fn, inputs, outputs, claims), index, inputs, outputs, device, netdef.op_device(op),
+                claims)

@@ -9,12 +9,19 @@ the plan frees after each step (`plan.frame.frees`, in that order), and on an ex
 With no per-op loop, tuple unpacking or dispatch left, RunNet's per-op cost is that of the kernel
 call itself (torch.fx generates Python code from its graphs the same way). Generating costs about
 20 µs per op, once per plan, on its first run.
+
+A step whose kernel overwrites inputs (Trait.OVERWRITES_INPUTS) gets each such input through
+`claim(frame, slot, holders)`: the tensor itself when nothing but the frame (and `holders` known
+others: the workspace, for a loaded blob) holds it and no other tensor shares its memory, else a copy.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from graphpar.executor.frame import StateChanged
 
@@ -37,7 +44,9 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         step = plan.steps[j]
         if position == plan.staged_from and plan.state_guard.checks:
             lines.append("check(frame)")
-        call = f"k{j}({', '.join(f'frame[{i}]' for i in step.inputs)})"
+        claims = dict(step.claims)
+        args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
+        call = f"k{j}({', '.join(args)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
         elif step.outputs:
@@ -47,7 +56,7 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         if frees:
             lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "StepFailed", "check", "StateChanged",
+    params = ", ".join(["store", "claim", "StepFailed", "check", "StateChanged",
                         *(f"k{step.index}" for step in plan.steps)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
@@ -60,15 +69,25 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, StepFailed, plan.state_guard.check, StateChanged,
+    return namespace["make"](store_all, claim, StepFailed, plan.state_guard.check, StateChanged,
                              *(step.kernel for step in plan.steps))
 
 
-def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable[[list], None]:
+def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...],
+             claims: tuple[tuple[int, int], ...] = ()) -> Callable[[list], None]:
     """The step function: read `ins` from the frame, call `fn`, write its result(s) to `outs`.
 
-    Specialised by arity so that the common one- and two-input ops build no argument lists.
+    Specialised by arity so that the common one- and two-input ops build no argument lists. `claims`:
+    (input position, known holders) of the inputs `fn` overwrites, passed through `claim`.
     """
+    if claims:
+        holders = dict(claims)
+
+        def claiming(frame: list) -> None:
+            args = [claim(frame, i, holders[p]) if p in holders else frame[i] for p, i in enumerate(ins)]
+            store_all(frame, outs, (fn(*args),) if len(outs) == 1 else fn(*args))
+
+        return claiming
     if len(outs) == 1:
         (o,) = outs
         if len(ins) == 1:
@@ -106,3 +125,29 @@ def store_all(frame: list, outs: tuple[int, ...], results: Any) -> None:
         raise ValueError(f"the kernel returned {got}, expected a tuple of {len(outs)} tensors")
     for slot, value in zip(outs, results):
         frame[slot] = value
+
+
+def _references(frame: list, slot: int) -> int:
+    return sys.getrefcount(frame[slot])
+
+
+_SOLE = _references([object()], 0)  # what _references counts when the frame holds the only reference
+_storage_users = getattr(torch._C, "_storage_Use_Count", None)  # None: never claim, always copy
+
+
+def _storage_references(tensor: torch.Tensor) -> int:
+    storage = tensor.untyped_storage()  # held while counted
+    return _storage_users(storage._cdata) if _storage_users else -1
+
+
+_SOLE_STORAGE = _storage_references(torch.empty(1))  # a tensor whose storage no other tensor shares
+
+
+def claim(frame: list, slot: int, holders: int) -> Any:
+    """`frame[slot]` itself if only the frame and `holders` others reference it and no other tensor (a
+    view, a base) shares its storage, so a kernel may overwrite it unseen; else a copy of it."""
+    sole = _references(frame, slot) == _SOLE + holders  # counted before `value` adds a reference
+    value = frame[slot]
+    if sole and _storage_users and value.layout == torch.strided and _storage_references(value) == _SOLE_STORAGE:
+        return value
+    return value.clone()

@@ -9,9 +9,12 @@ this process), so these ops read it as an ordinary input:
     Broadcast(["cw", "x"], ["x"], root=0)
     Barrier(["cw"], [])
 
-Kernels never modify their inputs: the collectives run on copies, which become the outputs (in
-place enforced, as Caffe2's). Each collective runs with the communicator's timeout and raises an
-error naming the shard, the communicator and the collective when a peer dies or hangs.
+`Allreduce` and `Broadcast` work in place, as Caffe2's (Trait.OVERWRITES_INPUTS): they reduce or
+overwrite the tensors they are given and return them. The plan never gives them a tensor that anything
+else still sees (a copy instead), and one loaded from the workspace only in the update phase, so no
+other blob, view or caller sees the change and a run that fails before its updates leaves the
+workspace as it was. Each collective runs with the communicator's timeout and raises an error naming
+the shard, the communicator and the collective when a peer dies or hangs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from graphpar.ops.common import op_label
 
 _HANDLE = TensorSpec((), torch.int64)
 _DISTRIBUTED = (Trait.COLLECTIVE, Trait.CROSS_DEVICE, Trait.DISTRIBUTED, Trait.HOST_SYNC)
+_IN_PLACE = (*_DISTRIBUTED, Trait.OVERWRITES_INPUTS)
 
 
 def _handle(value: int) -> torch.Tensor:
@@ -160,10 +164,9 @@ def _collective(run_one: Callable[[distributed.Communicator, torch.Tensor, Simpl
 
         def run(world: torch.Tensor, *xs: torch.Tensor) -> object:
             comm = distributed.get_world(int(world))
-            outs = [x.clone() for x in xs]
-            for out in outs:
-                run_one(comm, out, a)
-            return outs[0] if len(outs) == 1 else tuple(outs)
+            for x in xs:  # the plan's to overwrite (Trait.OVERWRITES_INPUTS)
+                run_one(comm, x, a)
+            return xs[0] if len(xs) == 1 else xs
 
         return run
 
@@ -197,7 +200,7 @@ def _allreduce(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespa
 register_op(
     "Allreduce", inputs=(2, None), outputs=(1, None), enforce_inplace=_shifted, args={"order": "ring"},
     kernel=_collective(_allreduce), infer=_copies_rule,
-    gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    gradient=NOT_DIFFERENTIABLE, traits=_IN_PLACE, device_inference=_handle_device,
     doc="Output i = the sum over the shards of input i + 1 (input 0: the communicator); each input is "
         "reduced on its own, in place enforced. order='ring': the backend's all-reduce; 'tree': an "
         "all-gather, then Parallelize's Sum tree over shard positions (pairwise for 4, 8, 16 shards), so "
@@ -212,7 +215,7 @@ def _broadcast(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespa
 
 register_op(
     "Broadcast", inputs=(2, None), outputs=(1, None), args={"root": 0}, enforce_inplace=_shifted,
-    kernel=_collective(_broadcast), infer=_copies_rule, gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED,
+    kernel=_collective(_broadcast), infer=_copies_rule, gradient=NOT_DIFFERENTIABLE, traits=_IN_PLACE,
     device_inference=_handle_device,
     doc="Output i = shard `root`'s input i + 1 (input 0: the communicator); in place enforced.")
 

@@ -127,7 +127,9 @@ def _fc_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     def fc_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
         x2, w2 = flatten_2d(x, a.axis, ctx.op), flatten_2d(w, a.axis_w, ctx.op)
         dy2 = dy.reshape(x2.shape[0], w2.shape[0])
-        dw, db = dy2.t().mm(x2).reshape(w.shape), dy2.sum(0)
+        dw, db = dy2.t().mm(x2), dy2.sum(0)
+        if dw.shape != w.shape:  # 2-D W: dW is the product itself, no view (a collective reduces it uncopied)
+            dw = dw.reshape(w.shape)
         return (dw, db, dy2.mm(w2).reshape(x.shape)) if with_dx else (dw, db)
 
     return fc_grad

@@ -170,13 +170,15 @@ def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_wi
     event = threading.Event()
     for name, role in (("cw_wait", "wait"), ("cw_set", "set")):
         workspace.FeedBlob(name, torch.tensor(distributed.register_world(_Rendezvous(event, role))))
-    workspace.FeedBlob("a", torch.ones(3))
-    workspace.FeedBlob("b", torch.ones(3))
-    net = NetDef("overlap", [OperatorDef("Allreduce", ["cw_wait", "a"], ["a"]), OperatorDef("Relu", ["b"], ["c"]),
-                             OperatorDef("Allreduce", ["cw_set", "b"], ["b"])], ["cw_wait", "cw_set", "a", "b"])
+    workspace.FeedBlob("x", torch.ones(3))
+    # the collectives reduce values the run makes, as gradients (one on a fed blob would be an update,
+    # run in the second phase)
+    net = NetDef("overlap", [OperatorDef("Scale", ["x"], ["a"]), OperatorDef("Scale", ["x"], ["b"]),
+                             OperatorDef("Allreduce", ["cw_wait", "a"], ["a"]), OperatorDef("Relu", ["b"], ["c"]),
+                             OperatorDef("Allreduce", ["cw_set", "b"], ["b"])], ["cw_wait", "cw_set", "x"])
     net.type, net.num_workers = "dag", 4
     plan = workspace.get_workspace().create_net(net)
     (schedule,) = make_schedules(plan)
-    assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({0, 2}), 2)
+    assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({2, 4}), 2)
     workspace.RunNet("overlap")
     assert event.is_set() and workspace.FetchBlob("c").tolist() == [1.0, 1.0, 1.0]
