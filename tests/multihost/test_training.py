@@ -143,12 +143,12 @@ def test_a_shard_with_another_model_fails_at_init_on_every_shard(tmp_path: Path)
 def test_a_shard_that_hangs_makes_the_other_raise_after_the_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],
-                          [dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), steps=STEPS, timeout_sec=2,
-                                hang_at=2 if r == 1 else None) for r in range(2)], limit=60)
+                          [dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), steps=STEPS, timeout_sec=5,
+                                hang_at=2 if r == 1 else None) for r in range(2)], limit=90)
     assert codes == [0, 4]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 50
     error = (tmp_path / "shard0_0.npz.error").read_text()
-    assert "shard 0 of 2" in error and "timeout 2 s" in error, error
+    assert "shard 0 of 2" in error and "timeout 5 s" in error, error
 
 
 def test_blob_syncs_checkpoint_sync_and_barriers_cross_shards(tmp_path: Path) -> None:
