@@ -184,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     rows, results = [], {"batch": args.batch, "hidden": args.hidden, "steps": args.steps, "cpus": os.cpu_count(),
                          "load_average_at_start": os.getloadavg()[0],
-                         "note": "a shared, loaded 2-core CPU machine: noisy; nothing about GPUs or networks"}
+                         "note": "a 2-core CPU machine, possibly shared (see load_average_at_start): noisy; nothing about GPUs or networks"}
     for label, job, count, shards, devices, net_type in () if args.only_allreduce else (
             ("graphpar 1 process x 2 devices", "graphpar", 1, 1, 2, "dag"),
             ("graphpar 2 processes x 1 device", "graphpar", 2, 2, 1, "dag"),
