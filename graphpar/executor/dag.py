@@ -57,14 +57,16 @@ class Schedule:
     staged: bool  # the second phase: it starts with the state check
     waits: frozenset[int] = frozenset()  # collectives across processes: they run in the slots below
     wait_slots: int = 0  # one per communicator those collectives use
+    threads: int = 1  # intra-op threads of its CPU kernels (`Plan.intra_op_threads` / `staged_threads`)
 
 
 def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
     """The schedules of `plan`'s phases (one, or two when it has updates): who waits for whom within
     each phase (`plan.dependencies`; a dependency on the earlier phase is met when it starts), and how
     many steps may run at once."""
-    concurrency = max(1, min(plan.netdef.num_workers, thread_budget() // plan.intra_op_threads,
-                             len(plan.steps)))
+    def concurrency(threads: int) -> int:
+        return max(1, min(plan.netdef.num_workers, thread_budget() // threads, len(plan.steps)))
+
     ops = plan.netdef.ops
     waits = frozenset(j for j, step in enumerate(plan.steps) if has_trait(ops[step.index], Trait.DISTRIBUTED))
     channels = len({ops[plan.steps[j].index].inputs[0] for j in waits})
@@ -73,6 +75,7 @@ def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
     for staged, phase in enumerate(phases):
         if not phase:
             continue
+        threads = plan.staged_threads if staged else plan.intra_op_threads
         members = set(phase)
         successors: list[list[int]] = [[] for _ in plan.steps]
         indegree = [0] * len(plan.steps)
@@ -82,8 +85,8 @@ def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
                     successors[i].append(j)
                     indegree[j] += 1
         schedules.append(Schedule(tuple(map(tuple, successors)), tuple(indegree),
-                                  tuple(j for j in phase if indegree[j] == 0), len(phase), concurrency,
-                                  bool(staged), waits, channels))
+                                  tuple(j for j in phase if indegree[j] == 0), len(phase),
+                                  concurrency(threads), bool(staged), waits, channels, threads))
     return tuple(schedules)
 
 
@@ -127,7 +130,7 @@ class DagExecutor:
         if schedules is None:
             schedules = self._schedules[plan] = make_schedules(plan)
         backend = current_streams()
-        concurrency = schedules[0].concurrency if schedules else 1
+        concurrency = max((schedule.concurrency for schedule in schedules), default=1)
         wait_slots = schedules[0].wait_slots if schedules else 0
         if concurrency == 1 and not wait_slots and backend is NO_STREAMS:  # nothing to overlap: the plan's order
             self._serial.run(plan, blobs)
@@ -202,8 +205,8 @@ class DagExecutor:
         while True:
             state, index = self._tasks.get()
             plan = state.plan
-            if threads != plan.intra_op_threads:
-                threads = plan.intra_op_threads
+            if threads != state.schedule.threads:
+                threads = state.schedule.threads
                 torch.set_num_threads(threads)
             error = None
             if state.failure is None:

@@ -71,7 +71,8 @@ class Plan:
     `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
     are persistent (they outlive a run) and which slots an executor may free after each step;
     `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
-    (`executor.threads`).
+    (`executor.threads`); `staged_threads` the same for the second phase below, where only the
+    replicas that own updates compute (with CPU replicas that update once, only the first device).
 
     Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE, and those that
     overwrite a blob loaded from the workspace: Trait.OVERWRITES_INPUTS, see `_claims`). Every executor
@@ -93,6 +94,7 @@ class Plan:
     order: tuple[int, ...]  # the steps in program order within each phase
     staged_from: int  # order[staged_from:] is the second phase (the updates and what depends on them)
     state_guard: StateGuard
+    staged_threads: int
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
 
     def __post_init__(self) -> None:
@@ -148,10 +150,13 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index])
                   for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
-    cpu_replicas = len({d for d in map(netdef.op_device, netdef.ops) if d.device_type == CPU})
+    devices = [netdef.op_device(op) for op in netdef.ops]
+    cpu_replicas = len({d for d in devices if d.device_type == CPU})
+    updating = len({devices[j] for j in updates if devices[j].device_type == CPU})
     return Plan(netdef, steps, dependencies, {blob: span[1] for blob, span in lifetimes.items()},
                 frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
-                len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)))
+                len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)),
+                intra_op_threads(updating or cpu_replicas))
 
 
 def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:

@@ -44,6 +44,8 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         step = plan.steps[j]
         if position == plan.staged_from and plan.state_guard.checks:
             lines.append("check(frame)")
+        if position == plan.staged_from and plan.staged_threads != plan.intra_op_threads:
+            lines.append(f"threads({plan.staged_threads})")
         claims = dict(step.claims)
         args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
         call = f"k{j}({', '.join(args)})"
@@ -56,7 +58,7 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         if frees:
             lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "claim", "StepFailed", "check", "StateChanged",
+    params = ", ".join(["store", "claim", "StepFailed", "check", "StateChanged", "threads",
                         *(f"k{step.index}" for step in plan.steps)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
@@ -69,7 +71,7 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, claim, StepFailed, plan.state_guard.check, StateChanged,
+    return namespace["make"](store_all, claim, StepFailed, plan.state_guard.check, StateChanged, torch.set_num_threads,
                              *(step.kernel for step in plan.steps))
 
 

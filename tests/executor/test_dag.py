@@ -109,6 +109,46 @@ def test_concurrency_respects_the_thread_budget(monkeypatch: pytest.MonkeyPatch)
     assert plan.intra_op_threads == 1 and make_schedules(plan)[0].concurrency == 3
 
 
+def test_the_update_phase_gives_its_threads_to_the_replicas_that_update(monkeypatch: pytest.MonkeyPatch):
+    """Two CPU replicas compute side by side with one thread each; when only the first updates (as
+    CPU replicas that update once), its updates get both threads, in simple and dag alike, and the
+    results are bit-identical."""
+    from graphpar.executor.dag import make_schedules
+
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    seen: dict[str, list[int]] = {"simple": [], "dag": []}
+
+    def kernel(a, ctx):  # noqa: ANN001, ANN202
+        def run(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            seen[a.tag].append(torch.get_num_threads())
+            return p.sub_(g)
+        return run
+
+    results = {}
+    for net_type in ("simple", "dag"):
+        workspace.FeedBlob("p", np.ones(4, np.float32))
+        workspace.FeedBlob("x", np.arange(4, dtype=np.float32))
+        with scoped_registry():
+            from graphpar.core.schema import Trait
+            register_op("_TestUpdate", kernel=kernel, inputs=2, outputs=1, inplace={(0, 0)},
+                        args={"tag": ""}, traits={Trait.INPLACE_UPDATE},
+                        infer=lambda a, ctx, inputs: [inputs[0]], doc="Test op: an in-place update.")
+            ops = [OperatorDef("Relu", ["x"], ["g0"], device_option=CPU0),
+                   OperatorDef("Relu", ["x"], ["g1"], device_option=CPU1),
+                   OperatorDef("Sum", ["g0", "g1"], ["g"], device_option=CPU0),
+                   OperatorDef("_TestUpdate", ["p", "g"], ["p"], {"tag": net_type}, CPU0)]
+            plan = workspace.get_workspace().create_net(NetDef(f"phases_{net_type}", ops, type=net_type,
+                                                               num_workers=4))
+            assert (plan.intra_op_threads, plan.staged_threads) == (1, 2)
+            if net_type == "dag":
+                assert [(s.threads, s.concurrency) for s in make_schedules(plan)] == [(1, 2), (2, 1)]
+            workspace.RunNet(plan.name)
+        results[net_type] = workspace.FetchBlob("p")
+    assert seen == {"simple": [2], "dag": [2]}
+    np.testing.assert_array_equal(results["simple"], results["dag"])
+    np.testing.assert_array_equal(results["dag"], 1 - 2 * np.arange(4))
+
+
 def _diamonds(width: int, depth: int, net_type: str) -> NetDef:
     """`width` independent chains, each value read by two ops, the chain's name reused each level (so a
     slot holds several versions), all joined at the end; only the result is kept."""
