@@ -186,12 +186,42 @@ def _arguments(args: dict[str, Any]) -> list[Argument]:
     return [Argument(name, value) for name, value in args.items()]
 
 
+class _MessageLike:
+    """What graphpar's ops and nets share with Caffe2's protobuf messages: equality by value over
+    `_FIELDS` (so unhashable), `SerializeToString` / `ParseFromString` in Caffe2's wire format (through
+    `graphpar.proto.convert`, which needs protobuf) and `HasField`."""
+
+    _FIELDS: tuple[str, ...] = ()
+    __hash__ = None  # mutable and compared by value
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
+        """Caffe2's wire format (a caffe2_pb2 message of the same name; needs protobuf)."""
+        from graphpar.proto.convert import to_proto
+
+        return to_proto(self).SerializeToString()
+
+    def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
+        """Replace the contents with a serialized caffe2_pb2 message of the same name (needs protobuf)."""
+        from graphpar.proto.convert import from_proto
+
+        self.__dict__.update(from_proto(data, type(self).__name__).__dict__)
+
+    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
+        """Whether the optional field `field_name` (device_option, name, ...) is set."""
+        return getattr(self, field_name) not in (None, "", False)
+
+
 _OP_FIELDS = ("type", "inputs", "outputs", "args", "device_option", "name", "engine", "control_inputs",
               "is_gradient_op")
 
 
 @dataclass(eq=False)
-class OperatorDef:
+class OperatorDef(_MessageLike):
     """One recorded operator. `source` is where it was recorded (file:line), for error messages.
 
     Ops compare by value, as Caffe2's protobuf messages do (`source` excepted: it is where an op was
@@ -199,6 +229,8 @@ class OperatorDef:
     `input`, `output` and `control_input` are the live lists, `arg` a list of `Argument` views,
     `debug_info` is `source`.
     """
+
+    _FIELDS = _OP_FIELDS
 
     type: str
     inputs: list[str] = field(default_factory=list)
@@ -219,29 +251,6 @@ class OperatorDef:
         return OperatorDef(self.type, list(self.inputs), list(self.outputs), args, self.device_option,
                            self.name, self.engine, list(self.control_inputs), self.is_gradient_op, self.source,
                            self.function)
-
-    __hash__ = None  # mutable and compared by value
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, OperatorDef):
-            return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in _OP_FIELDS)
-
-    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
-        """Caffe2's wire format of this op (a caffe2_pb2.OperatorDef; needs protobuf)."""
-        from graphpar.proto.convert import to_proto
-
-        return to_proto(self).SerializeToString()
-
-    def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
-        """Replace this op's contents with a serialized caffe2_pb2.OperatorDef (needs protobuf)."""
-        from graphpar.proto.convert import from_proto
-
-        self.__dict__.update(from_proto(data, "OperatorDef").__dict__)
-
-    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
-        """Whether the optional field `field_name` (device_option, name, engine, ...) is set."""
-        return getattr(self, field_name) not in (None, "", False)
 
     input = property(lambda self: self.inputs, doc="Caffe2's name of `inputs`.")
     output = property(lambda self: self.outputs, doc="Caffe2's name of `outputs`.")
@@ -268,12 +277,14 @@ _NET_FIELDS = ("name", "ops", "external_inputs", "external_outputs", "type", "nu
 
 
 @dataclass(eq=False)
-class NetDef:
+class NetDef(_MessageLike):
     """An ordered list of operators (program order is the semantics) plus the net's metadata.
 
     Compared by value (so unhashable), like Caffe2's message; `op`, `external_input`,
     `external_output` and `arg` are Caffe2's names of the same data.
     """
+
+    _FIELDS = _NET_FIELDS
 
     name: str = ""
     ops: list[OperatorDef] = field(default_factory=list)
@@ -325,29 +336,6 @@ class NetDef:
         if missing:
             raise ValueError(f"net {self.name!r}: external outputs {missing} are produced by no op")
         return self
-
-    __hash__ = None  # mutable and compared by value
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, NetDef):
-            return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in _NET_FIELDS)
-
-    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
-        """Caffe2's wire format of this net (a caffe2_pb2.NetDef; needs protobuf)."""
-        from graphpar.proto.convert import to_proto
-
-        return to_proto(self).SerializeToString()
-
-    def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
-        """Replace this net's contents with a serialized caffe2_pb2.NetDef (needs protobuf)."""
-        from graphpar.proto.convert import from_proto
-
-        self.__dict__.update(from_proto(data, "NetDef").__dict__)
-
-    def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
-        """Whether the optional field `field_name` (device_option, name, type, ...) is set."""
-        return getattr(self, field_name) not in (None, "", False)
 
     op = property(lambda self: self.ops, doc="Caffe2's name of `ops`.")
     external_input = property(lambda self: self.external_inputs, doc="Caffe2's name of `external_inputs`.")
