@@ -136,9 +136,7 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
     sync, clock = _synchronizer(plan), _clock
     elapsed_ns = [0] * len(plan.steps)
 
-    def timed(step: Step) -> Step:
-        kernel, index = step.kernel, step.index
-
+    def timer(kernel: Callable[..., Any], index: int) -> Callable[..., Any]:
         def timed_kernel(*inputs: Any) -> Any:
             began = clock()
             out = kernel(*inputs)
@@ -146,7 +144,10 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
             elapsed_ns[index] += clock() - began
             return out
 
-        return step.with_kernel(timed_kernel)
+        return timed_kernel
+
+    def timed(step: Step) -> Step:
+        return step.with_kernel(timer(step.kernel, step.index), step.reuse and timer(step.reuse.kernel, step.index))
 
     timed_plan = plan.with_steps(tuple(map(timed, plan.steps)))
     executor = get_executor(plan.type)

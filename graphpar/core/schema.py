@@ -165,6 +165,20 @@ class KernelContext:
     random_stream: Callable[[], Callable[[torch.device], torch.Generator]]
 
 
+class InputReuse(NamedTuple):
+    """A second kernel of an op that may write into one of its inputs instead of allocating.
+
+    `kernel(args, ctx)` builds a function taking the same inputs as the op's kernel and returning
+    results bit-identical to it, but free to overwrite input `input` (using its storage for an output
+    or for scratch). The plan uses it on a run only where that is unseen (`executor.plan`): the op
+    rewrites the input's blob (the pair is in place by name), an earlier op of the same run made the
+    value, and on that run nothing but the run's frame holds the tensor (`executor.program.owns`).
+    """
+
+    input: int
+    kernel: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]
+
+
 @dataclass
 class OpSchema:
     """Everything graphpar knows about one operator type."""
@@ -184,6 +198,7 @@ class OpSchema:
     traits: frozenset[Trait] = frozenset()
     infer: InferRule | None = None  # None: run the kernel on meta tensors (see the module docstring)
     check: InputCheck | None = None  # what the inputs must satisfy; kernel and infer already run it
+    reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -239,6 +254,7 @@ def register_op(
     traits: Iterable[Trait] = (),
     infer: InferRule | None = None,
     check: InputCheck | None = None,
+    reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -252,6 +268,8 @@ def register_op(
     shape inference runs the kernel on meta tensors (see the module docstring).
     `check(args, op, inputs)` raises for inputs that break the op's promise (`same_shape`, ...); the
     registered kernel and shape rule run it first, so it holds at CreateNet and on every run.
+    `reuse=(input, kernel)` adds a kernel that may overwrite that input (see `InputReuse`); it is used
+    only where a net writes the op in place on that input (so the op must allow that).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -266,9 +284,12 @@ def register_op(
         args={name: _arg_from_default(d) for name, d in (args or {}).items()}, kernel=kernel,
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
-        device_inference=device_inference, traits=traits, infer=infer, check=check)
+        device_inference=device_inference, traits=traits, infer=infer, check=check,
+        reuse=reuse and InputReuse(*reuse))
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
+        if schema.reuse is not None:
+            schema.reuse = schema.reuse._replace(kernel=_checked_kernel(schema.reuse.kernel, check))
     _REGISTRY[type_] = schema
     return schema
 

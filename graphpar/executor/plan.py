@@ -28,7 +28,7 @@ from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
-from graphpar.executor.program import make_run
+from graphpar.executor.program import Reuse, make_run
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
 
@@ -48,10 +48,14 @@ class Step(NamedTuple):
     # (input position, known holders) of the inputs the kernel overwrites (Trait.OVERWRITES_INPUTS),
     # each passed through `executor.program.claim`; holders 1: loaded from the workspace, 0: made by the run
     claims: tuple[tuple[int, int], ...] = ()
+    reuse: Reuse | None = None  # the kernel to call when the run owns the input it may overwrite
 
-    def with_kernel(self, kernel: Callable[..., Any]) -> Step:
-        """The same step calling `kernel` instead (e.g. a timed wrapper of its own)."""
-        return self._replace(kernel=kernel, run=make_run(kernel, self.inputs, self.outputs, self.claims))
+    def with_kernel(self, kernel: Callable[..., Any], reuse_kernel: Callable[..., Any] | None = None) -> Step:
+        """The same step calling `kernel` instead (e.g. a timed wrapper of its own), and `reuse_kernel`
+        instead of its reuse kernel (None: the step never reuses its input)."""
+        reuse = self.reuse and reuse_kernel and Reuse(reuse_kernel, self.reuse.input)
+        return self._replace(kernel=kernel, reuse=reuse,
+                             run=make_run(kernel, self.inputs, self.outputs, self.claims, reuse))
 
 
 class BlobStore(Protocol):
@@ -140,6 +144,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     infer_specs(netdef, workspace.blobs)
     claims = _claims(netdef)
+    reused = _reused_inputs(netdef)
     updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE)
                         or any(holders for _, holders in claims[i]))
     dependencies = predecessors(netdef)
@@ -147,7 +152,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
     frame = layout_frame(netdef, keep_all, order)
     streams = workspace.random_streams(netdef.name)
-    steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index])
+    steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index], reused[index])
                   for index, op in enumerate(netdef.ops))
     lifetimes = blob_lifetimes(netdef)
     devices = [netdef.op_device(op) for op in netdef.ops]
@@ -176,6 +181,21 @@ def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
         claims.append(found)
         written.update(op.outputs)
     return claims
+
+
+def _reused_inputs(netdef: NetDef) -> list[bool]:
+    """Per op: whether it may call its reuse kernel (`core.schema.InputReuse`): the op rewrites that
+    input's blob (so no later op reads the old value) and an earlier op of the net made the value (a
+    blob loaded from the workspace is never overwritten). Whether the run owns the tensor is decided
+    on each run (`executor.program.owns`)."""
+    reused: list[bool] = []
+    written: set[str] = set()
+    for op in netdef.ops:
+        reuse = get_schema(op.type).reuse
+        blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
+        reused.append(blob is not None and blob in op.outputs and blob in written and op.inputs.count(blob) == 1)
+        written.update(op.outputs)
+    return reused
 
 
 def _staged(dependencies: tuple[tuple[int, ...], ...], updates: frozenset[int]) -> list[bool]:
@@ -231,7 +251,7 @@ def checked_torch_device(option: DeviceOption, where: str) -> torch.device:
 
 
 def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, int],
-                streams: Callable[[int], RandomStream], claims: tuple[tuple[int, int], ...]) -> Step:
+                streams: Callable[[int], RandomStream], claims: tuple[tuple[int, int], ...], reused: bool) -> Step:
     where = op_location(netdef, index)
     schema = get_schema(op.type)
     args = parse_args(schema, op.args, where)
@@ -246,10 +266,11 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
     ctx = KernelContext(op=op, device=device, device_of=torch_device, random_stream=random_stream)
     try:
         fn = schema.kernel(args, ctx)
+        reuse = Reuse(schema.reuse.kernel(args, ctx), schema.reuse.input) if reused and not claims else None
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc
     inputs = tuple(slot[b] for b in op.inputs)
     outputs = tuple(slot[b] for b in op.outputs)
-    return Step(fn, make_run(fn, inputs, outputs, claims), index, inputs, outputs, device, netdef.op_device(op),
-                claims)
+    return Step(fn, make_run(fn, inputs, outputs, claims, reuse), index, inputs, outputs, device,
+                netdef.op_device(op), claims, reuse)

@@ -13,13 +13,16 @@ call itself (torch.fx generates Python code from its graphs the same way). Gener
 A step whose kernel overwrites inputs (Trait.OVERWRITES_INPUTS) gets each such input through
 `claim(frame, slot, holders)`: the tensor itself when nothing but the frame (and `holders` known
 others: the workspace, for a loaded blob) holds it and no other tensor shares its memory, else a copy.
+A step with a reuse kernel (`core.schema.InputReuse`, `Step.reuse`) calls it when `owns(frame, slot)`
+says the same of the input it may overwrite, and its ordinary kernel otherwise: the results are the
+same bits, without allocating where the run owns the input (`x = relu(x)` as `relu_`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -48,7 +51,8 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
             lines.append(f"threads({plan.staged_threads})")
         claims = dict(step.claims)
         args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
-        call = f"k{j}({', '.join(args)})"
+        kernel = f"(r{j} if owns(frame, {step.inputs[step.reuse.input]}) else k{j})" if step.reuse else f"k{j}"
+        call = f"{kernel}({', '.join(args)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
         elif step.outputs:
@@ -58,8 +62,9 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         if frees:
             lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    params = ", ".join(["store", "claim", "StepFailed", "check", "StateChanged", "threads",
-                        *(f"k{step.index}" for step in plan.steps)])
+    reusing = [step for step in plan.steps if step.reuse]
+    params = ", ".join(["store", "claim", "owns", "StepFailed", "check", "StateChanged", "threads",
+                        *(f"k{step.index}" for step in plan.steps), *(f"r{step.index}" for step in reusing)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
               f"        i = 0\n"
@@ -71,17 +76,35 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
               f"    return program\n")
     namespace: dict = {}
     exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, claim, StepFailed, plan.state_guard.check, StateChanged, torch.set_num_threads,
-                             *(step.kernel for step in plan.steps))
+    return namespace["make"](store_all, claim, owns, StepFailed, plan.state_guard.check, StateChanged,
+                             torch.set_num_threads, *(step.kernel for step in plan.steps),
+                             *(step.reuse.kernel for step in reusing))
+
+
+class Reuse(NamedTuple):
+    """A step's reuse kernel (`core.schema.InputReuse`) and the position of the input it may overwrite."""
+
+    kernel: Callable[..., Any]
+    input: int
 
 
 def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...],
-             claims: tuple[tuple[int, int], ...] = ()) -> Callable[[list], None]:
+             claims: tuple[tuple[int, int], ...] = (), reuse: Reuse | None = None) -> Callable[[list], None]:
     """The step function: read `ins` from the frame, call `fn`, write its result(s) to `outs`.
 
     Specialised by arity so that the common one- and two-input ops build no argument lists. `claims`:
-    (input position, known holders) of the inputs `fn` overwrites, passed through `claim`.
+    (input position, known holders) of the inputs `fn` overwrites, passed through `claim`; `reuse`:
+    the kernel to call instead when the run owns the input it may overwrite (`owns`).
     """
+    if reuse is not None:
+        reused, slot = reuse.kernel, ins[reuse.input]
+
+        def reusing(frame: list) -> None:
+            kernel = reused if owns(frame, slot) else fn
+            result = kernel(*[frame[i] for i in ins])
+            store_all(frame, outs, (result,) if len(outs) == 1 else result)
+
+        return reusing
     if claims:
         holders = dict(claims)
 
@@ -148,8 +171,14 @@ _SOLE_STORAGE = _storage_references(torch.empty(1))  # a tensor whose storage no
 def claim(frame: list, slot: int, holders: int) -> Any:
     """`frame[slot]` itself if only the frame and `holders` others reference it and no other tensor (a
     view, a base) shares its storage, so a kernel may overwrite it unseen; else a copy of it."""
-    sole = _references(frame, slot) == _SOLE + holders  # counted before `value` adds a reference
+    return frame[slot] if owns(frame, slot, holders) else frame[slot].clone()
+
+
+def owns(frame: list, slot: int, holders: int = 0) -> bool:
+    """Whether only the frame and `holders` others reference the tensor `frame[slot]` and no other
+    tensor (a view, a base) shares its storage: a kernel may then overwrite it unseen."""
+    if _references(frame, slot) != _SOLE + holders:  # counted before `value` adds a reference
+        return False
     value = frame[slot]
-    if sole and _storage_users and value.layout == torch.strided and _storage_references(value) == _SOLE_STORAGE:
-        return value
-    return value.clone()
+    return (_storage_users is not None and isinstance(value, torch.Tensor) and value.layout == torch.strided
+            and _storage_references(value) == _SOLE_STORAGE)

@@ -50,7 +50,8 @@ def register_gradient(type_: str, of: str, kernel: Callable[[SimpleNamespace, Ke
 
 
 def elementwise_grad(type_: str, of: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], doc: str,
-                     inplace: Iterable[tuple[int, int]] = ()) -> OpSchema:
+                     inplace: Iterable[tuple[int, int]] = (), reuse: tuple[int, Any] | None = None) -> OpSchema:
     """Register `type_(saved, dY) -> dX = fn(saved, dY)`, the gradient of element-wise op `of`, which
-    saves X or Y (whichever `fn` reads) and ignores its args; `inplace={(1, 0)}` lets dX overwrite dY."""
-    return register_gradient(type_, of, lambda _a, _ctx: fn, doc, inplace=inplace)
+    saves X or Y (whichever `fn` reads) and ignores its args; `inplace={(1, 0)}` lets dX overwrite dY
+    (and `reuse`, `register_op`'s, writes it into dY's storage where the run owns it)."""
+    return register_gradient(type_, of, lambda _a, _ctx: fn, doc, inplace=inplace, reuse=reuse)

@@ -534,11 +534,21 @@ register_op(
     "Relu",
     inplace={(0, 0)},
     kernel=lambda a, ctx: torch.relu,
+    reuse=(0, lambda a, ctx: torch.relu_),
     gradient=one_input_gradient("ReluGradient", "Y"),
     doc="Y = max(0, X); may run in place.",
 )
 
+
+def _relu_grad_into_dy(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """ReluGradient writing dX into dY's storage (where their shapes and dtypes agree)."""
+    if y.shape != dy.shape or y.dtype != dy.dtype:
+        return aten.threshold_backward(dy, y, 0)
+    return aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy)
+
+
 elementwise_grad("ReluGradient", "Relu", lambda y, dy: aten.threshold_backward(dy, y, 0), inplace={(1, 0)},
+                 reuse=(1, lambda a, ctx: _relu_grad_into_dy),
                  doc="ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.")
 
 register_op(

@@ -8,6 +8,7 @@ LearningRate and Adam read the counter on the host (Trait.HOST_SYNC), so they de
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -235,18 +236,23 @@ register_op(
 # ----------------------------------------------------------------------------------------------- updates
 
 
-def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple]:
+def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext, into_grad: bool = False) -> Callable[..., tuple]:
+    """The update; with `into_grad`, lr * grad is computed in grad's storage (same bits, no allocation)."""
     mu = a.momentum
+
+    def scaled(g: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        return g.mul_(lr.reshape(()).to(g.dtype)) if into_grad else g * lr.reshape(()).to(g.dtype)
+
     if a.nesterov:
         def nesterov(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-            m_new = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu)
+            m_new = torch.add(scaled(g, lr), m, alpha=mu)
             step = torch.add(m_new * (1.0 + mu), m, alpha=-mu)
             return step, m.copy_(m_new), p.sub_(step)
 
         return nesterov
 
     def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-        step = torch.add(g * lr.reshape(()).to(g.dtype), m, alpha=mu, out=m)
+        step = torch.add(scaled(g, lr), m, alpha=mu, out=m)
         return step, step, p.sub_(step)
 
     return plain
@@ -255,6 +261,7 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tupl
 register_op(
     "MomentumSGDUpdate", inputs=4, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
+    reuse=(0, functools.partial(_momentum_sgd, into_grad=True)),
     traits=(Trait.INPLACE_UPDATE,), check=same_shape((0, 1, 3)),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
         "storage); lr is positive (the op subtracts). Plain: a = lr g + momentum m; mom = a; param -= a; "

@@ -115,8 +115,25 @@ def _sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.
     return run
 
 
+def _sum_into_first(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    """Sum adding into X0's storage where X0 is on the op's device and every input has its shape and
+    dtype (the same additions in the same order, so the same bits); otherwise Sum's kernel."""
+    device, plain = ctx.device, _sum_kernel(a, ctx)
+
+    def run(*xs: torch.Tensor) -> torch.Tensor:
+        out = xs[0]
+        if out.device != device or any(x.shape != out.shape or x.dtype != out.dtype for x in xs[1:]):
+            return plain(*xs)
+        for x in xs[1:]:
+            out.add_(x.to(device))
+        return out
+
+    return run
+
+
 register_op(
     "Sum", inputs=(1, None), inplace={(0, 0)}, args=_INPUT_DEVICES, kernel=_sum_kernel, gradient=_pass_through,
+    reuse=(0, _sum_into_first),
     device_inference=lambda op, d: (_input_devices(op, d), [d]),
     doc="Y = X0 + X1 + ... (equal shapes), added in input order on the op's device; inputs may live on "
         "other devices of its type (`input_device_ids`, as for Copy). In place into X0 allowed. Gradient: "

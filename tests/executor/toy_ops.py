@@ -19,6 +19,7 @@ from graphpar.core.schema import KernelContext, register_op, scoped_registry
 FACTORY_CALLS: Counter[str] = Counter()  # op name -> kernel factories built
 DEVICES: list[torch.device] = []  # ctx.device of each _TestDevice built
 SUNK: list[torch.Tensor] = []  # what _TestSink received
+REUSED: list[str] = []  # the ops whose _TestAddOne ran its reuse kernel (in place)
 
 
 def _counted(a: Any, ctx: KernelContext) -> Any:
@@ -47,6 +48,14 @@ def _bad_factory(a: Any, ctx: KernelContext) -> Any:
     raise ValueError("this op cannot be built")
 
 
+def _add_one_in_place(a: Any, ctx: KernelContext) -> Any:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        REUSED.append(ctx.op.name)
+        return x.add_(1)
+
+    return run
+
+
 def _like_input(a: Any, ctx: KernelContext, inputs: list) -> list:
     return [inputs[0]]
 
@@ -60,6 +69,8 @@ _OPS: dict[str, dict[str, Any]] = {
     "_TestCounted": dict(kernel=_counted, args={"step": 1.0}, infer=_like_input),
     "_TestDevice": dict(kernel=_device, infer=_like_input),
     "_TestTwoOut": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x + 1, x * 2)),
+    "_TestAddOne": dict(inplace={(0, 0)}, kernel=lambda a, ctx: lambda x: x + 1, reuse=(0, _add_one_in_place),
+                        infer=_like_input),
     "_TestSum3": dict(inputs=3, kernel=lambda a, ctx: lambda x, y, z: x + y + z),
     "_TestSink": dict(outputs=0, kernel=lambda a, ctx: SUNK.append),
     "_TestFail": dict(outputs=(1, 2), kernel=_fail, args={"message": "boom"}, infer=_unknown),

@@ -1,0 +1,159 @@
+"""Reuse kernels: an op rewriting a value the run owns writes into its storage, where nothing can see it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.ops import aten
+
+from graphpar import brew, model_helper, optimizer, workspace
+from graphpar import data_parallel_model as dpm
+from graphpar.core import CPU, DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import KernelContext, get_schema, parse_args
+from graphpar.executor import program
+from tests.executor import toy_ops
+
+CPU0, CPU1 = DeviceOption(CPU, 0), DeviceOption(CPU, 1)  # two CPU replicas: "dag" runs them on workers
+NET_TYPES = ("simple", "dag")
+
+
+@pytest.fixture(autouse=True)
+def _two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    toy_ops.REUSED.clear()
+
+
+def _run(name: str, ops: list[OperatorDef], net_type: str, **args: object) -> None:
+    """Run the ops, plus an independent op on a second CPU device so that "dag" uses its workers."""
+    workspace.FeedBlob("other", np.zeros(2, np.float32))
+    side = OperatorDef("Scale", ["other"], ["other_scaled"], device_option=CPU1)
+    workspace.RunNetOnce(NetDef(f"{name}_{net_type}", [*ops, side], type=net_type, num_workers=2, args=args))
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_value_the_run_made_and_rewrites_is_reused(net_type: str, dynamic: bool):
+    _run("made", [OperatorDef("ConstantFill", [], ["x"], {"shape": [3], "value": 1.0}, device_option=CPU0),
+                  OperatorDef("_TestAddOne", ["x"], ["x"], name="again", device_option=CPU0),
+                  OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0}, device_option=CPU0)],
+         net_type, **({"dynamic_memory_management": 1, "blobs_to_keep": ["y"]} if dynamic else {}))
+    assert toy_ops.REUSED == ["again"]
+    np.testing.assert_array_equal(workspace.FetchBlob("y"), [4.0] * 3)
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+def test_a_blob_loaded_from_the_workspace_is_never_overwritten(net_type: str):
+    workspace.FeedBlob("x", np.ones(3, np.float32))
+    fed = workspace.get_workspace().blobs["x"]
+    _run("loaded", [OperatorDef("_TestAddOne", ["x"], ["x"], device_option=CPU0)], net_type)
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(fed.numpy(), [1.0] * 3)  # the fed tensor kept its values
+    np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+@pytest.mark.parametrize("sharer", [
+    OperatorDef("StopGradient", ["x"], ["seen"], device_option=CPU0),  # the same tensor under another name
+    OperatorDef("Reshape", ["x"], ["seen", "old_shape"], {"shape": [3, 1]}, device_option=CPU0),  # a view of it
+])
+def test_a_value_another_blob_shares_is_not_overwritten(net_type: str, sharer: OperatorDef):
+    _run("shared", [OperatorDef("ConstantFill", [], ["x"], {"shape": [3], "value": 1.0}, device_option=CPU0),
+                    sharer.copy(),
+                    OperatorDef("_TestAddOne", ["x"], ["x"], device_option=CPU0)], net_type)
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(workspace.FetchBlob("seen").reshape(-1), [1.0] * 3)
+    np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
+
+
+def test_an_op_that_writes_another_blob_never_reuses_its_input():
+    _run("renamed", [OperatorDef("ConstantFill", [], ["x"], {"shape": [3], "value": 1.0}, device_option=CPU0),
+                     OperatorDef("_TestAddOne", ["x"], ["z"], device_option=CPU0)], "simple")
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(workspace.FetchBlob("x"), [1.0] * 3)
+
+
+def _kernels(op: OperatorDef) -> tuple:
+    schema = get_schema(op.type)
+    ctx = KernelContext(op=op, device=torch.device("cpu"), device_of=lambda d: torch.device("cpu"),
+                        random_stream=lambda: None)
+    args = parse_args(schema, op.args, op.type)
+    return schema.kernel(args, ctx), schema.reuse.kernel(args, ctx), schema.reuse.input
+
+
+def _as_tuple(result: object) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+REUSING_OPS = [
+    (OperatorDef("Relu", ["x"], ["x"]), lambda g: [torch.randn(64, 33, generator=g)]),
+    (OperatorDef("ReluGradient", ["y", "dy"], ["dy"]),
+     lambda g: [torch.relu(torch.randn(64, 33, generator=g)), torch.randn(64, 33, generator=g)]),
+    (OperatorDef("Sum", ["a", "b", "c"], ["a"]), lambda g: [torch.randn(5, 7, generator=g) for _ in range(3)]),
+    *[(OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "p"], ["g", "m", "p"],
+                   {"momentum": 0.9, "nesterov": nesterov}),
+       lambda g: [torch.randn(300, generator=g), torch.randn(300, generator=g), torch.tensor([0.05]),
+                  torch.randn(300, generator=g)]) for nesterov in (False, True)],
+]
+
+
+@pytest.mark.parametrize(("op", "inputs"), REUSING_OPS, ids=lambda v: getattr(v, "type", ""))
+def test_reuse_kernels_give_the_ordinary_kernels_bits(op: OperatorDef, inputs):  # noqa: ANN001
+    plain, reuse, position = _kernels(op)
+    for seed in range(5):
+        values = inputs(torch.Generator().manual_seed(seed))
+        copies = [v.clone() for v in values]
+        expected = [t.clone() for t in _as_tuple(plain(*values))]
+        state = [v.clone() for v in values]  # what `plain` left in its inputs (updates change m and p)
+        got = _as_tuple(reuse(*copies))
+        for e, r in zip(expected, got):
+            assert torch.equal(e, r)
+        for k, (s, c) in enumerate(zip(state, copies)):
+            if k != position:  # only the reused input may differ
+                assert torch.equal(s, c)
+
+
+def test_relu_gradient_with_unlike_inputs_falls_back_to_a_new_tensor():
+    _, reuse, _ = _kernels(OperatorDef("ReluGradient", ["y", "dy"], ["dy"]))
+    y, dy = torch.randn(4, 3), torch.randn(4, 3, dtype=torch.float64)
+    out = reuse(y, dy)
+    assert out.data_ptr() != dy.data_ptr() and torch.equal(out, aten.threshold_backward(dy, y, 0))
+
+
+def _train(devices: int, net_type: str, steps: int = 3) -> dict[str, np.ndarray]:
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name="reuse")
+
+    def forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
+        h = brew.fc(model, "data", "fc1", dim_in=6, dim_out=16)
+        h = brew.relu(model, h, h)
+        pred = brew.fc(model, h, "pred", dim_in=16, dim_out=3)
+        _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9, nesterov=True),
+                    devices=list(range(devices)), cpu_device=True, net_type=net_type)
+    rng = np.random.default_rng(0)
+    for d in range(devices):
+        workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((4, 6)).astype(np.float32))
+        workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 4).astype(np.int32))
+    dpm.RunInitNet(model)
+    for _ in range(steps):
+        workspace.RunNet(model.net.Proto().name)
+    return {name: workspace.FetchBlob(name) for name in workspace.Blobs() if name.startswith("cpu_0/")}
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+def test_training_with_reuse_equals_training_without_it_bit_for_bit(net_type: str,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    owned, owns = [], program.owns
+    monkeypatch.setattr(program, "owns", lambda frame, slot, holders=0: owned.append(owns(frame, slot, holders))
+                        or owned[-1])
+    reused = _train(4, net_type)
+    assert sum(owned) >= 4 * 3  # at least each replica's in-place Relu, on every step
+    monkeypatch.setattr(program, "owns", lambda frame, slot, holders=0: False)
+    plain = _train(4, net_type)
+    assert reused.keys() == plain.keys()
+    for name in reused:
+        np.testing.assert_array_equal(reused[name], plain[name], err_msg=name)
