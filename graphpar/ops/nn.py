@@ -12,6 +12,7 @@ with `F.pad` before the PyTorch kernel, whose own padding is symmetric.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -521,69 +522,68 @@ register_gradient(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _leaky_relu_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+def _leaky_relu_grad(a: SimpleNamespace, ctx: KernelContext, into_dy: bool = False) -> Callable[..., torch.Tensor]:
     if a.alpha < 0:
         raise ValueError(
             f"{op_label(ctx.op)}: alpha={a.alpha} < 0 flips the sign of Y, so the gradient "
             f"cannot be computed from Y; use alpha >= 0"
         )
+    if into_dy:
+        return _into_dy(lambda y, dy: aten.leaky_relu_backward(dy, y, a.alpha, True),
+                        lambda y, dy: aten.leaky_relu_backward.grad_input(dy, y, a.alpha, True, grad_input=dy))
     return lambda y, dy: aten.leaky_relu_backward(dy, y, a.alpha, True)
 
 
-register_op(
-    "Relu",
-    inplace={(0, 0)},
-    kernel=lambda a, ctx: torch.relu,
-    reuse=(0, lambda a, ctx: torch.relu_),
-    gradient=one_input_gradient("ReluGradient", "Y"),
-    doc="Y = max(0, X); may run in place.",
-)
+def _in_place(fn: Callable[[torch.Tensor], torch.Tensor], fn_: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A reuse kernel (`register_op(reuse=...)`) for element-wise `fn`: its in-place form `fn_` on a
+    floating-point input (others may change dtype, so they get `fn`)."""
+    return lambda a, ctx: lambda x: fn_(x) if x.is_floating_point() else fn(x)
 
 
-def _relu_grad_into_dy(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """ReluGradient writing dX into dY's storage (where their shapes and dtypes agree)."""
-    if y.shape != dy.shape or y.dtype != dy.dtype:
-        return aten.threshold_backward(dy, y, 0)
-    return aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy)
+def _into_dy(backward: Callable, backward_into_dy: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`Grad(Y, dY) -> dX` writing dX into dY's storage where Y and dY agree in shape and dtype."""
+    def run(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        if y.shape != dy.shape or y.dtype != dy.dtype:
+            return backward(y, dy)
+        return backward_into_dy(y, dy)
+
+    return run
 
 
-elementwise_grad("ReluGradient", "Relu", lambda y, dy: aten.threshold_backward(dy, y, 0), inplace={(1, 0)},
-                 reuse=(1, lambda a, ctx: _relu_grad_into_dy),
-                 doc="ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.")
+def _activation(name: str, fn: Callable, fn_: Callable, backward: Callable, backward_into_dy: Callable,
+                doc: str, grad_doc: str) -> None:
+    """Register element-wise activation `name`, in place allowed, and `<name>Gradient(Y, dY) -> dX`, both
+    with reuse kernels (`fn_`, and `backward_into_dy` writing into dY)."""
+    register_op(name, inplace={(0, 0)}, kernel=lambda a, ctx: fn, reuse=(0, _in_place(fn, fn_)),
+                gradient=one_input_gradient(f"{name}Gradient", "Y"), doc=doc)
+    elementwise_grad(f"{name}Gradient", name, backward, inplace={(1, 0)},
+                     reuse=(1, lambda a, ctx: _into_dy(backward, backward_into_dy)), doc=grad_doc)
+
+
+_activation("Relu", torch.relu, torch.relu_, lambda y, dy: aten.threshold_backward(dy, y, 0),
+            lambda y, dy: aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy),
+            "Y = max(0, X); may run in place.", "ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.")
 
 register_op(
     "LeakyRelu",
     inplace={(0, 0)},
     args={"alpha": 0.01},
     kernel=lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha),
+    reuse=(0, lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha, inplace=x.is_floating_point())),
     gradient=one_input_gradient("LeakyReluGradient", "Y"),
     doc="Y = X where X > 0, else alpha·X (alpha = 0.01); may run in place.",
 )
 
 register_gradient("LeakyReluGradient", "LeakyRelu", _leaky_relu_grad, inplace={(1, 0)},
+                  reuse=(1, functools.partial(_leaky_relu_grad, into_dy=True)),
                   doc="LeakyReluGradient(Y, dY) -> dX = dY where Y > 0, else alpha·dY (needs alpha >= 0).")
 
-register_op(
-    "Sigmoid",
-    inplace={(0, 0)},
-    kernel=lambda a, ctx: torch.sigmoid,
-    gradient=one_input_gradient("SigmoidGradient", "Y"),
-    doc="Y = 1 / (1 + exp(-X)); may run in place.",
-)
-
-elementwise_grad("SigmoidGradient", "Sigmoid", lambda y, dy: aten.sigmoid_backward(dy, y), inplace={(1, 0)},
-                 doc="SigmoidGradient(Y, dY) -> dX = dY·Y·(1 - Y).")
-
-register_op(
-    "Tanh",
-    inplace={(0, 0)},
-    kernel=lambda a, ctx: torch.tanh,
-    gradient=one_input_gradient("TanhGradient", "Y"),
-    doc="Y = tanh(X); may run in place.",
-)
-
-elementwise_grad("TanhGradient", "Tanh", lambda y, dy: aten.tanh_backward(dy, y), inplace={(1, 0)},
-                 doc="TanhGradient(Y, dY) -> dX = dY·(1 - Y²).")
+_activation("Sigmoid", torch.sigmoid, torch.sigmoid_, lambda y, dy: aten.sigmoid_backward(dy, y),
+            lambda y, dy: aten.sigmoid_backward.grad_input(dy, y, grad_input=dy),
+            "Y = 1 / (1 + exp(-X)); may run in place.", "SigmoidGradient(Y, dY) -> dX = dY·Y·(1 - Y).")
+_activation("Tanh", torch.tanh, torch.tanh_, lambda y, dy: aten.tanh_backward(dy, y),
+            lambda y, dy: aten.tanh_backward.grad_input(dy, y, grad_input=dy),
+            "Y = tanh(X); may run in place.", "TanhGradient(Y, dY) -> dX = dY·(1 - Y²).")
 
 
 # ----------------------------------------------------------------------------------------------------

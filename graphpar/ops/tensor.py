@@ -266,6 +266,7 @@ register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
             gradient=one_input_gradient("Negative"), doc="Y = -X; gradient Negative(dY).")
 register_op("Scale", inplace={(0, 0)}, args={"scale": 1.0},
             kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=one_input_gradient("Scale"),
+            reuse=(0, lambda a, _ctx: lambda x: x.mul_(a.scale) if x.is_floating_point() else x * a.scale),
             doc="Y = scale * X; gradient Scale(dY) with the same scale.")
 register_op("Clip", inplace={(0, 0)}, args={"min": -math.inf, "max": math.inf},
             kernel=lambda a, _ctx: lambda x: torch.clamp(x, a.min, a.max),

@@ -85,10 +85,24 @@ def _as_tuple(result: object) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
+def _activation_ops(name: str, y: object, ints: bool = True, **args: object) -> list:
+    """`name` on X and its gradient on (Y, dY), for float32 and float16 and (`ints`) forward on int64."""
+    ops = []
+    for dtype in (torch.float32, torch.float16):
+        ops += [(OperatorDef(name, ["x"], ["x"], args), lambda g, d=dtype: [torch.randn(64, 33, generator=g).to(d)]),
+                (OperatorDef(f"{name}Gradient", ["y", "dy"], ["dy"], args),
+                 lambda g, d=dtype: [y(torch.randn(64, 33, generator=g)).to(d), torch.randn(64, 33, generator=g).to(d)])]
+    ints = [(OperatorDef(name, ["x"], ["x"], args), lambda g: [torch.randint(-5, 5, (7,), generator=g)])] if ints else []
+    return ops + ints
+
+
 REUSING_OPS = [
-    (OperatorDef("Relu", ["x"], ["x"]), lambda g: [torch.randn(64, 33, generator=g)]),
-    (OperatorDef("ReluGradient", ["y", "dy"], ["dy"]),
-     lambda g: [torch.relu(torch.randn(64, 33, generator=g)), torch.randn(64, 33, generator=g)]),
+    *_activation_ops("Relu", torch.relu),
+    *_activation_ops("LeakyRelu", torch.nn.functional.leaky_relu, ints=False, alpha=0.2),
+    *_activation_ops("Sigmoid", torch.sigmoid),
+    *_activation_ops("Tanh", torch.tanh),
+    (OperatorDef("Scale", ["x"], ["x"], {"scale": 0.3}), lambda g: [torch.randn(50, generator=g)]),
+    (OperatorDef("Scale", ["x"], ["x"], {"scale": 0.3}), lambda g: [torch.randint(0, 9, (50,), generator=g)]),
     (OperatorDef("Sum", ["a", "b", "c"], ["a"]), lambda g: [torch.randn(5, 7, generator=g) for _ in range(3)]),
     *[(OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "p"], ["g", "m", "p"],
                    {"momentum": 0.9, "nesterov": nesterov}),
@@ -97,7 +111,7 @@ REUSING_OPS = [
 ]
 
 
-@pytest.mark.parametrize(("op", "inputs"), REUSING_OPS, ids=lambda v: getattr(v, "type", ""))
+@pytest.mark.parametrize(("op", "inputs"), REUSING_OPS, ids=lambda v: getattr(v, "type", None))
 def test_reuse_kernels_give_the_ordinary_kernels_bits(op: OperatorDef, inputs):  # noqa: ANN001
     plain, reuse, position = _kernels(op)
     for seed in range(5):
