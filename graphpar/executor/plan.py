@@ -23,7 +23,7 @@ import torch
 from graphpar.core.graph import blob_lifetimes, predecessors
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
-from graphpar.core.shapes import infer_specs
+from graphpar.core.shapes import BlobSpec, infer_specs
 from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
@@ -142,9 +142,9 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
-    infer_specs(netdef, workspace.blobs)
+    specs = infer_specs(netdef, workspace.blobs)
     claims = _claims(netdef)
-    reused = _reused_inputs(netdef)
+    reused = _reused_inputs(netdef, specs)
     updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE)
                         or any(holders for _, holders in claims[i]))
     dependencies = predecessors(netdef)
@@ -183,17 +183,23 @@ def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
     return claims
 
 
-def _reused_inputs(netdef: NetDef) -> list[bool]:
+REUSE_MIN_BYTES = 1 << 17  # smaller values are cheaper to allocate anew than to check (benchmarks/op_overhead.py)
+
+
+def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list[bool]:
     """Per op: whether it may call its reuse kernel (`core.schema.InputReuse`): the op rewrites that
-    input's blob (so no later op reads the old value) and an earlier op of the net made the value (a
-    blob loaded from the workspace is never overwritten). Whether the run owns the tensor is decided
-    on each run (`executor.program.owns`)."""
+    input's blob (so no later op reads the old value), an earlier op of the net made the value (a blob
+    loaded from the workspace is never overwritten), and shape inference does not say it is smaller
+    than REUSE_MIN_BYTES. Whether the run owns the tensor is decided on each run (`program.owns`)."""
     reused: list[bool] = []
     written: set[str] = set()
     for op in netdef.ops:
         reuse = get_schema(op.type).reuse
         blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
-        reused.append(blob is not None and blob in op.outputs and blob in written and op.inputs.count(blob) == 1)
+        spec = specs.get(blob)
+        small = spec is not None and spec.numel * spec.dtype.itemsize < REUSE_MIN_BYTES
+        reused.append(blob is not None and blob in op.outputs and blob in written and op.inputs.count(blob) == 1
+                      and not small)
         written.update(op.outputs)
     return reused
 

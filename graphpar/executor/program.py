@@ -152,20 +152,25 @@ def store_all(frame: list, outs: tuple[int, ...], results: Any) -> None:
         frame[slot] = value
 
 
-def _references(frame: list, slot: int) -> int:
-    return sys.getrefcount(frame[slot])
+_getrefcount = sys.getrefcount
+_storage_users = getattr(torch._C, "_storage_Use_Count", None)  # None: never claim or reuse: always copy
 
 
-_SOLE = _references([object()], 0)  # what _references counts when the frame holds the only reference
-_storage_users = getattr(torch._C, "_storage_Use_Count", None)  # None: never claim, always copy
+def _frame_references() -> int:
+    """What `owns` counts for a value that only the frame (and `owns` itself) refers to."""
+    frame = [object()]
+    value = frame[0]
+    return _getrefcount(value)
 
 
-def _storage_references(tensor: torch.Tensor) -> int:
-    storage = tensor.untyped_storage()  # held while counted
-    return _storage_users(storage._cdata) if _storage_users else -1
+def _sole_storage_users() -> int:
+    """What `owns` counts for the storage of a tensor that no other tensor shares it with."""
+    tensor = torch.empty(1)
+    return _storage_users(tensor.untyped_storage()._cdata) if _storage_users else -1
 
 
-_SOLE_STORAGE = _storage_references(torch.empty(1))  # a tensor whose storage no other tensor shares
+_OWNED = _frame_references()
+_SOLE_STORAGE = _sole_storage_users()
 
 
 def claim(frame: list, slot: int, holders: int) -> Any:
@@ -176,9 +181,9 @@ def claim(frame: list, slot: int, holders: int) -> Any:
 
 def owns(frame: list, slot: int, holders: int = 0) -> bool:
     """Whether only the frame and `holders` others reference the tensor `frame[slot]` and no other
-    tensor (a view, a base) shares its storage: a kernel may then overwrite it unseen."""
-    if _references(frame, slot) != _SOLE + holders:  # counted before `value` adds a reference
-        return False
+    tensor (a view, a base) shares its storage: a kernel may then overwrite it unseen. (On every
+    reusing step of every run: the cheap tests come first.)"""
     value = frame[slot]
-    return (_storage_users is not None and isinstance(value, torch.Tensor) and value.layout == torch.strided
-            and _storage_references(value) == _SOLE_STORAGE)
+    return (_getrefcount(value) == _OWNED + holders and value.__class__ is torch.Tensor
+            and value.layout is torch.strided and _storage_users is not None
+            and _storage_users(value.untyped_storage()._cdata) == _SOLE_STORAGE)

@@ -551,10 +551,12 @@ def _into_dy(backward: Callable, backward_into_dy: Callable) -> Callable[[torch.
 
 
 def _activation(name: str, fn: Callable, fn_: Callable, backward: Callable, backward_into_dy: Callable,
-                doc: str, grad_doc: str) -> None:
+                doc: str, grad_doc: str, keeps_dtype: bool = False) -> None:
     """Register element-wise activation `name`, in place allowed, and `<name>Gradient(Y, dY) -> dX`, both
-    with reuse kernels (`fn_`, and `backward_into_dy` writing into dY)."""
-    register_op(name, inplace={(0, 0)}, kernel=lambda a, ctx: fn, reuse=(0, _in_place(fn, fn_)),
+    with reuse kernels (`fn_`, and `backward_into_dy` writing into dY); `keeps_dtype`: `fn` never
+    changes the dtype, so `fn_` serves every input as it is."""
+    reuse = (lambda a, ctx: fn_) if keeps_dtype else _in_place(fn, fn_)
+    register_op(name, inplace={(0, 0)}, kernel=lambda a, ctx: fn, reuse=(0, reuse),
                 gradient=one_input_gradient(f"{name}Gradient", "Y"), doc=doc)
     elementwise_grad(f"{name}Gradient", name, backward, inplace={(1, 0)},
                      reuse=(1, lambda a, ctx: _into_dy(backward, backward_into_dy)), doc=grad_doc)
@@ -562,7 +564,8 @@ def _activation(name: str, fn: Callable, fn_: Callable, backward: Callable, back
 
 _activation("Relu", torch.relu, torch.relu_, lambda y, dy: aten.threshold_backward(dy, y, 0),
             lambda y, dy: aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy),
-            "Y = max(0, X); may run in place.", "ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.")
+            "Y = max(0, X); may run in place.", "ReluGradient(Y, dY) -> dX = dY where Y > 0, else 0.",
+            keeps_dtype=True)
 
 register_op(
     "LeakyRelu",

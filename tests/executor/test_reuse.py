@@ -11,7 +11,7 @@ from graphpar import brew, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, get_schema, parse_args
-from graphpar.executor import program
+from graphpar.executor import plan, program
 from tests.executor import toy_ops
 
 CPU0, CPU1 = DeviceOption(CPU, 0), DeviceOption(CPU, 1)  # two CPU replicas: "dag" runs them on workers
@@ -19,8 +19,9 @@ NET_TYPES = ("simple", "dag")
 
 
 @pytest.fixture(autouse=True)
-def _two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def _two_threads_and_reuse_of_small_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    monkeypatch.setattr(plan, "REUSE_MIN_BYTES", 0)  # the tests' tensors are small
     toy_ops.REUSED.clear()
 
 
@@ -64,6 +65,14 @@ def test_a_value_another_blob_shares_is_not_overwritten(net_type: str, sharer: O
     assert toy_ops.REUSED == []
     np.testing.assert_array_equal(workspace.FetchBlob("seen").reshape(-1), [1.0] * 3)
     np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
+
+
+def test_values_shape_inference_knows_to_be_small_are_allocated_anew(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(plan, "REUSE_MIN_BYTES", 4 * 100)
+    for name, size in (("small", 99), ("large", 100)):
+        _run(name, [OperatorDef("ConstantFill", [], ["x"], {"shape": [size], "value": 1.0}, device_option=CPU0),
+                    OperatorDef("_TestAddOne", ["x"], ["x"], name=name, device_option=CPU0)], "simple")
+    assert toy_ops.REUSED == ["large"]
 
 
 def test_an_op_that_writes_another_blob_never_reuses_its_input():
