@@ -25,6 +25,15 @@ def fresh_workspace() -> None:
     np.random.seed(0)
 
 
+@pytest.fixture(autouse=True)
+def reuse_small_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let reuse kernels run on the tests' small tensors too (outside tests only values of
+    `REUSE_MIN_BYTES` and up are reused), so every test exercises the riskier path."""
+    import graphpar.executor.plan as plan
+
+    monkeypatch.setattr(plan, "REUSE_MIN_BYTES", 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

@@ -19,9 +19,8 @@ NET_TYPES = ("simple", "dag")
 
 
 @pytest.fixture(autouse=True)
-def _two_threads_and_reuse_of_small_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def _two_threads(monkeypatch: pytest.MonkeyPatch) -> None:  # (and small values are reused: tests/conftest.py)
     monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
-    monkeypatch.setattr(plan, "REUSE_MIN_BYTES", 0)  # the tests' tensors are small
     toy_ops.REUSED.clear()
 
 
