@@ -10,6 +10,7 @@ leave what it decides unknown.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -513,7 +514,8 @@ register_gradient("SumSqrElementsGradient", "SumSqrElements",
                   doc="dX of SumSqrElements: 2 X dY (divided by numel with average).")
 
 
-def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext, into_x0: bool = False) -> Callable[..., torch.Tensor]:
+    """WeightedSum; with `into_x0`, computed in X0's storage (the same operations, so the same bits)."""
     where = op_label(ctx.op)
     if len(ctx.op.inputs) % 2:
         raise ValueError(f"{where}: WeightedSum takes pairs X0, w0, X1, w1, ...; got "
@@ -521,7 +523,7 @@ def _weighted_sum_kernel(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..
 
     def run(*xw: torch.Tensor) -> torch.Tensor:
         dtype, shape = xw[0].dtype, xw[0].shape
-        out = xw[0] * xw[1].reshape(()).to(dtype)
+        out = xw[0].mul_(xw[1].reshape(()).to(dtype)) if into_x0 else xw[0] * xw[1].reshape(()).to(dtype)
         for i in range(2, len(xw), 2):
             if xw[i].shape != shape:  # addcmul_ would broadcast a smaller X silently
                 raise ValueError(f"{where}: X{i // 2} has shape {tuple(xw[i].shape)}, X0 has "
@@ -559,6 +561,7 @@ def _weighted_sum_grad_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callab
 register_op(
     "WeightedSum", inputs=(2, None), inplace={(0, 0)}, args={"grad_on_w": False},
     kernel=_weighted_sum_kernel, gradient=_weighted_sum_maker,
+    reuse=(0, functools.partial(_weighted_sum_kernel, into_x0=True)),
     doc="Y = w0 X0 + w1 X1 + ... (equal shapes; X0's dtype) with 1-element weights; in place into X0 allowed. "
         "Gradient WeightedSumGradient: dXi = wi dY, and dwi = sum(dY Xi) with grad_on_w.")
 register_gradient(

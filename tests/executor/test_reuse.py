@@ -112,6 +112,8 @@ REUSING_OPS = [
     (OperatorDef("Scale", ["x"], ["x"], {"scale": 0.3}), lambda g: [torch.randn(50, generator=g)]),
     (OperatorDef("Scale", ["x"], ["x"], {"scale": 0.3}), lambda g: [torch.randint(0, 9, (50,), generator=g)]),
     (OperatorDef("Sum", ["a", "b", "c"], ["a"]), lambda g: [torch.randn(5, 7, generator=g) for _ in range(3)]),
+    (OperatorDef("WeightedSum", ["g", "one", "p", "wd"], ["g"]),
+     lambda g: [torch.randn(40, generator=g), torch.ones(1), torch.randn(40, generator=g), torch.tensor([1e-4])]),
     *[(OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "p"], ["g", "m", "p"],
                    {"momentum": 0.9, "nesterov": nesterov}),
        lambda g: [torch.randn(300, generator=g), torch.randn(300, generator=g), torch.tensor([0.05]),
