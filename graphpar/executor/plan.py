@@ -53,7 +53,7 @@ class Step(NamedTuple):
     def with_kernel(self, kernel: Callable[..., Any], reuse_kernel: Callable[..., Any] | None = None) -> Step:
         """The same step calling `kernel` instead (e.g. a timed wrapper of its own), and `reuse_kernel`
         instead of its reuse kernel (None: the step never reuses its input)."""
-        reuse = self.reuse and reuse_kernel and Reuse(reuse_kernel, self.reuse.input)
+        reuse = self.reuse and reuse_kernel and self.reuse._replace(kernel=reuse_kernel)
         return self._replace(kernel=kernel, reuse=reuse,
                              run=make_run(kernel, self.inputs, self.outputs, self.claims, reuse))
 
@@ -146,7 +146,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     claims = _claims(netdef)
     reused = _reused_inputs(netdef, specs)
     updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE)
-                        or any(holders for _, holders in claims[i]))
+                        or any(holders for _, holders in claims[i]) or reused[i] == 1)
     dependencies = predecessors(netdef)
     staged = _staged(dependencies, updates)
     order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
@@ -186,20 +186,22 @@ def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
 REUSE_MIN_BYTES = 1 << 17  # smaller values are cheaper to allocate anew than to check (benchmarks/op_overhead.py)
 
 
-def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list[bool]:
-    """Per op: whether it may call its reuse kernel (`core.schema.InputReuse`): the op rewrites that
-    input's blob (so no later op reads the old value), an earlier op of the net made the value (a blob
-    loaded from the workspace is never overwritten), and shape inference does not say it is smaller
+def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list[int | None]:
+    """Per op: None, or the known holders of the input its reuse kernel (`core.schema.InputReuse`) may
+    overwrite: 0 for a value an earlier op of the run made, 1 for a blob loaded from the workspace (the
+    workspace holds it; the op then updates state in place, as `WeightedSum([p, one, g, lr], p)` in
+    plain SGD, so it is an update and runs in the plan's second phase). Only where the op rewrites
+    the input's blob (no later op reads the old value) and shape inference does not say it is smaller
     than REUSE_MIN_BYTES. Whether the run owns the tensor is decided on each run (`program.owns`)."""
-    reused: list[bool] = []
+    reused: list[int | None] = []
     written: set[str] = set()
     for op in netdef.ops:
         reuse = get_schema(op.type).reuse
         blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
         spec = specs.get(blob)
         small = spec is not None and spec.numel * spec.dtype.itemsize < REUSE_MIN_BYTES
-        reused.append(blob is not None and blob in op.outputs and blob in written and op.inputs.count(blob) == 1
-                      and not small)
+        rewritten = blob is not None and blob in op.outputs and op.inputs.count(blob) == 1 and not small
+        reused.append(int(blob not in written) if rewritten else None)
         written.update(op.outputs)
     return reused
 
@@ -257,7 +259,8 @@ def checked_torch_device(option: DeviceOption, where: str) -> torch.device:
 
 
 def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, int],
-                streams: Callable[[int], RandomStream], claims: tuple[tuple[int, int], ...], reused: bool) -> Step:
+                streams: Callable[[int], RandomStream], claims: tuple[tuple[int, int], ...],
+                reused: int | None) -> Step:
     where = op_location(netdef, index)
     schema = get_schema(op.type)
     args = parse_args(schema, op.args, where)
@@ -272,7 +275,8 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
     ctx = KernelContext(op=op, device=device, device_of=torch_device, random_stream=random_stream)
     try:
         fn = schema.kernel(args, ctx)
-        reuse = Reuse(schema.reuse.kernel(args, ctx), schema.reuse.input) if reused and not claims else None
+        reuse = (Reuse(schema.reuse.kernel(args, ctx), schema.reuse.input, reused)
+                 if reused is not None and not claims else None)
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc

@@ -51,7 +51,8 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
             lines.append(f"threads({plan.staged_threads})")
         claims = dict(step.claims)
         args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
-        kernel = f"(r{j} if owns(frame, {step.inputs[step.reuse.input]}) else k{j})" if step.reuse else f"k{j}"
+        reuse = step.reuse
+        kernel = f"(r{j} if owns(frame, {step.inputs[reuse.input]}, {reuse.holders}) else k{j})" if reuse else f"k{j}"
         call = f"{kernel}({', '.join(args)})"
         if len(step.outputs) == 1:
             lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
@@ -82,10 +83,12 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
 
 
 class Reuse(NamedTuple):
-    """A step's reuse kernel (`core.schema.InputReuse`) and the position of the input it may overwrite."""
+    """A step's reuse kernel (`core.schema.InputReuse`), the position of the input it may overwrite,
+    and that input's known holders besides the frame (1: the workspace, for a blob loaded from it)."""
 
     kernel: Callable[..., Any]
     input: int
+    holders: int = 0
 
 
 def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...],
@@ -97,10 +100,10 @@ def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...]
     the kernel to call instead when the run owns the input it may overwrite (`owns`).
     """
     if reuse is not None:
-        reused, slot = reuse.kernel, ins[reuse.input]
+        reused, slot, holders = reuse.kernel, ins[reuse.input], reuse.holders
 
         def reusing(frame: list) -> None:
-            kernel = reused if owns(frame, slot) else fn
+            kernel = reused if owns(frame, slot, holders) else fn
             result = kernel(*[frame[i] for i in ins])
             store_all(frame, outs, (result,) if len(outs) == 1 else result)
 

@@ -11,6 +11,7 @@ from graphpar import brew, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, get_schema, parse_args
+from graphpar.errors import OperatorError
 from graphpar.executor import plan, program
 from tests.executor import toy_ops
 
@@ -28,7 +29,9 @@ def _run(name: str, ops: list[OperatorDef], net_type: str, **args: object) -> No
     """Run the ops, plus an independent op on a second CPU device so that "dag" uses its workers."""
     workspace.FeedBlob("other", np.zeros(2, np.float32))
     side = OperatorDef("Scale", ["other"], ["other_scaled"], device_option=CPU1)
-    workspace.RunNetOnce(NetDef(f"{name}_{net_type}", [*ops, side], type=net_type, num_workers=2, args=args))
+    net = NetDef(f"{name}_{net_type}", [*ops, side], type=net_type, num_workers=2, args=args)
+    workspace.CreateNet(net)  # (RunNetOnce keeps the workspace's blobs to restore on error: no reuse of those)
+    workspace.RunNet(net.name)
 
 
 @pytest.mark.parametrize("net_type", NET_TYPES)
@@ -43,13 +46,56 @@ def test_a_value_the_run_made_and_rewrites_is_reused(net_type: str, dynamic: boo
 
 
 @pytest.mark.parametrize("net_type", NET_TYPES)
-def test_a_blob_loaded_from_the_workspace_is_never_overwritten(net_type: str):
+def test_a_loaded_blob_that_only_the_workspace_holds_is_updated_in_place(net_type: str):
     workspace.FeedBlob("x", np.ones(3, np.float32))
-    fed = workspace.get_workspace().blobs["x"]
-    _run("loaded", [OperatorDef("_TestAddOne", ["x"], ["x"], device_option=CPU0)], net_type)
-    assert toy_ops.REUSED == []
-    np.testing.assert_array_equal(fed.numpy(), [1.0] * 3)  # the fed tensor kept its values
+    tensor = workspace.get_workspace().blobs["x"]
+    address = tensor.data_ptr()
+    del tensor
+    _run("loaded", [OperatorDef("_TestAddOne", ["x"], ["x"], name="update", device_option=CPU0)], net_type)
+    assert toy_ops.REUSED == ["update"]
+    assert workspace.get_workspace().blobs["x"].data_ptr() == address
     np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+def test_a_loaded_blob_someone_else_holds_is_not_overwritten(net_type: str):
+    workspace.FeedBlob("x", np.ones(3, np.float32))
+    held = workspace.get_workspace().blobs["x"]
+    _run("held", [OperatorDef("_TestAddOne", ["x"], ["x"], device_option=CPU0)], net_type)
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(held.numpy(), [1.0] * 3)  # the caller's tensor kept its values
+    np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
+
+
+@pytest.mark.parametrize("net_type", NET_TYPES)
+def test_a_run_that_fails_before_its_updates_leaves_a_reusable_loaded_blob_as_it_was(net_type: str):
+    workspace.FeedBlob("x", np.ones(3, np.float32))
+    workspace.FeedBlob("z", np.zeros(3, np.float32))
+    net = NetDef(f"fails_{net_type}", [OperatorDef("_TestAddOne", ["x"], ["x"], device_option=CPU0),
+                                       OperatorDef("_TestFail", ["z"], ["w"], device_option=CPU1)],
+                 type=net_type, num_workers=2)
+    workspace.CreateNet(net)
+    assert workspace.get_workspace().nets[net.name].updates == {0}  # reusing a loaded blob makes it an update
+    with pytest.raises(OperatorError, match="boom"):
+        workspace.RunNet(net.name)
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(workspace.FetchBlob("x"), [1.0] * 3)
+
+
+def test_plain_sgd_updates_params_in_their_storage():
+    model = model_helper.ModelHelper(name="sgd")
+    pred = brew.fc(model, "data", "pred", dim_in=6, dim_out=3)
+    model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    model.AddGradientOperators(["loss"])
+    optimizer.build_sgd(model, 0.1)  # WeightedSum([pred_w, one, pred_w_grad, lr], pred_w)
+    workspace.RunNetOnce(model.param_init_net)
+    workspace.FeedBlob("data", np.ones((4, 6), np.float32))
+    workspace.FeedBlob("label", np.zeros(4, np.int32))
+    workspace.CreateNet(model.net)
+    address, before = workspace.get_workspace().blobs["pred_w"].data_ptr(), workspace.FetchBlob("pred_w")
+    workspace.RunNet(model.net.Name())
+    assert workspace.get_workspace().blobs["pred_w"].data_ptr() == address
+    assert not np.array_equal(workspace.FetchBlob("pred_w"), before)
 
 
 @pytest.mark.parametrize("net_type", NET_TYPES)
