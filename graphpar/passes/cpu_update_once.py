@@ -7,10 +7,11 @@ memory traffic. On replicas that are all CPU devices of one process this pass:
 1. turns each Copy of a first-device blob back to the other replicas (the reducer's broadcast) into an
    `Alias` (the same tensor under the other name, no copy), unless an in-place update could write into
    that tensor;
-2. replaces every update op of another replica (Trait.INPLACE_UPDATE) that provably computes what
-   the first device's twin update computed by `Alias` ops binding its outputs (param, optimizer
-   state, gradient) to the twin's outputs; the twin updates its tensors in place, so from the second
-   step on every replica reads the first device's storage;
+2. replaces every update op of another replica (Trait.INPLACE_UPDATE, or an op rewriting in place a
+   blob the run loads, such as plain SGD's `WeightedSum([p, one, g, lr], p)`) that provably computes
+   what the first device's twin update computed by `Alias` ops binding its outputs (param, optimizer
+   state, gradient) to the twin's outputs; from the second step on every replica reads the first
+   device's tensors (which the twin updates in place, or replaces: the aliases rebind every step);
 3. drops the other replicas' ops whose every output is overwritten before anything reads it (the
    weight decay feeding a replaced update, the broadcast of its gradient);
 4. orders the hazard the names hide: from the second step on, `cpu_k/p` and `cpu_0/p` are one tensor
@@ -153,6 +154,15 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
 
+def _updates_state(op: OperatorDef, written: Collection[str]) -> bool:
+    """Whether `op` updates state: an in-place update (not a counter), or an op that writes in place
+    a blob it loads (none of `written`, the blobs earlier ops write)."""
+    if has_trait(op, Trait.INPLACE_UPDATE):
+        return not has_trait(op, Trait.COUNTER)
+    return any(b in op.outputs and b not in written for b in op.inputs) and not any(
+        has_trait(op, trait) for trait in _SIDE_EFFECTS)
+
+
 def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: Collection[NetDef] = ()) -> int:
     """Rewrite `net` (CPU replicas' train net, `init` its param init net, `others` the model's nets
     that run between its steps) as the module docstring says; returns how many updates were replaced."""
@@ -169,8 +179,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
-        if has_trait(op, Trait.INPLACE_UPDATE) and not has_trait(op, Trait.COUNTER) and key is not None \
-                and replica(op) not in (None, master):
+        if key is not None and replica(op) not in (None, master) and _updates_state(op, last_writer):
             twin = numbering.table[key][0]
             if twin != j and replica(ops[twin]) == master and \
                     all(last_writer.get(b) == twin for b in ops[twin].outputs):
@@ -262,7 +271,11 @@ def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: lis
     every update writing the twin's tensors in place (so control inputs can order it)."""
     start, stop = index.position[id(twin)], index.position[id(aliases[0])]
     blobs, shared = {a.outputs[0] for a in aliases}, set(twin.outputs)
-    if index.accessed_between(index.reads, blobs, start, stop) or \
+    # a twin that never writes its inputs' tensors (it makes new ones, or reuses one only where no
+    # other name holds it: never once aliased) leaves the aliased names their old values until the
+    # aliases run, so reading them in between is safe
+    mutates = bool(_inplace_written(twin))
+    if (mutates and index.accessed_between(index.reads, blobs, start, stop)) or \
             index.accessed_between(index.writes, blobs | shared, start, stop):
         return False
     first_mutator = min(index.writers_in_place(shared), default=len(ops))

@@ -93,12 +93,25 @@ def test_a_per_device_update_builder_with_its_own_counters_updates_once_and_iden
     assert_identical(_trained(4, **per_device), _trained(4, cpu_update_once=False, **per_device))
 
 
+PLAIN_SGD = lambda m: optimizer.build_sgd(m, 0.05, weight_decay=1e-3)  # noqa: E731 - WeightedSum updates
+
+
 @pytest.mark.parametrize("build", [lambda m: optimizer.build_adam(m, 0.01),
                                    lambda m: optimizer.build_sgd(m, 0.05, momentum=0.9, nesterov=True,
-                                                                 max_gradient_norm=0.1)],
-                         ids=["adam", "nesterov clipped"])
+                                                                 max_gradient_norm=0.1),
+                                   PLAIN_SGD],
+                         ids=["adam", "nesterov clipped", "plain sgd"])
 def test_other_optimizers_train_bit_identically(build):
     assert_identical(_trained(3, build=build), _trained(3, build=build, cpu_update_once=False))
+
+
+def test_plain_sgd_updates_each_param_once_on_the_first_device():
+    net = _model([0, 1, 2], build=PLAIN_SGD, **ON).net.Proto()
+    updates = [op for op in net.ops if op.type == "WeightedSum" and op.outputs[0] == op.inputs[0]
+               and not op.outputs[0].endswith("_grad")]
+    assert len(updates) == 4 and {op.device_option.device_id for op in updates} == {0}
+    aliases = {op.outputs[0]: op.inputs[0] for op in net.ops if op.type == "Alias"}
+    assert aliases["cpu_2/fc1_w"] == "cpu_0/fc1_w"
 
 
 def test_other_replicas_lose_their_updates_copies_and_weight_decay_and_wait_for_nothing():
