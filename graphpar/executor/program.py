@@ -183,10 +183,11 @@ def claim(frame: list, slot: int, holders: int) -> Any:
 
 
 def owns(frame: list, slot: int, holders: int = 0) -> bool:
-    """Whether only the frame and `holders` others reference the tensor `frame[slot]` and no other
-    tensor (a view, a base) shares its storage: a kernel may then overwrite it unseen. (On every
-    reusing step of every run: the cheap tests come first.)"""
+    """Whether only the frame and `holders` others reference the tensor `frame[slot]`, no other tensor
+    (a view, a base) shares its storage and no two of its elements share memory (it is contiguous;
+    a kernel may return a stride-0 tensor of its own): a kernel may then overwrite it unseen. (On
+    every reusing step of every run: the cheap tests come first.)"""
     value = frame[slot]
     return (_getrefcount(value) == _OWNED + holders and value.__class__ is torch.Tensor
-            and value.layout is torch.strided and _storage_users is not None
+            and value.layout is torch.strided and value.is_contiguous() and _storage_users is not None
             and _storage_users(value.untyped_storage()._cdata) == _SOLE_STORAGE)

@@ -112,6 +112,18 @@ def test_a_value_another_blob_shares_is_not_overwritten(net_type: str, sharer: O
     np.testing.assert_array_equal(workspace.FetchBlob("x"), [2.0] * 3)
 
 
+@pytest.mark.parametrize("net_type", NET_TYPES)
+def test_a_value_whose_elements_share_memory_is_not_overwritten(net_type: str):
+    """A stride-0 tensor holds its storage alone, yet writing one element would change another."""
+    _run("expanded", [OperatorDef("ConstantFill", [], ["x"], {"shape": [3], "value": 1.0}, device_option=CPU0),
+                      OperatorDef("_TestBroadcast", ["x"], ["e"], device_option=CPU0),
+                      OperatorDef("_TestAddOne", ["e"], ["e"], device_option=CPU0),
+                      OperatorDef("Scale", ["e"], ["y"], device_option=CPU0)],
+         net_type, dynamic_memory_management=1, blobs_to_keep=["y"])
+    assert toy_ops.REUSED == []
+    np.testing.assert_array_equal(workspace.FetchBlob("y"), np.full((2, 3), 2.0))
+
+
 def test_values_shape_inference_knows_to_be_small_are_allocated_anew(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(plan, "REUSE_MIN_BYTES", 4 * 100)
     for name, size in (("small", 99), ("large", 100)):

@@ -56,6 +56,13 @@ def _add_one_in_place(a: Any, ctx: KernelContext) -> Any:
     return run
 
 
+def _broadcast(x: torch.Tensor) -> torch.Tensor:
+    """[2, n] from 1-d `x`: a tensor of its own whose two rows are one memory (stride 0, no base)."""
+    out = torch.empty_strided((2, *x.shape), (0, 1), dtype=x.dtype)
+    out.as_strided(x.shape, (1,)).copy_(x)
+    return out
+
+
 def _like_input(a: Any, ctx: KernelContext, inputs: list) -> list:
     return [inputs[0]]
 
@@ -71,6 +78,7 @@ _OPS: dict[str, dict[str, Any]] = {
     "_TestTwoOut": dict(outputs=2, kernel=lambda a, ctx: lambda x: (x + 1, x * 2)),
     "_TestAddOne": dict(inplace={(0, 0)}, kernel=lambda a, ctx: lambda x: x + 1, reuse=(0, _add_one_in_place),
                         infer=_like_input),
+    "_TestBroadcast": dict(kernel=lambda a, ctx: _broadcast, infer=_unknown),
     "_TestSum3": dict(inputs=3, kernel=lambda a, ctx: lambda x, y, z: x + y + z),
     "_TestSink": dict(outputs=0, kernel=lambda a, ctx: SUNK.append),
     "_TestFail": dict(outputs=(1, 2), kernel=_fail, args={"message": "boom"}, infer=_unknown),
