@@ -7,7 +7,7 @@ element-wise op, `elementwise_grad`. Both name the forward op, so autodiff's cop
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +17,12 @@ from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, KernelContext, OpSchema, gradient_op, register_op
 
 Maker = Callable[[OperatorDef, list], tuple[list[OperatorDef], list]]
+
+
+def shaped(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """`t` with `shape`: `t` itself when it has it already. A kernel's output that is not a view of a
+    temporary is one the plan may reuse or a collective may reduce without a copy (`executor.program.owns`)."""
+    return t if t.shape == tuple(shape) else t.reshape(shape)
 
 
 def op_label(op: OperatorDef) -> str:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, KernelContext, Trait, gradient_op, register_op
-from graphpar.ops.common import elementwise_grad, one_input_gradient, op_label, register_gradient
+from graphpar.ops.common import elementwise_grad, one_input_gradient, op_label, register_gradient, shaped
 
 aten = torch.ops.aten
 
@@ -103,7 +103,7 @@ def _fc(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
                 f"output rows (shape {tuple(w.shape)})"
             )
         axis = a.axis + x.dim() if a.axis < 0 else a.axis
-        return F.linear(x2, w2, b.reshape(-1)).reshape(*x.shape[:axis], w2.shape[0])
+        return shaped(F.linear(x2, w2, b.reshape(-1)), (*x.shape[:axis], w2.shape[0]))
 
     return fc
 
@@ -128,10 +128,8 @@ def _fc_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     def fc_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
         x2, w2 = flatten_2d(x, a.axis, ctx.op), flatten_2d(w, a.axis_w, ctx.op)
         dy2 = dy.reshape(x2.shape[0], w2.shape[0])
-        dw, db = dy2.t().mm(x2), dy2.sum(0)
-        if dw.shape != w.shape:  # 2-D W: dW is the product itself, no view (a collective reduces it uncopied)
-            dw = dw.reshape(w.shape)
-        return (dw, db, dy2.mm(w2).reshape(x.shape)) if with_dx else (dw, db)
+        dw, db = shaped(dy2.t().mm(x2), w.shape), dy2.sum(0)
+        return (dw, db, shaped(dy2.mm(w2), x.shape)) if with_dx else (dw, db)
 
     return fc_grad
 
