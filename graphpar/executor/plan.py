@@ -79,7 +79,8 @@ class Plan:
     replicas that own updates compute (with CPU replicas that update once, only the first device).
 
     Staging: `updates` are the steps that update state in place (Trait.INPLACE_UPDATE, and those that
-    overwrite a blob loaded from the workspace: Trait.OVERWRITES_INPUTS, see `_claims`). Every executor
+    may overwrite a blob loaded from the workspace: Trait.OVERWRITES_INPUTS, see `_claims`, and reuse
+    kernels of a loaded blob, see `_reused_inputs`). Every executor
     runs a plan in two phases: first every step that depends on no update (`order[:staged_from]`),
     then, once they all succeeded and `state_guard` passed (`executor.frame.StateGuard`), the
     updates and the steps that depend on them (`order[staged_from:]`); each phase respects

@@ -267,13 +267,14 @@ class _Index:
 def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: list[OperatorDef]) -> bool:
     """Whether, in the rewritten `ops`, a replaced update's aliases see what it would have computed and
     no op can see its blobs change under it: no op between the twin and the aliases writes the twin's
-    outputs or touches the aliased blobs, and every op reading an aliased blob as loaded comes before
-    every update writing the twin's tensors in place (so control inputs can order it)."""
+    outputs or touches the aliased blobs (reads are fine when the twin never writes its tensors in
+    place), and every op reading an aliased blob as loaded comes before every update writing the
+    twin's tensors in place (so control inputs can order it)."""
     start, stop = index.position[id(twin)], index.position[id(aliases[0])]
     blobs, shared = {a.outputs[0] for a in aliases}, set(twin.outputs)
     # a twin that never writes its inputs' tensors (it makes new ones, or reuses one only where no
     # other name holds it: never once aliased) leaves the aliased names their old values until the
-    # aliases run, so reading them in between is safe
+    # aliases run
     mutates = bool(_inplace_written(twin))
     if (mutates and index.accessed_between(index.reads, blobs, start, stop)) or \
             index.accessed_between(index.writes, blobs | shared, start, stop):

@@ -62,16 +62,20 @@ def _model(devices: list[int], build=None, **options) -> model_helper.ModelHelpe
     return model
 
 
-def _trained(steps: int, **options) -> dict[str, np.ndarray]:
-    model = _model([0, 1, 2], **options)
+def _train_steps(model: model_helper.ModelHelper, devices: int, steps: int) -> None:
+    """Initialise `model`, then train `steps` steps, each on a fresh random batch per device."""
     rng = np.random.default_rng(0)
     for step in range(steps):
-        for d in range(3):
+        for d in range(devices):
             workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((3, 6), dtype=np.float32))
             workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 3).astype(np.int32))
         if step == 0:
             dpm.RunInitNet(model)
         dpm.RunNet(model, 1)
+
+
+def _trained(steps: int, **options) -> dict[str, np.ndarray]:
+    _train_steps(_model([0, 1, 2], **options), 3, steps)
     return {n: workspace.FetchBlob(n) for n in workspace.Blobs() if n.startswith("cpu_")}
 
 
@@ -169,14 +173,7 @@ def test_state_fed_to_one_replica_alone_is_replaced_by_the_first_devices():
 def test_dag_stress_matches_simple_and_a_test_model_reads_the_shared_params():
     def run(net_type: str) -> tuple[dict, np.ndarray]:
         model = _model([0, 1, 2, 3], net_type=net_type, **ON)
-        rng = np.random.default_rng(0)
-        for step in range(25):
-            for d in range(4):
-                workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((3, 6), dtype=np.float32))
-                workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 3, 3).astype(np.int32))
-            if step == 0:
-                dpm.RunInitNet(model)
-            dpm.RunNet(model, 1)
+        _train_steps(model, 4, 25)
         test = model_helper.ModelHelper(name="update_once_test", init_params=False)
         dpm.Parallelize(test, input_builder_fun=lambda m: None,
                         forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=6, hidden=(8,), num_classes=3),
