@@ -184,7 +184,7 @@ def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
     return claims
 
 
-REUSE_MIN_BYTES = 1 << 17  # smaller values are cheaper to allocate anew than to check (benchmarks/op_overhead.py)
+REUSE_MIN_BYTES = 1 << 17  # smaller values are cheaper to allocate anew than to check (docs/engine.md)
 
 
 def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list[int | None]:
