@@ -33,7 +33,7 @@ import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 from graphpar import workspace
@@ -41,7 +41,14 @@ from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
+from graphpar.devices import (
+    can_access_peer,
+    check_balance,
+    cuda_is_simulated,
+    num_cuda_devices,
+    physical_gpu,
+    shares_a_gpu,
+)
 from graphpar.distributed import Rendezvous, parse_rendezvous
 from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
@@ -204,7 +211,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
 
     Raises:
         ParallelizeError: inside a non-CPU DeviceScope, no devices, duplicate or negative device ids,
-            nonexistent CUDA device ids, a bad net_type or num_threads_per_device, both update
+            nonexistent CUDA device ids, use_nccl with two replicas on one GPU (a device map, see
+            `graphpar.devices`), a bad net_type or num_threads_per_device, both update
             builders, shared_model on CUDA, a builder returning something other than a list of loss
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
@@ -223,6 +231,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
                             shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    if not cpu_device and use_nccl and shares_a_gpu(layout.devices):
+        raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
+                               f"places CUDA devices {list(layout.devices)} on GPUs "
+                               f"{[physical_gpu(d) for d in layout.devices]}; use the tree all-reduce "
+                               f"(use_nccl=False) or a map with one replica per GPU")
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
     options = ParallelizeOptions(
@@ -794,7 +807,8 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
         missing = [d for d in ids if d >= num_cuda_devices()]
         if missing:
             raise ParallelizeError(f"Parallelize: CUDA device(s) {missing} do not exist ({num_cuda_devices()} "
-                                   f"visible); use existing ids, cpu_device=True, or GRAPHPAR_CUDA_ON_CPU=1")
+                                   f"visible); use existing ids, cpu_device=True, GRAPHPAR_CUDA_ON_CPU=1, or a device "
+                                   f"map (GRAPHPAR_DEVICE_MAP=0,0,0,0: several replicas on one GPU)")
     return ids
 
 
@@ -893,18 +907,11 @@ def _unchanged_on_error(model: ModelHelper) -> Iterator[None]:
 
 
 def _peer_access(layout: DeviceLayout) -> PeerAccess | None:
-    """P2P access between real CUDA devices; None (full access) on CPU or simulated CUDA."""
+    """P2P access between real CUDA devices (`devices.can_access_peer`, through the device map); None
+    (full access) on CPU or simulated CUDA."""
     if layout.device_type != CUDA or cuda_is_simulated():
         return None
     return can_access_peer
-
-
-@cache
-def can_access_peer(root: int, peer: int) -> bool:
-    """Whether CUDA device `root` may read `peer`'s memory (`torch.cuda.can_device_access_peer`)."""
-    import torch
-
-    return root == peer or bool(torch.cuda.can_device_access_peer(root, peer))
 
 
 def _replica_scopes(layout: DeviceLayout, start: int = 0) -> str:

@@ -45,6 +45,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def faked_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GRAPHPAR_FAKE_GPUS=<n>, every test runs as if the machine had n GPUs (tests/fake_gpus.py)."""
+    count = os.environ.get("GRAPHPAR_FAKE_GPUS")
+    if count:
+        from tests.fake_gpus import fake_gpus
+
+        fake_gpus(monkeypatch, int(count))
+
+
 @pytest.fixture
 def placed(monkeypatch: pytest.MonkeyPatch) -> list:
     """Record every DeviceOption the executor and FeedBlob resolve (logical CUDA runs on the CPU)."""

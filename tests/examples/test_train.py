@@ -27,18 +27,18 @@ def _params() -> dict[str, np.ndarray]:
 
 
 def test_default_run_reaches_the_stated_accuracy(tmp_path, capsys):
-    assert train.main(["--checkpoint", str(tmp_path / "ckpt.safetensors")]) == 0
+    assert train.main(["--cpu", "--checkpoint", str(tmp_path / "ckpt.safetensors")]) == 0
     assert _final_accuracy(capsys.readouterr().out) > 0.95
     assert (tmp_path / "ckpt.safetensors").exists()
 
 
 def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
-    common = ["--devices", "2", "--epochs", "3", "--lr-step-epochs", "2"]
+    common = ["--cpu", "--devices", "2", "--epochs", "3", "--lr-step-epochs", "2"]
     train.main([*common, "--checkpoint", str(tmp_path / "a.safetensors")])
     uninterrupted = _params()
     assert workspace.FetchBlob("optimizer_iteration")[0] == 3 * (1437 // 64)
 
-    train.main(["--devices", "2", "--epochs", "2", "--lr-step-epochs", "2",
+    train.main(["--cpu", "--devices", "2", "--epochs", "2", "--lr-step-epochs", "2",
                 "--checkpoint", str(tmp_path / "b.safetensors")])
     halfway = _params()
     train.main([*common, "--checkpoint", str(tmp_path / "b.safetensors"), "--resume"])
@@ -70,12 +70,12 @@ def test_bad_options_are_refused_with_a_clear_message(tmp_path, capsys, argv, me
 
 def test_resuming_a_finished_run_says_how_to_train_longer(tmp_path, capsys):
     ckpt = str(tmp_path / "c.safetensors")
-    assert train.main(["--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt]) == 0
+    assert train.main(["--cpu", "--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt]) == 0
     out = capsys.readouterr().out
     assert "final test accuracy" in out and "nan" not in out
     metrics = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
     assert metrics[-1]["iteration"] == 1437 // 63 - 1 and 0 < metrics[-1]["test_accuracy"] <= 1
-    assert train.main(["--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt,
+    assert train.main(["--cpu", "--devices", "7", "--batch-size", "63", "--epochs", "1", "--checkpoint", ckpt,
                        "--resume"]) == 0
     assert "nothing to do: " in (out := capsys.readouterr().out) and "--epochs 5" in out and "nan" not in out
 
@@ -104,12 +104,12 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, capsys, mo
         return run_net(model, n)
 
     monkeypatch.setattr(dpm, "RunNet", interrupted)
-    assert train.main(["--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt)]) == 130
+    assert train.main(["--cpu", "--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt)]) == 130
     err = capsys.readouterr().err
     assert "interrupted at iteration 29" in err and "--resume" in err and "Traceback" not in err
     assert checkpoint.read_metadata(ckpt)["iteration"] == 22  # the first epoch's, intact
     monkeypatch.setattr(dpm, "RunNet", run_net)
-    assert train.main(["--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt), "--resume"]) == 0
+    assert train.main(["--cpu", "--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
 
 
@@ -157,10 +157,10 @@ def _checkpoint(path) -> dict[str, np.ndarray]:
 def test_two_processes_train_and_resume_like_one_and_a_two_process_checkpoint_resumes_on_one(tmp_path, capsys):
     """2 processes x 2 CPU devices (gloo) == 1 x 4 bit for bit, after a resume on 2 processes and after
     resuming their checkpoint on 1 process."""
-    common = ["--epochs", "2", "--lr-step-epochs", "1"]
+    common = ["--cpu", "--epochs", "2", "--lr-step-epochs", "1"]
     train.main([*common, "--devices", "4", "--checkpoint", str(tmp_path / "one.safetensors")])
     uninterrupted = _checkpoint(tmp_path / "one.safetensors")
-    two = ["--devices", "2", "--num-processes", "2", "--lr-step-epochs", "1"]
+    two = ["--cpu", "--devices", "2", "--num-processes", "2", "--lr-step-epochs", "1"]
     assert train.main([*two, "--epochs", "1", "--checkpoint", str(tmp_path / "two.safetensors")]) == 0
     (tmp_path / "copy.safetensors").write_bytes((tmp_path / "two.safetensors").read_bytes())
     assert train.main([*two, "--epochs", "2", "--checkpoint", str(tmp_path / "two.safetensors"), "--resume"]) == 0

@@ -118,12 +118,14 @@ def test_the_wiring_of_one_run_step_by_step():
 
 def test_the_dag_executor_runs_through_the_injected_backend(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
-    fake = FakeStreams()
+    fake, before = FakeStreams(), current_streams()  # torch's streams on a machine with a GPU
     with cuda_on_cpu(), stream_backend(fake):
         assert current_streams() is fake
         _feed()
         workspace.RunNetOnce(_net("dag"))
-    assert current_streams() is NO_STREAMS
+    assert current_streams() is before
+    with cuda_on_cpu():
+        assert current_streams() is NO_STREAMS  # logical CUDA placed on the CPU: no streams, GPU or not
     np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
     actions = [entry[0] for entry in fake.log]
     assert actions.count("run on") == 5 and actions.count("host waits") == 1

@@ -17,6 +17,7 @@ from graphpar.passes import analyze, pipeline
 from graphpar.passes.pipeline import PIPELINE, Pass
 from graphpar.passes.state import ParallelState
 from graphpar.visualize import op_kind
+from tests.fake_gpus import fake_gpus
 
 
 def _parallelize(name: str = "pipe", forward=None, **options) -> model_helper.ModelHelper:  # noqa: ANN001
@@ -112,18 +113,11 @@ def test_visualize_and_analyze_agree_on_what_moves_data_between_devices():
 
 
 def test_peers_without_p2p_access_get_copies_on_real_cuda(monkeypatch: pytest.MonkeyPatch):
-    """The wiring from torch.cuda.can_device_access_peer to the reducer (CUDA placed on the CPU to run)."""
-    import torch
-
+    """The wiring from torch.cuda.can_device_access_peer to the reducer (CUDA placed on the CPU to run),
+    on a faked 4-GPU machine: the test once asked a real 1-GPU machine about devices 1-3."""
     islands = {0: 0, 1: 0, 2: 1, 3: 1}
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: islands[a] == islands[b])
-    monkeypatch.setattr(dpm, "cuda_is_simulated", lambda: False)  # Parallelize plans for real GPUs...
-    monkeypatch.setattr(dpm, "num_cuda_devices", lambda: 4)
-    dpm.can_access_peer.cache_clear()
-    try:
-        model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False)
-    finally:
-        dpm.can_access_peer.cache_clear()
+    fake_gpus(monkeypatch, 4, peer=lambda a, b: islands[a] == islands[b])  # Parallelize plans for real GPUs...
+    model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False)
     copies = [op for op in model.net.Proto().ops if op.type == "Copy" and op.outputs[0].endswith("_gpu2_copy")]
     assert [op.outputs[0] for op in copies] == [f"gpu_0/{g}_gpu2_copy" for g in reversed(model._grad_names)]
     assert all(op.args["input_device_ids"] == [2] for op in copies)
