@@ -357,12 +357,13 @@ def _feedable(leaf: Any) -> bool:
 
 
 def _feed_all(prepared: list[tuple[str, Any]]) -> None:
-    """Feed every (name, value); if one fails, restore what was there before (nothing changes)."""
+    """Feed every (name, value); if one fails, restore what was there before (nothing changes). A tensor
+    already on its blob's GPU is stored as it is (`Workspace.feed_blob(alias=True)`)."""
     ws = workspace.get_workspace()
     before = {name: ws.blobs.get(name) for name, _ in prepared}
     try:
         for name, value in prepared:
-            workspace.FeedBlob(name, value)
+            ws.feed_blob(name, value, alias=True)
     except BaseException:
         for name, old in before.items():
             if old is None:

@@ -16,9 +16,12 @@ re-raised by the consumer's `next()` with its original traceback. `close()` (als
 `with` block, on starting another epoch, and when a consumer drops the epoch's iterator) stops the
 thread and joins it.
 
-On CPU (and logical CUDA devices placed on the CPU) there is no copy to make: the thread overlaps the
-loading with the step the same way. The CUDA copy path has been run here only with a recording
-stand-in for the copier (no GPU on the development machine).
+A batch whose tensors are already on their device (a loader that produces CUDA tensors) is used as
+it is: no pinning, no copy, and `feed` stores those tensors without copying them (the blobs alias
+them; see `graphpar.data.feed`). On CPU (and logical CUDA devices placed on the CPU) there is no copy
+to make: the thread overlaps the loading with the step the same way. The CUDA copy path has been run
+on a GPU only as the issue-21 report describes (an H100, before the already-on-device rule); here it
+is tested with stand-ins (a recording copier, and the meta device standing in for a GPU).
 """
 
 from __future__ import annotations
@@ -30,15 +33,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from graphpar.core.ir import CUDA
+from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.data import Prepared, prepare
-from graphpar.devices import cuda_is_simulated
+from graphpar.devices import cuda_is_simulated, torch_device
 
 __all__ = ["CudaCopier", "DeviceFeeder"]
 
 
 class CudaCopier:
-    """Host-to-device copies on one side stream per CUDA device, through pinned host memory."""
+    """Host-to-device copies on one side stream per (logical) CUDA device, through pinned host memory.
+
+    A tensor already on its device is used as it is (no copy, as MMCV's scatter); one on another
+    GPU is copied there on the side stream, never through the host. Logical devices that share a
+    GPU (`graphpar.devices.device_map`) each have their own side stream.
+    """
 
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
@@ -47,18 +55,22 @@ class CudaCopier:
         import torch
 
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device] = torch.cuda.Stream(_target(device))
         return self._streams[device]
 
     def copy(self, device: int, value: Any) -> Any:
-        """`value` on CUDA `device`, copied asynchronously on the device's side stream."""
+        """`value` on CUDA `device`, copied asynchronously on the device's side stream (or as it is,
+        when it is there already)."""
         import torch
 
+        target = _target(device)
         tensor = torch.as_tensor(value)
-        if not tensor.is_pinned():
+        if tensor.device == target:
+            return tensor
+        if tensor.device.type == "cpu" and not tensor.is_pinned():
             tensor = tensor.pin_memory()
         with torch.cuda.stream(self._stream(device)):
-            return tensor.to(torch.device("cuda", device), non_blocking=True)
+            return tensor.to(target, non_blocking=True)
 
     def record(self, device: int) -> Any:
         """An event recorded on the device's side stream after the copies queued so far."""
@@ -123,6 +135,11 @@ class DeviceFeeder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _target(device: int) -> Any:
+    """The torch device of logical CUDA device `device` (through the device map)."""
+    return torch_device(DeviceOption(CUDA, device))
 
 
 def _prepare(model: Any, dim: int, copier: Any, batch: Any) -> Prepared:

@@ -55,7 +55,7 @@ import torch
 from graphpar.core import net as core_net
 from graphpar.core.ir import DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import device_option_for_blob, num_cuda_devices
+from graphpar.devices import can_access_peer, device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
@@ -147,8 +147,12 @@ class Workspace:
         self._compiles = 0
         self._epoch += 1
 
-    def feed_blob(self, name: str, value: Any, device_option: DeviceOption | None = None) -> None:
+    def feed_blob(self, name: str, value: Any, device_option: DeviceOption | None = None, *,
+                  alias: bool = False) -> None:
         """Store a copy of `value` as blob `name` (see the module docstring for dtypes and devices).
+
+        `alias=True` (what `graphpar.data.feed` uses): a contiguous tensor already on the blob's
+        device, a GPU, is stored as it is, without a copy: the blob aliases it. Anything else is copied.
 
         Raises:
             TypeError: `name` is not a non-empty str, or `value` is not a numeric array, tensor,
@@ -162,7 +166,10 @@ class Workspace:
             return
         option = _feed_device_option(key, device_option)
         device = checked_torch_device(option, f"FeedBlob({key!r})")
-        self.blobs[key] = _to_tensor(key, value, device)
+        if alias and _on_accelerator(value, device):
+            self.blobs[key] = value.detach() if value.requires_grad else value
+        else:
+            self.blobs[key] = _to_tensor(key, value, device)
         self.loaded.pop(key, None)
         self.objects.pop(key, None)
 
@@ -371,6 +378,12 @@ def _is_text(value: Any) -> bool:
     return value.dtype.kind != "O" or all(isinstance(v, (bytes, str)) for v in value.flat)
 
 
+def _on_accelerator(value: Any, device: torch.device) -> bool:
+    """Whether `value` is a contiguous tensor already on `device`, and that is not the CPU."""
+    return (isinstance(value, torch.Tensor) and device.type != "cpu" and value.device == device
+            and value.is_contiguous())
+
+
 def _to_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
     """A fresh tensor on `device` holding `value`; raise TypeError for anything but numeric data."""
     if isinstance(value, torch.Tensor):
@@ -530,7 +543,8 @@ def Workspaces() -> list[str]:  # noqa: N802
 
 
 def NumCudaDevices() -> int:  # noqa: N802
-    """The number of real CUDA devices (0 without GPUs, even when CUDA is simulated on the CPU)."""
+    """The number of CUDA devices: the real GPUs (0 without, even when CUDA is simulated on the CPU),
+    or the logical devices of a device map (`graphpar.devices.device_map`)."""
     return num_cuda_devices()
 
 
@@ -554,7 +568,7 @@ def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802
 def GetGpuPeerAccessPattern() -> np.ndarray:  # noqa: N802
     """A [n, n] bool matrix: whether GPU i can access GPU j's memory directly (empty without GPUs)."""
     n = num_cuda_devices()
-    return np.array([[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)],
+    return np.array([[i == j or can_access_peer(i, j) for j in range(n)] for i in range(n)],
                     dtype=bool).reshape(n, n)
 
 

@@ -14,9 +14,11 @@ import torch
 
 from graphpar import brew, optimizer, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.core.ir import CUDA
 from graphpar.data import DataContainer, DeviceFeeder, Prepared, collate, feed
 from graphpar.devices import cuda_on_cpu
 from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer
+from graphpar.feeder import CudaCopier
 from graphpar.model_helper import ModelHelper
 from tests.test_trainer import _batches, _model, _params
 
@@ -174,6 +176,45 @@ def test_side_stream_copy_path_on_logical_cuda_devices():
         other = _relu_model(devices=(0, 1), gpu=True)
         with pytest.raises(ValueError, match=r"prepared for devices gpu_\[3, 1\], not this model's gpu_\[0, 1\]"):
             feed(other, batches[0])
+
+
+def test_a_batch_already_on_its_device_is_used_as_it_is(monkeypatch):
+    """The meta device stands in for a GPU. CudaCopier neither pins nor copies a tensor already on its
+    device (it raised "cannot pin ... only dense CPU tensors can be pinned"), and feed stores the
+    chunks of such a tensor without copying them: the blobs alias the caller's tensor."""
+    import graphpar.feeder
+
+    gpu = torch.device("meta")
+    monkeypatch.setattr(graphpar.feeder, "torch_device", lambda option: gpu)
+    x = torch.empty(4, 2, device=gpu)
+    assert CudaCopier().copy(1, x) is x
+    monkeypatch.setattr(workspace, "checked_torch_device",
+                        lambda option, where: gpu if option.device_type == CUDA else torch.device("cpu"))
+    ws = workspace.get_workspace()
+    with cuda_on_cpu():
+        model = _relu_model(devices=(0, 1), gpu=True)
+        feed(model, {"x": x})
+        assert [ws.blobs[f"gpu_{d}/x"]._base is x for d in (0, 1)] == [True, True]  # views of x's rows
+        feed(model, {"x": x}, dim=1)  # columns are not contiguous: a copy on the device
+        assert ws.blobs["gpu_0/x"]._base is None and ws.blobs["gpu_0/x"].device == gpu
+        workspace.FeedBlob("gpu_0/x", x)  # Caffe2's FeedBlob always copies
+        assert ws.blobs["gpu_0/x"] is not x and ws.blobs["gpu_0/x"]._base is None
+        host = torch.ones(4, 2)
+        feed(_relu_model(devices=(0, 1)), {"x": host})  # host values are copied as before
+        assert ws.blobs["cpu_0/x"]._base is None
+
+
+@pytest.mark.cuda
+def test_a_loader_of_cuda_tensors_feeds_them_as_they_are():
+    model = _relu_model(devices=(0,), gpu=True)
+    x = torch.arange(8.0, device="cuda").reshape(4, 2)
+    with DeviceFeeder([{"x": x}, {"x": x.cpu()}], model) as feeder:
+        on_device, from_host = list(feeder)
+    feed(model, on_device)
+    assert workspace.FetchTensor("gpu_0/x").data_ptr() == x.data_ptr()
+    feed(model, from_host)  # pinned, then copied on the side stream
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(workspace.FetchBlob("gpu_0/x"), x.cpu().numpy())
 
 
 def test_the_trainer_fed_by_a_device_feeder_equals_the_plain_loader():
