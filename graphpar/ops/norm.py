@@ -5,6 +5,10 @@ Channels are axis 1 (NCHW); statistics reduce over every other axis, so [N, C], 
 variance is updated with the unbiased batch variance (as PyTorch; Caffe2 of 2018 used the biased one),
 normalisation uses the biased one.
 
+On CUDA, training SpatialBN and its gradient run cuDNN's batch norm wherever PyTorch's own
+`F.batch_norm` would (`_uses_cudnn`); elsewhere (CPU, 2-d inputs, bfloat16, cudnn disabled, ...)
+PyTorch's native kernels. Inter-device batch norm keeps its own exact statistics path.
+
 Inter-device batch norm (SPEC §7.7, `num_batches` = N devices): every device's SpatialBN receives the
 per-channel Σx and Σx² summed over all devices (ChannelStats + Sum) and normalises with the statistics
 of the global batch, count = N·H·W·num_batches, or, given the summed per-device counts as an eighth
@@ -16,6 +20,7 @@ divided by num_batches, because the gradient all-reduce that follows sums the pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +35,7 @@ from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import nhwc_capable, require_nchw
 
 aten = torch.ops.aten
+_CUDNN_RESERVE = "_graphpar_cudnn_reserve"  # attribute of a saved mean made by cuDNN: its reserve space
 
 
 def _reduce_dims(x: torch.Tensor) -> tuple[int, ...]:
@@ -75,8 +81,32 @@ def _per_channel_inputs(*vectors: int, like_x: tuple[int, ...] = ()) -> InputChe
 # ----------------------------------------------------------------------------------------------------
 
 
+def _uses_cudnn(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor | None,
+                rv: torch.Tensor | None, epsilon: float) -> bool:
+    """Whether torch would run cuDNN's batch norm here (`F.batch_norm`'s own choice: a CUDA input of
+    3+ dims, a supported dtype, epsilon and batch size, `torch.backends.cudnn.enabled`)."""
+    select = getattr(torch._C, "_select_batch_norm_backend", None)
+    return select is not None and select(x, scale, bias, rm, rv, True, epsilon) == torch._C._BatchNormBackend.Cudnn
+
+
+def _cudnn_forward(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor,
+                   factor: float, epsilon: float) -> tuple[torch.Tensor, ...]:
+    """cuDNN's training forward: Y, saved mean, saved inverse std, the reserve space its backward
+    needs; updates rm and rv in place by `factor` (the weight of the new value)."""
+    return aten.cudnn_batch_norm(x, scale, bias, rm, rv, True, factor, epsilon)
+
+
+def _cudnn_backward(x: torch.Tensor, dy: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
+                    inv_std: torch.Tensor, epsilon: float, reserve: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """cuDNN's training backward: dX, dscale, dbias (dY in X's memory format, as torch passes it)."""
+    dy = dy.contiguous(memory_format=x.suggest_memory_format())
+    return aten.cudnn_batch_norm_backward(x, dy, scale, None, None, mean, inv_std, epsilon, reserve)
+
+
 def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
-    """Training with this batch's own statistics (PyTorch's fused kernel on cloned running stats)."""
+    """Training with this batch's own statistics: cuDNN's kernel where torch would use it (CUDA), else
+    PyTorch's native fused kernel, on cloned running stats. cuDNN's reserve space rides on the saved
+    mean (`_CUDNN_RESERVE`) to SpatialBNGradient, as autograd saves it for torch's backward."""
 
     def bn(
         x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor
@@ -86,7 +116,11 @@ def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
                 f"{op_label(ctx.op)}: training needs more than one value per channel, "
                 f"got input shape {tuple(x.shape)}"
             )
-        rm, rv = rm.clone(), rv.clone()  # native_batch_norm updates the running stats in place
+        rm, rv = rm.clone(), rv.clone()  # both kernels update the running stats in place
+        if _uses_cudnn(x, scale, bias, rm, rv, a.epsilon):
+            y, mean, inv_std, reserve = _cudnn_forward(x, scale, bias, rm, rv, 1.0 - a.momentum, a.epsilon)
+            setattr(mean, _CUDNN_RESERVE, reserve)
+            return y, rm, rv, mean, inv_std
         y, mean, inv_std = torch.native_batch_norm(x, scale, bias, rm, rv, True, 1.0 - a.momentum, a.epsilon)
         return y, rm, rv, mean, inv_std
 
@@ -217,9 +251,17 @@ def _spatial_bn_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
         return lambda x, scale, dy, rm, rv: aten.native_batch_norm_backward(
             dy, x, scale, rm, rv, None, None, False, a.epsilon, mask
         )
-    return lambda x, scale, dy, mean, inv_std: aten.native_batch_norm_backward(
-        dy, x, scale, None, None, mean, inv_std, True, a.epsilon, mask
-    )
+    return functools.partial(_bn_grad_local, a.epsilon)
+
+
+def _bn_grad_local(epsilon: float, x: torch.Tensor, scale: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                   inv_std: torch.Tensor) -> tuple:
+    """The training backward: cuDNN's when the forward ran cuDNN's (its saved mean carries the
+    reserve space), else the native one (also right for cuDNN's saved mean and inverse std)."""
+    reserve = getattr(mean, _CUDNN_RESERVE, None)
+    if reserve is not None:
+        return _cudnn_backward(x, dy, scale, mean, inv_std, epsilon, reserve)
+    return aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inv_std, True, epsilon, (True,) * 3)
 
 
 register_gradient(

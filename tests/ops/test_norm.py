@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
 from graphpar.errors import GradientError
-from tests.ops.helpers import check_gradient, gradient_ops, make_op, rel_err, run_kernel, run_op
+from tests.ops.helpers import check_gradient, gradient_ops, make_op, rel_err, run_gradient, run_kernel, run_op
 
 EPS, MOMENTUM = 1e-5, 0.9
 
@@ -274,3 +274,83 @@ def test_spatial_bn_gradient_num_batches_needs_global_sums() -> None:
             [_randn(0, 2, 3, 2, 2), *_params(3)[:1], _randn(1, 2, 3, 2, 2), _randn(2, 3), _randn(3, 3)],
             num_batches=2,
         )
+
+
+# ---------------------------------------------------------------------------------------------------- cuDNN
+
+
+def test_cudnn_is_not_chosen_on_the_cpu() -> None:
+    from graphpar.ops import norm
+
+    x, (scale, bias, rm, rv) = _randn(0, 4, 3, 2, 2, dtype=torch.float32), _params(3, dtype=torch.float32)
+    assert not norm._uses_cudnn(x, scale, bias, rm, rv, EPS)
+
+
+class _CudnnStandIn:
+    """cuDNN's two kernels, computed with the native ones; records the reserve each call sees."""
+
+    def __init__(self) -> None:
+        self.reserves: list = []
+
+    def forward(self, x, scale, bias, rm, rv, factor, eps):  # noqa: ANN001, ANN201
+        reserve = torch.arange(3, dtype=torch.uint8)
+        self.reserves.append(("forward", reserve))
+        return (*torch.native_batch_norm(x, scale, bias, rm, rv, True, factor, eps), reserve)
+
+    def backward(self, x, dy, scale, mean, inv_std, eps, reserve):  # noqa: ANN001, ANN201
+        self.reserves.append(("backward", reserve))
+        return torch.ops.aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inv_std, True, eps,
+                                                         (True,) * 3)
+
+
+@pytest.mark.parametrize("torch_picks_cudnn", [True, False])
+def test_training_uses_cudnn_where_torch_would_and_hands_its_reserve_to_the_gradient(
+        monkeypatch: pytest.MonkeyPatch, torch_picks_cudnn: bool) -> None:
+    """The dispatch, with stand-ins for torch's backend choice and cuDNN's kernels (no GPU here):
+    cuDNN's forward and backward run together, the forward's reserve reaches the backward, and the
+    results equal PyTorch's batch norm and autograd; otherwise the native kernels run."""
+    from graphpar.ops import norm
+
+    cudnn, asked = _CudnnStandIn(), []
+    monkeypatch.setattr(norm, "_uses_cudnn", lambda *args: asked.append(args[-1]) or torch_picks_cudnn)
+    monkeypatch.setattr(norm, "_cudnn_forward", cudnn.forward)
+    monkeypatch.setattr(norm, "_cudnn_backward", cudnn.backward)
+    x = _randn(1, 4, 3, 2, 3) * 3 - 1
+    check_gradient("SpatialBN", [x, *_params(3)], _reference_train, wrt=(0, 1, 2), n_outputs=5)
+    assert asked == [EPS]
+    if torch_picks_cudnn:
+        (_, made), (_, used) = cudnn.reserves
+        assert used is made
+    else:
+        assert cudnn.reserves == []
+
+
+def test_inter_device_bn_keeps_its_exact_statistics_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphpar.ops import norm
+
+    monkeypatch.setattr(norm, "_uses_cudnn", lambda *args: pytest.fail("asked about cuDNN"))
+    x = _randn(2, 4, 3, 2, 2)
+    sums, sumsq = x.sum((0, 2, 3)), x.square().sum((0, 2, 3))
+    run_kernel("SpatialBN", [x, *_params(3), sums, sumsq], n_outputs=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(8, 16, 7, 7), (4, 3, 5)])
+def test_cudnn_spatial_bn_matches_torch_within_cudnn_tolerance(shape: tuple) -> None:
+    from graphpar.ops import norm
+
+    x = _randn(3, *shape, dtype=torch.float32).cuda() * 2 + 0.5
+    params = [p.cuda() for p in _params(shape[1], dtype=torch.float32)]
+    assert norm._uses_cudnn(x, *params, EPS)
+    outputs = run_kernel("SpatialBN", [x, *params], n_outputs=5, device="cuda")
+    assert getattr(outputs[3], norm._CUDNN_RESERVE, None) is not None  # cuDNN ran
+    leaves = [t.detach().clone().requires_grad_(i < 3) for i, t in enumerate([x, *params])]
+    expected = _reference_train(*leaves)
+    for got, want in zip(outputs, expected):
+        assert rel_err(got, want.detach()) < 1e-4
+    dy = torch.randn_like(x)
+    op = make_op("SpatialBN", 5, 5)
+    got = run_gradient(op, [x, *params], outputs, {0: dy})
+    want = torch.autograd.grad(expected[0], leaves[:3], dy)
+    for g, w in zip(got[:3], want):
+        assert rel_err(g, w) < 1e-4
