@@ -56,3 +56,29 @@ def resnet18(in_channels: int, width: int, num_classes: int) -> nn.Module:
             dim_in = dim_out
     return nn.Sequential(_conv_bn(in_channels, width, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1), *blocks,
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(dim_in, num_classes))
+
+
+class _Bottleneck(nn.Module):
+    def __init__(self, dim_in: int, dim_inner: int, dim_out: int, stride: int) -> None:
+        super().__init__()
+        self.branch2a, self.branch2b = _conv_bn(dim_in, dim_inner, 1, stride), _conv_bn(dim_inner, dim_inner, 3)
+        self.branch2c = _conv_bn(dim_inner, dim_out, 1)
+        self.branch1 = _conv_bn(dim_in, dim_out, 1, stride) if stride != 1 or dim_in != dim_out else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.branch2b(F.relu(self.branch2a(x))))
+        return F.relu(self.branch2c(h) + self.branch1(x))
+
+
+def resnet50(in_channels: int, width: int, num_classes: int) -> nn.Module:
+    """`graphpar.models.resnet50`: the stem, bottleneck blocks 3-4-6-3 (stride in the first 1x1, as
+    Caffe2's), pool, `pred`."""
+    blocks: list[nn.Module] = []
+    dim_in = width
+    for stage, count in enumerate((3, 4, 6, 3)):
+        dim_inner = width * 2 ** stage
+        for index in range(count):
+            blocks.append(_Bottleneck(dim_in, dim_inner, dim_inner * 4, 2 if stage > 0 and index == 0 else 1))
+            dim_in = dim_inner * 4
+    return nn.Sequential(_conv_bn(in_channels, width, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1), *blocks,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(dim_in, num_classes))
