@@ -40,7 +40,10 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int, total_memory: int = 8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", can_access)
-    from graphpar import devices
+    from graphpar import devices, workspace
+
+    monkeypatch.setattr(workspace, "has_gpu_support", count > 0)  # read from torch when graphpar is imported
+    monkeypatch.setattr(workspace, "has_cuda_support", count > 0)
 
     # a fresh cache of the P2P answers for this machine (the old one comes back after the test)
     monkeypatch.setattr(devices, "_physical_peer_access", cache(devices._physical_peer_access.__wrapped__))

@@ -22,6 +22,7 @@ from graphpar.errors import ParallelizeError
 from graphpar.models import lenet, mlp
 from graphpar.models.common import softmax_loss
 from graphpar.ops.collective import nccl_backend
+from tests.fake_gpus import fake_gpus
 from tests.fake_nccl import FakeNccl
 
 MLP = functools.partial(mlp, dim_in=6, hidden=(5,), num_classes=3)
@@ -677,7 +678,8 @@ def test_a_cpu_device_scope_is_allowed_and_cpu_devices_default_to_the_core_count
 
 
 @pytest.mark.skipif(num_cuda_devices() > 0, reason="checks the error on machines without CUDA")
-def test_cuda_devices_default_to_none_without_a_gpu():
+def test_cuda_devices_default_to_none_without_a_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 0)  # a machine without GPUs, whatever this one has
     with pytest.raises(ParallelizeError, match="no devices"):
         dpm.Parallelize(model_helper.ModelHelper(name="g"), lambda m: None, MLP, optimizer_builder_fun=sgd())
 

@@ -165,8 +165,9 @@ def test_bad_device_option_type_raises() -> None:
 
 @NO_GPU
 def test_feed_to_missing_cuda_device_explains_simulation() -> None:
+    missing = devices.num_cuda_devices()  # the first id past the machine's GPUs (0 without any)
     with devices.cuda_on_cpu(False), pytest.raises(RuntimeError, match="GRAPHPAR_CUDA_ON_CPU"):
-        workspace.FeedBlob("gpu_0/x", np.ones(2))
+        workspace.FeedBlob(f"gpu_{missing}/x", np.ones(2))
     assert workspace.Blobs() == []
 
 

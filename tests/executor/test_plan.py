@@ -157,8 +157,9 @@ def test_missing_cuda_device_fails_at_create_net() -> None:
     _feed("x")
     net = core.Net("gpu_net")
     net.Relu("x", "y")
-    net.RunAllOnGPU(0)
-    with devices.cuda_on_cpu(False), pytest.raises(RuntimeError, match=r"op #0 \(Relu\).*CUDA device 0"):
+    missing = devices.num_cuda_devices()  # the first id past the machine's GPUs (0 without any)
+    net.RunAllOnGPU(missing)
+    with devices.cuda_on_cpu(False), pytest.raises(RuntimeError, match=rf"op #0 \(Relu\).*CUDA device {missing}"):
         workspace.CreateNet(net)
 
 
