@@ -45,6 +45,7 @@ from graphpar.devices import (
     can_access_peer,
     check_balance,
     cuda_is_simulated,
+    current_device_map,
     num_cuda_devices,
     physical_gpu,
     shares_a_gpu,
@@ -803,8 +804,8 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
                                f"GRAPHPAR_CUDA_ON_CPU=1 to simulate CUDA devices")
     if len(set(ids)) != len(ids) or min(ids) < 0:
         raise ParallelizeError(f"Parallelize: device ids must be unique and >= 0, got {list(ids)}")
-    if not cpu_device and not cuda_is_simulated():
-        missing = [d for d in ids if d >= num_cuda_devices()]
+    if not cpu_device and (not cuda_is_simulated() or current_device_map() is not None):
+        missing = [d for d in ids if d >= num_cuda_devices()]  # with a device map: outside the map
         if missing:
             raise ParallelizeError(f"Parallelize: CUDA device(s) {missing} do not exist ({num_cuda_devices()} "
                                    f"visible); use existing ids, cpu_device=True, GRAPHPAR_CUDA_ON_CPU=1, or a device "

@@ -65,6 +65,8 @@ def test_the_map_comes_from_the_environment_or_the_context(monkeypatch):
             assert devices.current_device_map() is None and devices.physical_gpu(5) == 5
     with pytest.raises(RuntimeError, match=r"CUDA device 3 is not in the device map \[0, 0, 1\]"):
         devices.physical_gpu(3)
+    with devices.cuda_on_cpu(), pytest.raises(ParallelizeError, match=r"CUDA device\(s\) \[3\] do not exist"):
+        _parallelize(_conv_bn_net, [0, 3], gpu=True, combine=False)  # outside the map, simulated or not
     with devices.cuda_on_cpu():  # Parallelize's default devices: the map's logical devices
         model = ModelHelper(name="mapped_default", init_params=False)
         dpm.Parallelize(model, input_builder_fun=lambda m: None,

@@ -25,7 +25,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record t
     local start=$SECONDS
     timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
-    echo "$name: exit $rc in $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (stopped at the ${limit} s limit)")" \
+    echo "$name: exit $rc in $((SECONDS - start)) s$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo " (stopped at the ${limit} s limit)")" \
         | tee -a "$LOGS/summary.txt"
     tail -n 3 "$LOGS/$name.log" | sed 's/^/    /' | tee -a "$LOGS/summary.txt"
     return $rc
