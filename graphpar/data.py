@@ -317,7 +317,9 @@ def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = Non
     Device i of `model.GetDevices()` gets the i-th chunk; names follow `flatten`. Everything is
     checked before the first blob is written, so a batch that is refused feeds nothing. With
     `Parallelize(uneven_batches=True)` it also feeds each replica's `_batch_weight` (N·n_d/n).
-    `batch` may be a `Prepared` one (from `prepare` or a `DeviceFeeder`) for this model.
+    `batch` may be a `Prepared` one (from `prepare` or a `DeviceFeeder`) for this model. A contiguous
+    chunk of a tensor already on its replica's GPU is stored without a copy (the blob aliases the
+    caller's tensor, as MMCV's scatter); everything else is copied, as `FeedBlob` does.
 
     Raises:
         RuntimeError: the model was not parallelized.

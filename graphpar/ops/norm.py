@@ -99,8 +99,16 @@ def _cudnn_forward(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm:
 def _cudnn_backward(x: torch.Tensor, dy: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
                     inv_std: torch.Tensor, epsilon: float, reserve: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """cuDNN's training backward: dX, dscale, dbias (dY in X's memory format, as torch passes it)."""
-    dy = dy.contiguous(memory_format=x.suggest_memory_format())
+    dy = dy.contiguous(memory_format=_memory_format(x))
     return aten.cudnn_batch_norm_backward(x, dy, scale, None, None, mean, inv_std, epsilon, reserve)
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """X's layout: channels-last when it is laid out so (and not plainly contiguous), else contiguous."""
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if last is not None and not x.is_contiguous() and x.is_contiguous(memory_format=last):
+        return last
+    return torch.contiguous_format
 
 
 def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:

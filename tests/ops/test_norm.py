@@ -286,6 +286,20 @@ def test_cudnn_is_not_chosen_on_the_cpu() -> None:
     assert not norm._uses_cudnn(x, scale, bias, rm, rv, EPS)
 
 
+def test_the_cudnn_calls_match_torchs_signatures() -> None:
+    """The arguments bind to aten's schemas (torch 2.13); a CPU build then has no kernel to run."""
+    from graphpar.ops import norm
+
+    x, (scale, bias, rm, rv) = _randn(0, 4, 3, 2, 2, dtype=torch.float32), _params(3, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="Could not run 'aten::cudnn_batch_norm' with arguments from"):
+        norm._cudnn_forward(x, scale, bias, rm, rv, 0.1, EPS)
+    reserve = torch.empty(0, dtype=torch.uint8)
+    with pytest.raises(NotImplementedError, match="Could not run 'aten::cudnn_batch_norm_backward' with"):
+        norm._cudnn_backward(x.to(memory_format=torch.channels_last), x, scale, rm, rv.rsqrt(), EPS, reserve)
+    assert norm._memory_format(x.to(memory_format=torch.channels_last)) == torch.channels_last
+    assert norm._memory_format(x) == norm._memory_format(x[:, :1]) == torch.contiguous_format
+
+
 class _CudnnStandIn:
     """cuDNN's two kernels, computed with the native ones; records the reserve each call sees."""
 
