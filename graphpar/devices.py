@@ -15,6 +15,7 @@ map, and, when CUDA is simulated, the CPU, whatever GPUs the machine has.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -63,12 +64,12 @@ def _parse_map(text: str) -> tuple[int, ...] | None:
 
 def _checked_map(ids: Sequence[int], what: str) -> tuple[int, ...]:
     try:
-        if any(isinstance(i, bool) for i in ids):
+        if isinstance(ids, (str, bytes)) or any(isinstance(i, (bool, str)) for i in ids):
             raise TypeError
-        checked = tuple(int(i) for i in ids if int(i) == i)
-    except (TypeError, ValueError):
+        checked = tuple(operator.index(i) for i in ids)
+    except TypeError:
         raise TypeError(f"{what}: a device map is a list of int physical GPU ids, got {ids!r}") from None
-    if not checked or len(checked) != len(ids) or min(checked) < 0:
+    if not checked or min(checked) < 0:
         raise ValueError(f"{what}: a device map needs one physical GPU id >= 0 per logical device, got {list(ids)}")
     return checked
 
@@ -88,7 +89,7 @@ def device_map(physical: Sequence[int] | None) -> Iterator[None]:
     create, feed and run inside the block. Overrides GRAPHPAR_DEVICE_MAP.
     """
     global _map_override
-    new = None if physical is None else _checked_map(list(physical), "device_map")
+    new = None if physical is None else _checked_map(physical, "device_map")
     old, _map_override = _map_override, new
     try:
         yield

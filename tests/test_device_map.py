@@ -82,8 +82,9 @@ def test_a_bad_map_is_refused_naming_the_fix(monkeypatch, text, error, match):
     monkeypatch.setenv("GRAPHPAR_DEVICE_MAP", text)
     with pytest.raises(error, match=match):
         devices.current_device_map()
-    with pytest.raises(TypeError, match="a list of int physical GPU ids"), devices.device_map([True, 0]):
-        pass
+    for bad in ([True, 0], [0.0], "0,0", 0):
+        with pytest.raises(TypeError, match="a list of int physical GPU ids"), devices.device_map(bad):
+            pass
 
 
 def test_a_map_onto_a_missing_gpu_is_refused_where_the_device_is_placed(monkeypatch):
