@@ -1,0 +1,61 @@
+"""Shard processes for tests/multihost/test_comm.py: the Trainer's recorded scalars and `graphpar.comm`
+across real gloo processes (kept free of pytest, as `workers`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tests.multihost import workers
+
+
+def trainer_scalars(out: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
+                    **options: Any) -> None:
+    """Train the MLP with `graphpar.engine.Trainer` (shard `shard` gets its contiguous share of every
+    global batch) and save the losses it recorded, plus `comm`'s gathers over the model's communicator,
+    to `out` (or the error to `out + ".error"`)."""
+    import torch
+
+    from graphpar import comm, workspace
+    from graphpar.engine import Trainer
+
+    torch.set_num_threads(1)
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = None
+    if num_shards > 1:
+        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    share = workers.GLOBAL_BATCH // num_shards
+    batches = []
+    for step in range(steps * options.get("accumulate_gradients", 1)):
+        x, y = workers.batch("mlp", step)
+        batches.append({"data": x[shard * share:(shard + 1) * share], "label": y[shard * share:(shard + 1) * share]})
+    try:
+        model = workers.build("mlp", devices, rendezvous, **options)
+        trainer = Trainer(model, batches, max_iter=steps)
+        trainer.train()
+        saved = {"loss": np.array([v for _, v in trainer.storage.history["scaled_loss"]])}
+        world = comm.model_world(model)
+        saved["gathered"] = np.array(comm.all_gather(list(range(shard + 1)), world), dtype=object)
+        saved["gather0"] = np.array(comm.gather(f"shard{shard}", 0, world), dtype=object)
+        reduced = comm.reduce_dict({"a": shard + 1.0, "b": 10.0 * shard}, group=world)
+        summed = comm.reduce_dict({"a": shard + 1.0}, average=False, group=world)
+        saved["reduced"] = np.array([reduced["a"], reduced["b"], summed["a"]])
+        comm.synchronize(world)
+        try:
+            comm.reduce_dict({f"name{shard}": 1.0}, group=world)
+        except ValueError as exc:
+            saved["mismatch"] = np.array(str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def trainer_scalars_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:
+    """`trainer_scalars` once per entry of `runs`, into `out_<k>.npz`."""
+    for k, run in enumerate(runs):
+        trainer_scalars(f"{out}_{k}.npz", **{**common, **run})

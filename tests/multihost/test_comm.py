@@ -1,0 +1,48 @@
+"""The Trainer records global scalars under a rendezvous, and `graphpar.comm` gathers across real gloo
+processes (Detectron2's comm tests, here over a FileStore rendezvous)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.multihost import comm_workers
+from tests.multihost.helpers import run_processes
+
+STEPS = 4
+RUNS = [{}, {"accumulate_gradients": 2}]
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    assert not path.with_name(path.name + ".error").exists(), path.with_name(path.name + ".error").read_text()
+    with np.load(path, allow_pickle=True) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.mark.slow
+def test_two_shards_of_two_devices_record_the_losses_of_one_shard_of_four(tmp_path: Path) -> None:
+    """Every shard records the global batch's mean loss, bit-identical to 1 process x 4 devices (it was
+    the local shard's mean / 2), and to one device on the whole batch within float tolerance; comm's
+    all_gather / gather / reduce_dict over the model's communicator give every shard's values."""
+    single = tmp_path / "single"
+    single.mkdir()
+    ref_runs = [{**run, "devices": devices} for run in RUNS for devices in ([0, 1, 2, 3], [0])]
+    codes = run_processes(comm_workers.trainer_scalars_all, [(str(single / "ref"), ref_runs)] + [
+        (str(tmp_path / f"shard{r}"), RUNS) for r in range(2)],
+        [dict(shard=0, num_shards=1, store=str(single), steps=STEPS)]
+        + [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path), steps=STEPS) for r in range(2)])
+    assert codes == [0, 0, 0]
+    for k in range(len(RUNS)):
+        four, one = _load(single / f"ref_{2 * k}.npz"), _load(single / f"ref_{2 * k + 1}.npz")
+        assert len(four["loss"]) == STEPS and four["loss"][0] > 0.5  # a 3-class softmax loss starts near ln 3
+        np.testing.assert_allclose(four["loss"], one["loss"], rtol=1e-5)
+        for r in range(2):
+            got = _load(tmp_path / f"shard{r}_{k}.npz")
+            np.testing.assert_array_equal(got["loss"], four["loss"])
+            assert list(got["gathered"]) == [[0], [0, 1]]
+            assert list(got["gather0"]) == (["shard0", "shard1"] if r == 0 else [])
+            np.testing.assert_array_equal(got["reduced"], [1.5, 5.0, 3.0])
+            assert "different names" in str(got["mismatch"])
+        assert list(four["gathered"]) == [[0]] and list(four["gather0"]) == ["shard0"]
