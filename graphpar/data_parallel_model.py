@@ -42,7 +42,7 @@ from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
-from graphpar.distributed import Rendezvous, parse_rendezvous
+from graphpar.distributed import Rendezvous, default_engine, parse_rendezvous
 from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
@@ -186,7 +186,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             trainer turns it on. See docs/errors.md.
         rendezvous: train over several processes (shards, on one machine or many), each owning
             `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
-            ...}` (see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
+            ...}` (engine default: NCCL on real CUDA devices when torch has it, else GLOO; see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
             the name of a blob written by FileStoreHandlerCreate / TCPStoreHandlerCreate, or None for
             torch.distributed's default group or env://). loss_scale becomes 1/(devices * num_shards);
             every gradient (or bucket) is summed onto the first device, all-reduced across shards and
@@ -221,7 +221,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model)
+                            shared_model=shared_model, default_engine=default_engine(not cpu_device))
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
@@ -315,7 +315,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
-    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF")
+    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF",
+                            default_engine=default_engine(not cpu_device))
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     if not callable(param_update_builder_fun):
         raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
@@ -843,9 +844,9 @@ def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -
 
 
 def _check_rendezvous(rendezvous: Any, max_concurrent: Any, barrier_timeout: Any, what: str = "Parallelize",
-                      **unsupported: bool) -> Rendezvous | None:
+                      default_engine: str = "GLOO", **unsupported: bool) -> Rendezvous | None:
     """The parsed rendezvous, after checking it and the options that go with it (before any change)."""
-    rdv = parse_rendezvous(rendezvous, what)
+    rdv = parse_rendezvous(rendezvous, what, default_engine)
     if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
         raise ParallelizeError(f"{what}: max_concurrent_distributed_ops must be an int >= 1, got {max_concurrent!r}")
     if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or not barrier_timeout > 0:

@@ -59,3 +59,27 @@ def trainer_scalars_all(out: str, runs: list[dict[str, Any]], **common: Any) -> 
     """`trainer_scalars` once per entry of `runs`, into `out_<k>.npz`."""
     for k, run in enumerate(runs):
         trainer_scalars(f"{out}_{k}.npz", **{**common, **run})
+
+
+def local_groups(directory: str) -> None:
+    """For graphpar.launch (2 processes): machines of one process each, then one machine of both;
+    writes each group's size and an all_gather over it, and comm's gathers over the default group."""
+    import os
+
+    import torch.distributed as dist
+
+    from graphpar import comm
+
+    alone = comm.create_local_process_group(1)
+    seen = [dist.get_world_size(group=alone), comm.all_gather(comm.get_rank(), alone), comm.get_local_size()]
+    try:
+        comm.create_local_process_group(2)
+    except RuntimeError as exc:
+        seen.append(str(exc))
+    comm._local_group = None  # a second layout, for the test only
+    both = comm.create_local_process_group(2)
+    seen += [dist.get_world_size(group=both), comm.all_gather(comm.get_rank(), both),
+             comm.reduce_dict({"x": comm.get_rank() + 1.0}), comm.gather(comm.get_rank())]
+    comm.synchronize()
+    with open(os.path.join(directory, f"rank{comm.get_rank()}"), "w") as f:
+        f.write(repr(seen))

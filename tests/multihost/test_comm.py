@@ -46,3 +46,15 @@ def test_two_shards_of_two_devices_record_the_losses_of_one_shard_of_four(tmp_pa
             np.testing.assert_array_equal(got["reduced"], [1.5, 5.0, 3.0])
             assert "different names" in str(got["mismatch"])
         assert list(four["gathered"]) == [[0]] and list(four["gather0"]) == ["shard0"]
+
+
+@pytest.mark.slow
+def test_local_process_groups_split_the_default_group_by_machine(tmp_path: Path) -> None:
+    from graphpar import launch
+
+    launch.launch(comm_workers.local_groups, 2, args=(str(tmp_path),), backend="gloo")
+    for rank in range(2):
+        seen = eval((tmp_path / f"rank{rank}").read_text())  # noqa: S307 - written by the test's own worker
+        assert seen[:3] == [1, [rank], 1]
+        assert "exists already" in seen[3]
+        assert seen[4:] == [2, [0, 1], {"x": 1.5}, [0, 1] if rank == 0 else []]
