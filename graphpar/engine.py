@@ -162,10 +162,15 @@ class PeriodicCheckpointer(HookBase):
         if done % self.period == 0 or done == self.trainer.max_iter:
             self.save(done)
 
+    def metadata(self) -> dict[str, Any]:
+        """JSON data saved in each checkpoint (`DefaultTrainer`'s: the trainer's state_dict)."""
+        return {}
+
     def save(self, iteration: int) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
-        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)))  # carries optimizer_iteration
+        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),  # carries optimizer_iteration
+                        metadata=self.metadata())
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
@@ -523,24 +528,28 @@ class Config(dict):
         return Config(deepcopy(dict(self)))
 
 
-def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Config:
+def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Any:
     """Detectron2's linear scaling rule: the config for `num_workers` devices from one written for
     `SOLVER.REFERENCE_WORLD_SIZE` (0: no scaling). With scale = num_workers / reference:
     IMS_PER_BATCH and BASE_LR are multiplied by it; MAX_ITER, WARMUP_ITERS, STEPS,
     CHECKPOINT_PERIOD and TEST.EVAL_PERIOD divided (rounded); REFERENCE_WORLD_SIZE becomes
-    num_workers. Returns a new config (the input is not changed).
+    num_workers. Returns a new config of the input's kind (a yacs `CfgNode` from `graphpar.config`
+    stays one, frozen if the input was; the input is not changed).
 
     Raises:
         ValueError: num_workers < 1; IMS_PER_BATCH not divisible by the reference world size, or
             the scaled batch not divisible by num_workers; a period or iteration count rounding to 0.
     """
-    cfg = Config(deepcopy(dict(cfg)))
+    frozen = callable(getattr(cfg, "is_frozen", None)) and cfg.is_frozen()
+    cfg = cfg.clone() if callable(getattr(cfg, "defrost", None)) else Config(deepcopy(dict(cfg)))
+    if frozen:
+        cfg.defrost()
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"auto_scale_workers: num_workers must be an int >= 1, got {num_workers!r}")
     solver = cfg.SOLVER
     old = int(solver.get("REFERENCE_WORLD_SIZE", 0))
     if old == 0 or old == num_workers:
-        return cfg
+        return _refreeze(cfg, frozen)
     if solver.IMS_PER_BATCH % old:
         raise ValueError(f"auto_scale_workers: SOLVER.IMS_PER_BATCH={solver.IMS_PER_BATCH} is not divisible by "
                          f"SOLVER.REFERENCE_WORLD_SIZE={old} (invalid REFERENCE_WORLD_SIZE)")
@@ -558,5 +567,11 @@ def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Config:
         raise ValueError(f"auto_scale_workers: MAX_ITER rounds to {solver.MAX_ITER} for {num_workers} workers")
     log.info("auto-scaled the config to batch %d, LR %g, max_iter %d, warmup %d for %d workers",
              solver.IMS_PER_BATCH, solver.BASE_LR, solver.MAX_ITER, solver.WARMUP_ITERS, num_workers)
+    return _refreeze(cfg, frozen)
+
+
+def _refreeze(cfg: Any, frozen: bool) -> Any:
+    if frozen:
+        cfg.freeze()
     return cfg
 
