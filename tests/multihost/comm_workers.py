@@ -83,3 +83,37 @@ def local_groups(directory: str) -> None:
     comm.synchronize()
     with open(os.path.join(directory, f"rank{comm.get_rank()}"), "w") as f:
         f.write(repr(seen))
+
+
+def default_trainer(directory: str, devices: int) -> None:
+    """DefaultTrainer on a synthetic dataset with `devices` CPU devices in this process (run alone, or by
+    graphpar.launch in each process); saves its params, losses and test results to rank<r>.npz."""
+    import os
+
+    import torch
+
+    from graphpar import comm, workspace
+    from graphpar.config import get_cfg
+    from graphpar.defaults import DefaultTrainer
+    from graphpar.loaders import DatasetCatalog
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 16)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    DatasetCatalog.register("mh_train", lambda: [{"image": a, "label": int(b)} for a, b in zip(x[:32], y[:32])])
+    DatasetCatalog.register("mh_test", lambda: [{"image": a, "label": int(b)} for a, b in zip(x[32:], y[32:])])
+    cfg = get_cfg()
+    cfg.merge_from_list(["DATASETS.TRAIN", "('mh_train',)", "DATASETS.TEST", "('mh_test',)", "SOLVER.MAX_ITER", "5",
+                         "SOLVER.IMS_PER_BATCH", "8", "SOLVER.WARMUP_ITERS", "0", "SOLVER.BASE_LR", "0.1",
+                         "MODEL.NUM_CLASSES", "2", "MODEL.NUM_DEVICES", str(devices),
+                         "OUTPUT_DIR", os.path.join(directory, f"out{devices}")])
+    workspace.ResetWorkspace()
+    trainer = DefaultTrainer(cfg)
+    trainer.resume_or_load(resume=False)
+    trainer.train()
+    results = DefaultTrainer.test(trainer.cfg, trainer.test_model)
+    params = {n: workspace.FetchBlob(f"cpu_0/{n}") for n in ("fc1_w", "pred_w")}
+    np.savez(os.path.join(directory, f"d{devices}_rank{comm.get_rank()}.npz"),
+             loss=np.array([v for _, v in trainer.storage.history["scaled_loss"]]),
+             top1=np.array(results.get("accuracy", {}).get("top1", -1.0)), **params)

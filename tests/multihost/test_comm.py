@@ -58,3 +58,23 @@ def test_local_process_groups_split_the_default_group_by_machine(tmp_path: Path)
         assert seen[:3] == [1, [rank], 1]
         assert "exists already" in seen[3]
         assert seen[4:] == [2, [0, 1], {"x": 1.5}, [0, 1] if rank == 0 else []]
+
+
+@pytest.mark.slow
+def test_default_trainer_over_two_processes_matches_one_process_of_two_devices(tmp_path: Path) -> None:
+    """Detectron2's layout, one device per process: 2 processes x 1 device train as 1 x 2 devices (the
+    same global batches; float tolerance, the rows reach the devices in another order), record the
+    same losses on both processes, and the test accuracy gathered from both is the main process's."""
+    from graphpar import launch
+
+    assert run_processes(comm_workers.default_trainer, [(str(tmp_path), 2)]) == [0]
+    launch.launch(comm_workers.default_trainer, 2, args=(str(tmp_path), 1), backend="gloo")
+    ref = np.load(tmp_path / "d2_rank0.npz")
+    got = [np.load(tmp_path / f"d1_rank{r}.npz") for r in range(2)]
+    np.testing.assert_array_equal(got[0]["loss"], got[1]["loss"])
+    np.testing.assert_allclose(got[0]["loss"], ref["loss"], rtol=1e-5)
+    for name in ("fc1_w", "pred_w"):
+        np.testing.assert_allclose(got[0][name], ref[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got[0][name], got[1][name])
+    assert float(got[0]["top1"]) == float(ref["top1"]) and float(got[1]["top1"]) == -1.0  # on the main process only
+    assert float(ref["top1"]) * 8 == round(float(ref["top1"]) * 8)  # counted over all 8 test samples
