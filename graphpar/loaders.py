@@ -9,7 +9,8 @@ A dataset is a list of dicts (one per sample); `mapper(dict) -> sample` turns on
 reads (e.g. {"data": array, "label": int}), and `graphpar.data.collate` stacks the samples into a batch.
 The training sampler is infinite and shuffled by a seed every process shares: process r of W takes
 every W-th index from r on, so the processes together draw the one global order (Detectron2's
-`TrainingSampler`). Inference shards the dataset into contiguous parts (`InferenceSampler`).
+`TrainingSampler`, from `graphpar.data`). Inference shards the dataset into contiguous parts
+(`graphpar.data.InferenceSampler`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch.utils.data as torchdata
 
 from graphpar import comm
-from graphpar.data import collate
+from graphpar.data import InferenceSampler, TrainingSampler, collate
 
 __all__ = ["AspectRatioGroupedDataset", "DatasetCatalog", "DatasetFromList", "InferenceSampler", "MapDataset",
            "ToIterableDataset", "TrainingSampler", "build_test_loader", "build_train_loader",
@@ -124,44 +124,6 @@ class ToIterableDataset(torchdata.IterableDataset):
         return len(self.sampler)
 
 
-class TrainingSampler(torchdata.Sampler):
-    """Infinite shuffled indices of a dataset of `size`: one permutation per pass, seeded by `seed` (the
-    same in every process), process `rank` of `world_size` taking every world_size-th from rank on."""
-
-    def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None) -> None:
-        if size < 1:
-            raise ValueError(f"TrainingSampler: the dataset is empty (size {size})")
-        self.size, self.shuffle, self.seed = size, shuffle, seed
-        self.rank = comm.get_rank() if rank is None else rank
-        self.world_size = comm.get_world_size() if world_size is None else world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._infinite(), self.rank, None, self.world_size)
-
-    def _infinite(self) -> Iterator[int]:
-        rng = np.random.default_rng(self.seed)
-        while True:
-            yield from (rng.permutation(self.size) if self.shuffle else np.arange(self.size)).tolist()
-
-
-class InferenceSampler(torchdata.Sampler):
-    """Every index once: process `rank` of `world_size` gets a contiguous part (sizes differ by at most
-    one), so gathering the processes' results in rank order gives the dataset's order."""
-
-    def __init__(self, size: int, rank: int | None = None, world_size: int | None = None) -> None:
-        rank = comm.get_rank() if rank is None else rank
-        world = comm.get_world_size() if world_size is None else world_size
-        bounds = [size * k // world for k in range(world + 1)]
-        self.indices = list(range(bounds[rank], bounds[rank + 1]))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 class AspectRatioGroupedDataset(torchdata.IterableDataset):
     """Batches of `batch_size` samples of one orientation (width > height, or not), from an iterable of
     samples with "width" and "height": a batch of one orientation pads less (Detectron2's grouping).
@@ -184,14 +146,14 @@ class AspectRatioGroupedDataset(torchdata.IterableDataset):
                 del bucket[:]
 
 
-def single_device_batch_size(total_batch_size: int, num_devices: int, world_size: int | None = None) -> int:
-    """Samples per device for a global batch over `num_devices` devices in each of `world_size`
-    processes (SOLVER.IMS_PER_BATCH / every device).
+def single_device_batch_size(total_batch_size: int, num_devices: int, world: int | None = None) -> int:
+    """Samples per device for a global batch over `num_devices` devices in each of `world`
+    processes (SOLVER.IMS_PER_BATCH / every device; `world` defaults to the world size).
 
     Raises:
         ValueError: the global batch does not split evenly over every device.
     """
-    world = comm.get_world_size() if world_size is None else world_size
+    world = comm.get_world_size() if world is None else world
     every = num_devices * world
     if total_batch_size < every or total_batch_size % every:
         raise ValueError(f"SOLVER.IMS_PER_BATCH={total_batch_size} must be a multiple of the {every} devices "

@@ -93,7 +93,7 @@ def test_lr_multiplier_follows_detectron2_formulas(name, method) -> None:
 def _eager_reference(params: dict[str, np.ndarray], cfg: CfgNode, steps: int) -> dict[str, torch.Tensor]:
     """The MLP trained by torch eager SGD (weight decay on every param) on the batches the loader draws."""
     p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    order = list(itertools.islice(TrainingSampler(32, seed=cfg.SEED, rank=0, world_size=1), steps * 8))
+    order = list(itertools.islice(TrainingSampler(32, seed=cfg.SEED, rank=0, world=1), steps * 8))
     schedule = DefaultTrainer.build_lr_scheduler(cfg)
     for it in range(steps):
         rows = order[it * 8:(it + 1) * 8]

@@ -43,12 +43,12 @@ def test_map_dataset_replaces_a_failed_sample_and_gives_up_after_max_retries(cap
 
 
 def test_training_sampler_shards_one_seeded_order_over_the_processes() -> None:
-    whole = list(itertools.islice(TrainingSampler(10, seed=3, rank=0, world_size=1), 30))
+    whole = list(itertools.islice(TrainingSampler(10, seed=3, rank=0, world=1), 30))
     assert sorted(whole[:10]) == list(range(10)) and sorted(whole[10:20]) == list(range(10))
     assert whole[:10] != list(range(10))  # shuffled
-    shards = [list(itertools.islice(TrainingSampler(10, seed=3, rank=r, world_size=3), 10)) for r in range(3)]
+    shards = [list(itertools.islice(TrainingSampler(10, seed=3, rank=r, world=3), 10)) for r in range(3)]
     assert [shards[k % 3][k // 3] for k in range(30)] == whole  # interleaved, they are the global order
-    assert list(itertools.islice(TrainingSampler(4, shuffle=False, rank=0, world_size=1), 6)) == [0, 1, 2, 3, 0, 1]
+    assert list(itertools.islice(TrainingSampler(4, shuffle=False, rank=0, world=1), 6)) == [0, 1, 2, 3, 0, 1]
 
 
 @pytest.mark.parametrize("size, world", [(10, 3), (2, 4), (8, 2)])
@@ -79,9 +79,9 @@ def test_aspect_ratio_grouping_batches_one_orientation() -> None:
 
 
 def test_the_global_batch_is_split_over_every_device_of_every_process() -> None:
-    assert single_device_batch_size(16, 2, world_size=4) == 2
+    assert single_device_batch_size(16, 2, world=4) == 2
     with pytest.raises(ValueError, match=r"IMS_PER_BATCH=12 must be a multiple of the 8 devices \(4 processes x 2"):
-        single_device_batch_size(12, 2, world_size=4)
+        single_device_batch_size(12, 2, world=4)
 
 
 def test_train_loader_maps_collates_and_yields_this_process_share(monkeypatch) -> None:
@@ -91,12 +91,12 @@ def test_train_loader_maps_collates_and_yields_this_process_share(monkeypatch) -
     def mapper(d):
         return {"data": d["image"] * 2, "label": np.int32(d["label"]), "width": d["width"], "height": d["height"]}
 
-    monkeypatch.setattr(loaders.comm, "get_world_size", lambda: 2)  # two processes, this one rank 0
-    monkeypatch.setattr(loaders.comm, "get_rank", lambda: 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two processes, this one rank 0
+    monkeypatch.setenv("RANK", "0")
     loader = build_train_loader(data, mapper, total_batch_size=8, seed=1, num_devices=2)
     first = next(iter(loader))
     assert first["data"].shape == (4, 3) and first["label"].dtype == np.int32  # 8 over 2 processes
-    order = list(itertools.islice(TrainingSampler(8, seed=1, rank=0, world_size=2), 4))
+    order = list(itertools.islice(TrainingSampler(8, seed=1, rank=0, world=2), 4))
     np.testing.assert_array_equal(first["label"], order)
     np.testing.assert_array_equal(first["data"][:, 0], 2.0 * np.array(order))
     grouped = next(iter(build_train_loader(data, mapper, 8, seed=1, num_devices=2, aspect_ratio_grouping=True)))
