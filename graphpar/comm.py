@@ -7,7 +7,8 @@ reductions of Python values (metrics, evaluation results) across the processes t
     comm.all_gather(obj), comm.gather(obj), comm.reduce_dict({"loss": 1.5}), comm.synchronize()
 
 The collectives run over `group`: None is torch.distributed's default group (the one
-`graphpar.launch` joins; one process alone: nothing to do), a torch.distributed process group, or a
+`graphpar.launch` joins; a script started by `python -m graphpar.launch` or torchrun joins it
+through env:// at its first collective; one process alone: nothing to do), a torch.distributed process group, or a
 `graphpar.distributed.Communicator` such as `model_world(model)`, the model's own communicator over
 its rendezvous' store (which needs no default group: a FileStore or TCPStore rendezvous works too).
 """
@@ -87,6 +88,7 @@ def create_local_process_group(num_workers_per_machine: int) -> Any:
     """
     global _local_group
     dist = torch.distributed
+    _join_default_group()
     if not dist.is_initialized():
         raise RuntimeError("create_local_process_group: torch.distributed's default group is not initialised "
                            "(start the processes with graphpar.launch or torchrun)")
@@ -113,10 +115,22 @@ def get_local_process_group() -> Any:
     return _local_group
 
 
+def _join_default_group() -> None:
+    """Join torch.distributed's default group through env:// when a launcher set WORLD_SIZE > 1 and
+    the script has not joined it (`python -m graphpar.launch script.py`, torchrun)."""
+    dist = torch.distributed
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from graphpar import launch
+
+        launch.init_process_group(launch.default_backend(get_local_size()))
+
+
 def _size_rank(group: Any) -> tuple[int, int]:
     if isinstance(group, distributed.Communicator):
         return group.size, group.rank
     dist = torch.distributed
+    if group is None:
+        _join_default_group()
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group=group), dist.get_rank(group=group)
