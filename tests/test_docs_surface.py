@@ -34,6 +34,14 @@ def test_the_default_trainer_section_runs(tmp_path, monkeypatch, capsys) -> None
     assert "'top1': 0.5, 'top2': 1.0" in capsys.readouterr().out
 
 
+def test_the_mmcv_and_data_parallel_section_runs(capsys) -> None:
+    blocks = _blocks("feeding.md", "## MMCV and DataParallel details")
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/feeding.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "[(3, 4), (4, 4)]" in out and "tensor([0., 1., 2., 3.])" in out
+
+
 @pytest.mark.slow
 def test_the_one_process_per_gpu_section_runs_and_its_two_process_block_under_launch(tmp_path, capsys) -> None:
     blocks = _blocks("multihost.md", "## One process per GPU")
