@@ -102,7 +102,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     ideep: bool = False,
     num_threads_per_device: int = 4,
     shared_model: bool = False,
-    combine_spatial_bn: bool = False,
+    combine_spatial_bn: bool | str = False,
     barrier_net_timeout_sec: int = 300,
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
@@ -154,7 +154,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
             (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
             batches of different sizes still get the whole batch's statistics); forward-only models
-            ignore it.
+            ignore it. "shard": the statistics of this shard's devices only (SyncBatchNorm with a
+            process group of one process), the gradients still all-reduced over every shard.
         uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
             batch that is not a multiple of the device count): each replica's loss gradient is
             multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
@@ -220,6 +221,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
+    if combine_spatial_bn not in (True, False, "shard"):
+        raise ParallelizeError(f"Parallelize: combine_spatial_bn must be True, False or 'shard' (statistics over "
+                               f"this shard's devices only), got {combine_spatial_bn!r}")
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
                             shared_model=shared_model, default_engine=default_engine(not cpu_device))
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))

@@ -42,7 +42,7 @@ class ParallelizeOptions:
     average_computed_params: bool = False
     use_nccl: bool = False
     shared_model: bool = False
-    combine_spatial_bn: bool = False
+    combine_spatial_bn: bool | str = False  # True, False or "shard"
     gradient_bucket_bytes: int | None = None
     first_bucket_bytes: int = 1024 * 1024
     dynamic_memory_management: bool = False

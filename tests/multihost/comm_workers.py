@@ -117,3 +117,37 @@ def default_trainer(directory: str, devices: int) -> None:
     np.savez(os.path.join(directory, f"d{devices}_rank{comm.get_rank()}.npz"),
              loss=np.array([v for _, v in trainer.storage.history["scaled_loss"]]),
              top1=np.array(results.get("accuracy", {}).get("top1", -1.0)), **params)
+
+
+def bn_stats(out: str, shard: int, num_shards: int, slice_of: int, store: str, combine: Any) -> None:
+    """The CNN (batch norm) on devices [0, 1] for one step, fed global batch slices of shard `slice_of`
+    of 2; saves the batch statistics each replica normalised with (saved mean and inverse std; the
+    running ones are broadcast from shard 0 after every step) to `out` (or the error)."""
+    import torch
+
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    torch.set_num_threads(1)
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = None
+    if num_shards > 1:
+        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    try:
+        model = workers.build("cnn", [0, 1], rendezvous, combine_spatial_bn=combine)
+        workers.feed("cnn", 0, slice_of, 2, [0, 1])
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+        saved = {f"{d}/{s}": workspace.FetchBlob(f"cpu_{d}/bn1_{s}") for d in (0, 1) for s in ("sm", "siv")}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def bn_stats_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:
+    for k, run in enumerate(runs):
+        bn_stats(f"{out}_{k}.npz", **{**common, **run})

@@ -78,3 +78,28 @@ def test_default_trainer_over_two_processes_matches_one_process_of_two_devices(t
         np.testing.assert_array_equal(got[0][name], got[1][name])
     assert float(got[0]["top1"]) == float(ref["top1"]) and float(got[1]["top1"]) == -1.0  # on the main process only
     assert float(ref["top1"]) * 8 == round(float(ref["top1"]) * 8)  # counted over all 8 test samples
+
+
+@pytest.mark.slow
+def test_batch_norm_synced_over_each_shard_only(tmp_path: Path) -> None:
+    """combine_spatial_bn="shard" (SyncBatchNorm with a process group per process): after a step of 2 shards
+    x 2 devices, shard s normalised with the statistics of one process of 2 devices fed shard s's half
+    of the batch (combined over its devices), so the shards differ; combine_spatial_bn=True gives both
+    shards the statistics of the whole batch."""
+    single = tmp_path / "single"
+    single.mkdir()
+    ref_runs = [{"slice_of": s} for s in range(2)]
+    codes = run_processes(comm_workers.bn_stats_all, [(str(single / "ref"), ref_runs)] + [
+        (str(tmp_path / f"shard{r}"), [{"combine": "shard"}, {"combine": True}]) for r in range(2)],
+        [dict(shard=0, num_shards=1, store=str(single), combine=True)]
+        + [dict(shard=r, num_shards=2, slice_of=r, store=str(tmp_path)) for r in range(2)])
+    assert codes == [0, 0, 0]
+    halves = [_load(single / f"ref_{s}.npz") for s in range(2)]
+    for r in range(2):
+        got = _load(tmp_path / f"shard{r}_0.npz")
+        for key, value in got.items():
+            np.testing.assert_allclose(value, halves[r][key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert not np.allclose(halves[0]["0/sm"], halves[1]["0/sm"])
+    synced = [_load(tmp_path / f"shard{r}_1.npz") for r in range(2)]
+    np.testing.assert_array_equal(synced[0]["0/sm"], synced[1]["1/sm"])
+    np.testing.assert_allclose(synced[0]["0/sm"], (halves[0]["0/sm"] + halves[1]["0/sm"]) / 2, rtol=1e-5, atol=1e-7)
