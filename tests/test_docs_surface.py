@@ -43,6 +43,13 @@ def test_the_mmcv_and_data_parallel_section_runs(capsys) -> None:
 
 
 @pytest.mark.slow
+def test_the_sync_batch_norm_section_runs() -> None:
+    blocks = _blocks("multihost.md", "## SyncBatchNorm's options")
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/multihost.md", "exec"), {})
+
+
+@pytest.mark.slow
 def test_the_one_process_per_gpu_section_runs_and_its_two_process_block_under_launch(tmp_path, capsys) -> None:
     blocks = _blocks("multihost.md", "## One process per GPU")
     assert len(blocks) == 2 and blocks[1].startswith("# needs: 2 processes")
