@@ -19,9 +19,10 @@ works with any device ids and with host-side ops in GPU replicas; `ExtractPredic
 first replica's ops (interleaved replicas are not swept in); the initial sync runs in a fixed (not
 hash) order.
 
-Beyond Caffe2, two opt-in options: `gradient_bucket_bytes` all-reduces gradients in DDP-style buckets
-(`passes.bucketing`), and `average_computed_params` averages batch-norm running statistics over the
-replicas instead of copying the first device's.
+Beyond Caffe2: `gradient_bucket_bytes` / `bucket_cap_mb` all-reduce gradients in DDP-style buckets
+(`passes.bucketing`; DDP's 25 MiB by default on real CUDA devices, opt-in elsewhere), and the opt-in
+`average_computed_params` averages batch-norm running statistics over the replicas instead of
+copying the first device's.
 """
 
 from __future__ import annotations

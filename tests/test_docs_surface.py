@@ -42,6 +42,13 @@ def test_the_mmcv_and_data_parallel_section_runs(capsys) -> None:
     assert "[(3, 4), (4, 4)]" in out and "tensor([0., 1., 2., 3.])" in out
 
 
+def test_the_bucket_default_section_runs(capsys) -> None:
+    blocks = _blocks("multihost.md", "## DDP's bucket default")
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/multihost.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["1500", "2"]
+
+
 @pytest.mark.slow
 def test_the_sync_batch_norm_section_runs() -> None:
     blocks = _blocks("multihost.md", "## SyncBatchNorm's options")
