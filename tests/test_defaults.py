@@ -195,3 +195,22 @@ def test_a_bad_config_is_refused_with_the_key(tmp_path) -> None:
         DefaultTrainer(_cfg(tmp_path, "MODEL.DEVICE", "tpu"))
     with pytest.raises(ValueError, match="IMS_PER_BATCH=8 must be a multiple of the 3 devices"):
         DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", "3"))
+
+
+def test_the_config_is_scaled_to_the_devices_and_weights_start_a_new_run(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    first = DefaultTrainer(_cfg(tmp_path, "SOLVER.REFERENCE_WORLD_SIZE", "1", "MODEL.NUM_DEVICES", "2",
+                                "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "8", "SOLVER.CHECKPOINT_PERIOD", "2"))
+    solver = first.cfg.SOLVER  # linear scaling from 1 device to 2
+    assert (solver.IMS_PER_BATCH, solver.BASE_LR, solver.MAX_ITER, solver.STEPS) == (8, 0.4, 4, (2,))
+    assert first.cfg.is_frozen() and first.max_iter == 4
+    first.resume_or_load(resume=False)
+    first.train()
+    trained = _params()
+
+    workspace.ResetWorkspace()
+    weights = tmp_path / "out" / "model_0000004.safetensors"
+    second = DefaultTrainer(_cfg(tmp_path, "MODEL.WEIGHTS", str(weights), "OUTPUT_DIR", str(tmp_path / "other")))
+    assert second.resume_or_load(resume=True) == 0  # nothing in its OUTPUT_DIR: MODEL.WEIGHTS, from iteration 0
+    for name, value in trained.items():
+        np.testing.assert_array_equal(_params()[name], value)
