@@ -121,7 +121,8 @@ def test_peers_without_p2p_access_get_copies_on_real_cuda(monkeypatch: pytest.Mo
     monkeypatch.setattr(dpm, "num_cuda_devices", lambda: 4)
     dpm.can_access_peer.cache_clear()
     try:
-        model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False)
+        # per-gradient all-reduce (real CUDA devices get DDP buckets by default)
+        model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False, gradient_bucket_bytes=0)
     finally:
         dpm.can_access_peer.cache_clear()
     copies = [op for op in model.net.Proto().ops if op.type == "Copy" and op.outputs[0].endswith("_gpu2_copy")]
