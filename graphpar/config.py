@@ -82,7 +82,7 @@ def _defaults() -> CfgNode:
     c.TEST.EVAL_PERIOD = 0  # 0: evaluate after training only
 
     c.OUTPUT_DIR = "./output"
-    c.SEED = 0
+    c.SEED = 0  # the workspace's random streams and the training sampler (< 0: the workspace's seed is left alone)
     return c
 
 

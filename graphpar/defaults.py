@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from graphpar import checkpoint, comm, launch, models, optimizer
+from graphpar import checkpoint, comm, launch, models, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.config import CfgNode
 from graphpar.engine import (
@@ -145,7 +145,8 @@ class _Checkpointer(PeriodicCheckpointer):
 class DefaultTrainer(Trainer):
     """A Trainer built from a config (see the module docstring). Attributes: `cfg` (after scaling),
     `model` (training), `test_model` (forward-only, sharing the params), `scheduler`, `data` (the
-    train loader)."""
+    train loader). The workspace's random streams are seeded with SEED (unless it is < 0) and the
+    training sampler too, so a config trains the same way wherever it runs."""
 
     def __init__(self, cfg: CfgNode) -> None:
         cfg = cfg.clone()
@@ -153,6 +154,8 @@ class DefaultTrainer(Trainer):
         cfg = self.auto_scale_workers(cfg, len(devices) * comm.get_world_size())
         cfg.freeze()
         self.cfg = cfg
+        if cfg.SEED >= 0:  # Detectron2's default_setup seeds every generator: the same config, the same run
+            workspace.SetSeed(cfg.SEED)
         self.scheduler = self.build_lr_scheduler(cfg)
         model = self.build_model(cfg)
         super().__init__(model, self.build_train_loader(cfg), max_iter=cfg.SOLVER.MAX_ITER)

@@ -214,3 +214,17 @@ def test_the_config_is_scaled_to_the_devices_and_weights_start_a_new_run(tmp_pat
     assert second.resume_or_load(resume=True) == 0  # nothing in its OUTPUT_DIR: MODEL.WEIGHTS, from iteration 0
     for name, value in trained.items():
         np.testing.assert_array_equal(_params()[name], value)
+
+
+def test_the_seed_of_the_config_makes_the_run_repeatable(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    DefaultTrainer(_cfg(tmp_path)).initialize()
+    first = _params()
+    workspace.ResetWorkspace()
+    workspace.SetSeed(123)  # whatever the workspace was seeded with before
+    DefaultTrainer(_cfg(tmp_path)).initialize()
+    for name, value in first.items():
+        np.testing.assert_array_equal(_params()[name], value)
+    workspace.ResetWorkspace()
+    DefaultTrainer(_cfg(tmp_path, "SEED", "1")).initialize()
+    assert not np.array_equal(_params()["fc1_w"], first["fc1_w"])
