@@ -214,13 +214,15 @@ class DefaultTrainer(Trainer):
 
     @classmethod
     def build_test_loader(cls, cfg: CfgNode, dataset_name: str) -> Any:
-        devices, _ = devices_of(cfg)
+        """This process's part of dataset `dataset_name`, in batches of this process's share of
+        SOLVER.IMS_PER_BATCH, through `default_mapper`."""
         return build_test_loader(DatasetCatalog.get(dataset_name), default_mapper,
                                  batch_size=max(1, cfg.SOLVER.IMS_PER_BATCH // comm.get_world_size()),
                                  num_workers=cfg.DATALOADER.NUM_WORKERS)
 
     @classmethod
     def build_evaluator(cls, cfg: CfgNode, dataset_name: str) -> DatasetEvaluator:
+        """Top-1 accuracy of `softmax` against `label` (override for other metrics)."""
         return ClassificationEvaluator()
 
     @staticmethod
