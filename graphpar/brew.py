@@ -197,31 +197,78 @@ def conv(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: 
     return model.net.Conv(inputs, blob_out, **kernel_args, order=order, **kwargs)
 
 
+_OP_DEFAULT = object()  # spatial_bn's momentum when not given: the op's own default
+
+
 @Register
 def spatial_bn(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, init_scale: float = 1.0,
                init_bias: float = 0.0, ScaleInitializer: type | None = None,  # noqa: N803
                BiasInitializer: type | None = None, RunningMeanInitializer: type | None = None,  # noqa: N803
                RunningVarianceInitializer: type | None = None, order: str = "NCHW",  # noqa: N803
+               affine: bool = True, track_running_stats: bool = True, momentum: Any = _OP_DEFAULT,
                **kwargs: Any) -> BlobReference:
     """SpatialBN with `<out>_s` (init_scale), `<out>_b` (init_bias) and computed `<out>_rm` 0, `<out>_riv` 1.
 
     Training (the default) records outputs [out, rm, riv, `<out>_sm`, `<out>_siv`] with the running
-    stats updated in place; `is_test=True` records the single output. `epsilon`, `momentum` and other
-    kwargs go to the op.
+    stats updated in place; `is_test=True` records the single output. `epsilon` and other kwargs go
+    to the op. `momentum` is Caffe2's (the weight of the OLD running value; the op's 0.9 unless given).
+    torch's BatchNorm /
+    SyncBatchNorm options (each also under `combine_spatial_bn`):
+
+    - `affine=False`: no learnable scale and bias: constant 1 and 0 blobs, not params.
+    - `track_running_stats=False`: no running statistics: `<out>_rm` / `<out>_riv` are scratch blobs,
+      not computed params, and `is_test=True` still normalises with the batch's statistics.
+    - `momentum=None`: the running statistics are the cumulative moving average of every batch's,
+      as torch's: a computed param `<out>_nbt` (num_batches_tracked, float [1]) counts the batches,
+      and each running stat moves by 1/nbt towards the batch's (SpatialBN runs with momentum 0 into
+      `<out>_bm` / `<out>_bv`, then Sub, Div, Add per stat).
     """
     def param(suffix: str, cls: type | None, value: float, tag: str) -> BlobReference:
         init = (cls or Initializer)("ConstantFill", value=float(value))
         return model.create_param(_suffixed(blob_out, suffix), [dim_in], init, tag)
 
-    scale = param("_s", ScaleInitializer, init_scale, ParameterTags.WEIGHT)
-    bias = param("_b", BiasInitializer, init_bias, ParameterTags.BIAS)
-    running_mean = param("_rm", RunningMeanInitializer, 0.0, ParameterTags.COMPUTED_PARAM)
-    running_var = param("_riv", RunningVarianceInitializer, 1.0, ParameterTags.COMPUTED_PARAM)
+    def constant(suffix: str, value: float, shape: Sequence[int] = (dim_in,)) -> BlobReference:
+        return model.param_init_net.ConstantFill([], _suffixed(blob_out, suffix), shape=list(shape), value=value)
+
+    if affine:
+        scale = param("_s", ScaleInitializer, init_scale, ParameterTags.WEIGHT)
+        bias = param("_b", BiasInitializer, init_bias, ParameterTags.BIAS)
+    else:
+        scale, bias = constant("_s", 1.0), constant("_b", 0.0)
+    if track_running_stats:
+        running_mean = param("_rm", RunningMeanInitializer, 0.0, ParameterTags.COMPUTED_PARAM)
+        running_var = param("_riv", RunningVarianceInitializer, 1.0, ParameterTags.COMPUTED_PARAM)
+    else:
+        running_mean, running_var = constant("_rm", 0.0), constant("_riv", 1.0)
+        kwargs.pop("is_test", None)  # batch statistics in evaluation too
     inputs = [blob_in, scale, bias, running_mean, running_var]
+    if momentum is not _OP_DEFAULT and (momentum is not None or not track_running_stats):
+        kwargs["momentum"] = momentum or 0.0
     if kwargs.get("is_test"):
         return model.net.SpatialBN(inputs, blob_out, order=order, **kwargs)
-    outputs = [blob_out, running_mean, running_var, _suffixed(blob_out, "_sm"), _suffixed(blob_out, "_siv")]
-    return model.net.SpatialBN(inputs, outputs, order=order, **kwargs)[0]
+    saved = [_suffixed(blob_out, "_sm"), _suffixed(blob_out, "_siv")]
+    if momentum is not None or not track_running_stats:
+        outputs = [blob_out, running_mean, running_var, *saved]
+        return model.net.SpatialBN(inputs, outputs, order=order, **kwargs)[0]
+    return _cumulative_bn(model, inputs, blob_out, saved, constant, order, kwargs)
+
+
+def _cumulative_bn(model: ModelHelper, inputs: list, blob_out: str, saved: list[str], constant: Callable,
+                   order: str, kwargs: dict) -> BlobReference:
+    """SpatialBN with momentum=None: batch statistics into scratch blobs, then running += (batch -
+    running) / num_batches_tracked, after counting this batch."""
+    count = model.create_param(_suffixed(blob_out, "_nbt"), [1], Initializer("ConstantFill", value=0.0),
+                               ParameterTags.COMPUTED_PARAM)
+    one = constant("_one", 1.0, (1,))
+    batch = [constant("_bm", 0.0), constant("_bv", 1.0)]
+    out = model.net.SpatialBN([*inputs[:3], *batch], [blob_out, *batch, *saved], order=order, momentum=0.0,
+                              **kwargs)[0]
+    model.net.Add([count, one], count)
+    for running, new in zip(inputs[3:5], batch):
+        step = model.net.Sub([new, running], _suffixed(new, "_step"))
+        model.net.Div([step, count], step)
+        model.net.Add([running, step], running)
+    return out
 
 
 @Register

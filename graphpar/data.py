@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -197,13 +197,14 @@ def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | N
 
     dicts, lists, tuples and namedtuples are rebuilt per device with their own type; arrays and
     tensors are split along `dim` into views (see `chunk_sizes`); other leaves are shared by every
-    device. A `DataContainer` whose `data` is a list (from `collate`) gives device i its item i;
-    one holding an array is split like an array. The result keeps DataContainers (with per-device
+    device. A `DataContainer` whose `data` is a list (from `collate`) gives device i its item i (a
+    list of L > N chunks: ceil(L / N) consecutive chunks per device, as MMCV's scatter); one holding
+    an array is split like an array. The result keeps DataContainers (with per-device
     data) so `feed` can tell which fields stay on the host.
 
     Raises:
         ValueError: see `chunk_sizes`; array leaves of different batch sizes; a collated
-            DataContainer with a number of chunks other than `num_devices`.
+            DataContainer with fewer chunks than devices, or grouped so that a device gets none.
     """
     n = _batch_size(batch, dim)
     if n is None:  # nothing to split by rows (collated DataContainers are split by chunk)
@@ -215,10 +216,7 @@ def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | N
     def split(value: Any) -> list[Any]:
         if isinstance(value, DataContainer):
             if isinstance(value.data, list):
-                if len(value.data) != num_devices:
-                    raise ValueError(f"a collated DataContainer has {len(value.data)} chunks for {num_devices} "
-                                     f"devices; collate with samples_per_device = batch / devices")
-                parts = value.data
+                parts = _group_chunks(value, num_devices)
             else:
                 parts = split(value.data)
             return [DataContainer(p, value.stack, value.padding_value, value.cpu_only, value.pad_dims)
@@ -239,17 +237,39 @@ def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | N
     return split(batch)
 
 
+def _group_chunks(container: DataContainer, num_devices: int) -> list[Any]:
+    """A collated DataContainer's chunks per device: one each, or, as MMCV's scatter of a list longer
+    than the device count, ceil(L / N) consecutive chunks per device, merged (lists joined; stacked
+    chunks re-padded to the group's largest sample and stacked)."""
+    chunks = container.data
+    if len(chunks) == num_devices:
+        return chunks
+    per = -(-len(chunks) // num_devices)
+    groups = [chunks[i * per:(i + 1) * per] for i in range(num_devices)]
+    if len(chunks) < num_devices or not groups[-1]:
+        raise ValueError(f"a collated DataContainer has {len(chunks)} chunks for {num_devices} devices: grouped "
+                         f"{per} per device, device {next(i for i, g in enumerate(groups) if not g)} would get "
+                         f"none; collate with samples_per_device = batch / devices")
+    if not container.stack:
+        return [[sample for chunk in group for sample in chunk] for group in groups]
+    return [_pad_and_stack([sample for chunk in group for sample in chunk], container.padding_value,
+                           container.pad_dims) for group in groups]
+
+
 # ---- feeding ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Fed:
-    """What `feed` did: the unscoped blob names it wrote, the rows per device, and per device the
-    leaves it did not feed (cpu_only DataContainers, metadata) under their flattened names."""
+    """What `feed` did: the unscoped blob names it wrote, the rows per device, per device the leaves
+    it did not feed (cpu_only DataContainers, metadata) under their flattened names (`host`), and
+    per device its ragged fields (`DataContainer(stack=False)`, not cpu_only) as lists of tensors on
+    that device (`device`: what a Python op or a hook such as `trainer.last_fed` reads)."""
 
     names: list[str]
     sizes: list[int]
     host: list[dict[str, Any]]
+    device: list[dict[str, list[Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -267,6 +287,7 @@ class Prepared:
     host: list[dict[str, Any]]
     ready: list[Any] | None = None
     copier: Any = None
+    device: list[dict[str, list[Any]]] = field(default_factory=list)
 
 
 def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Prepared:
@@ -286,13 +307,17 @@ def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = 
                          f"Parallelize(..., uneven_batches=True) to weight each device's loss by its rows")
     blobs: list[dict[str, Any]] = []
     host: list[dict[str, Any]] = []
-    for chunk in scatter(batch, count, dim, sizes):
-        fed, kept = {}, {}
+    ragged: list[dict[str, list[Any]]] = []
+    for d, chunk in zip(devices, scatter(batch, count, dim, sizes)):
+        fed, kept, lists = {}, {}, {}
         for name, leaf in flatten(chunk).items():
             target = fed if _feedable(leaf) else kept
             target[name] = leaf.data if isinstance(leaf, DataContainer) else leaf
+            if _ragged(leaf):
+                lists[name] = _on_device(leaf.data, model._device_prefix, d, name)
         blobs.append(fed)
         host.append(kept)
+        ragged.append(lists)
     if not blobs[0]:
         raise ValueError(_EMPTY.format(what="has no array to feed"))
     rows = [_rows(per_device, dim) for per_device in blobs]
@@ -308,7 +333,25 @@ def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = 
     if allowed:
         for d, r, per_device in zip(devices, rows, scoped):
             per_device[device_scoped(prefix, d, BATCH_WEIGHT)] = np.float32(count * r / total)
-    return Prepared(tuple(devices), prefix, scoped, list(blobs[0]), rows, host)
+    return Prepared(tuple(devices), prefix, scoped, list(blobs[0]), rows, host, device=ragged)
+
+
+def _ragged(leaf: Any) -> bool:
+    """A DataContainer(stack=False), not cpu_only, holding a list of arrays: goes to its device as a list."""
+    return (isinstance(leaf, DataContainer) and not leaf.stack and not leaf.cpu_only
+            and isinstance(leaf.data, list) and all(isinstance(x, np.ndarray) or _is_tensor(x) for x in leaf.data))
+
+
+def _on_device(samples: list[Any], prefix: str, device_id: int, name: str) -> list[Any]:
+    """Each sample as a torch tensor on the torch device of replica `{prefix}_{device_id}` (a tensor
+    already there is kept as it is)."""
+    import torch
+
+    from graphpar.core.ir import CPU, CUDA, DeviceOption
+    from graphpar.devices import torch_device
+
+    target = torch_device(DeviceOption(CUDA if prefix == "gpu" else CPU, device_id))
+    return [torch.as_tensor(sample).to(target) for sample in samples]
 
 
 def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Fed:
@@ -337,7 +380,7 @@ def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = Non
         for d, event, per_device in zip(batch.devices, batch.ready, batch.blobs):
             batch.copier.wait(d, event, per_device.values())
     _feed_all([item for per_device in batch.blobs for item in per_device.items()])
-    return Fed(batch.names, batch.rows, batch.host)
+    return Fed(batch.names, batch.rows, batch.host, batch.device)
 
 
 _EMPTY = ("feed: the batch {what}; an empty batch trains nothing, and on one replica it would bias the "
@@ -390,23 +433,49 @@ def feed_batch(model: Any, blobs: Mapping[str, np.ndarray]) -> None:
     feed(model, {name: np.asarray(value) if not _is_tensor(value) else value for name, value in blobs.items()})
 
 
-def gather(model: Any, names: str | Sequence[str], dim: int = 0) -> Any:
-    """Concatenate each named output of every replica along `dim`, in device order, on the host.
+def gather(model: Any, names: str | Sequence[str], dim: int = 0, output_device: int | str | None = None) -> Any:
+    """Concatenate each named output of every replica along `dim`, in device order.
 
     0-d outputs (a loss per replica) are stacked into a vector, one value per device, as
-    `DataParallel`'s gather does. `names` is one unscoped name (returns an array) or a list (returns
-    {name: array}).
+    `DataParallel`'s gather does. `names` is one unscoped name (returns one result) or a list (returns
+    {name: result}). `output_device`, as DataParallel's: None (default) gives numpy arrays on the host;
+    a device id of the model's kind gives a torch tensor on that device (`gpu_1` -> cuda:1; a CPU
+    model's ids are all the CPU), and -1 or "cpu" a torch tensor on the CPU. The result is a new
+    tensor, not a view of a blob.
 
     Raises:
         RuntimeError: the model was not parallelized. MissingBlobError: a replica lacks the blob.
+        ValueError: an output_device that is not None, -1, "cpu" or one of the model's device ids.
     """
     devices = model.GetDevices()
     single = isinstance(names, str)
+    target = None if output_device is None else _output_device(model, output_device)
     out = {}
     for name in [names] if single else list(names):
-        parts = [workspace.FetchBlob(device_scoped(model._device_prefix, d, name)) for d in devices]
-        out[name] = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=dim)
+        scoped = [device_scoped(model._device_prefix, d, name) for d in devices]
+        if target is None:
+            parts = [workspace.FetchBlob(n) for n in scoped]
+            out[name] = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=dim)
+        else:
+            import torch
+
+            tensors = [workspace.FetchTensor(n).to(target) for n in scoped]
+            out[name] = torch.stack(tensors) if tensors[0].ndim == 0 else torch.cat(tensors, dim=dim)
     return out[names] if single else out
+
+
+def _output_device(model: Any, output_device: int | str) -> Any:
+    import torch
+
+    from graphpar.core.ir import CPU, CUDA, DeviceOption
+    from graphpar.devices import torch_device
+
+    if output_device in (-1, "cpu"):
+        return torch.device("cpu")
+    if isinstance(output_device, bool) or output_device not in model.GetDevices():
+        raise ValueError(f"gather: output_device must be None (numpy on the host), -1 or 'cpu', or one of the "
+                         f"model's devices {model._device_prefix}_{model.GetDevices()}, got {output_device!r}")
+    return torch_device(DeviceOption(CUDA if model._device_prefix == "gpu" else CPU, output_device))
 
 
 # ---- collate ---------------------------------------------------------------------------------------

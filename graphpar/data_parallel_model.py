@@ -19,9 +19,10 @@ works with any device ids and with host-side ops in GPU replicas; `ExtractPredic
 first replica's ops (interleaved replicas are not swept in); the initial sync runs in a fixed (not
 hash) order.
 
-Beyond Caffe2, two opt-in options: `gradient_bucket_bytes` all-reduces gradients in DDP-style buckets
-(`passes.bucketing`), and `average_computed_params` averages batch-norm running statistics over the
-replicas instead of copying the first device's.
+Beyond Caffe2: `gradient_bucket_bytes` / `bucket_cap_mb` all-reduce gradients in DDP-style buckets
+(`passes.bucketing`; DDP's 25 MiB by default on real CUDA devices, opt-in elsewhere), and the opt-in
+`average_computed_params` averages batch-norm running statistics over the replicas instead of
+copying the first device's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from graphpar.devices import (
     physical_gpu,
     shares_a_gpu,
 )
-from graphpar.distributed import Rendezvous, parse_rendezvous
+from graphpar.distributed import Rendezvous, default_engine, parse_rendezvous
 from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
@@ -110,10 +111,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     ideep: bool = False,
     num_threads_per_device: int = 4,
     shared_model: bool = False,
-    combine_spatial_bn: bool = False,
+    combine_spatial_bn: bool | str = False,
     barrier_net_timeout_sec: int = 300,
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,
+    bucket_cap_mb: float | None = None,
     average_computed_params: bool = False,
     uneven_batches: bool = False,
     check_finite_loss: bool = False,
@@ -143,8 +145,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         average_computed_params: instead (whatever broadcast_computed_params says), replace every
             replica's computed params by their mean over the replicas every iteration (all-reduce, then
             Scale by 1/N), at the same place in the net. Off by default, as in Caffe2.
-        gradient_bucket_bytes: None (default) all-reduces each gradient on its own. An int >= 1
-            all-reduces them in buckets, as PyTorch DDP does: in the same reverse creation order, the
+        gradient_bucket_bytes: None (default): on real CUDA devices buckets of DDP's default 25 MiB
+            (`bucket_cap_mb=25`, the first bucket 1 MiB; each gradient on its own when a param's size
+            cannot be told), elsewhere (CPU devices, CUDA simulated on the CPU) each gradient on its
+            own; 0: each gradient on its own on CUDA too. An int >= 1 all-reduces them in buckets,
+            as PyTorch DDP does: in the same reverse creation order, the
             gradients are packed into buckets of at most this many bytes (the first bucket of at most
             `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
             dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat),
@@ -153,7 +158,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             param_init_net that create each param; a param whose size it cannot tell raises
             ParallelizeError naming it. See `graphpar.passes.bucketing`.
         first_bucket_bytes: the first bucket's limit (default 1 MiB, DDP's), an int >= 1, so the
-            first collective can start early; used only with gradient_bucket_bytes.
+            first collective can start early; used only with buckets.
+        bucket_cap_mb: DDP's name for the bucket size, in MiB (a number > 0); instead of
+            gradient_bucket_bytes, not with it.
         use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
         cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
         ideep: Caffe2's MKL-DNN CPU devices; here the same as `cpu_device=True` (torch's CPU kernels
@@ -162,7 +169,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn: training batch norm uses the statistics of the whole global batch
             (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
             batches of different sizes still get the whole batch's statistics); forward-only models
-            ignore it.
+            ignore it. "shard": the statistics of this shard's devices only (SyncBatchNorm with a
+            process group of one process), the gradients still all-reduced over every shard.
         uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
             batch that is not a multiple of the device count): each replica's loss gradient is
             multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
@@ -194,7 +202,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             trainer turns it on. See docs/errors.md.
         rendezvous: train over several processes (shards, on one machine or many), each owning
             `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
-            ...}` (see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
+            ...}` (engine default: NCCL on real CUDA devices when torch has it, else GLOO; see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
             the name of a blob written by FileStoreHandlerCreate / TCPStoreHandlerCreate, or None for
             torch.distributed's default group or env://). loss_scale becomes 1/(devices * num_shards);
             every gradient (or bucket) is summed onto the first device, all-reduced across shards and
@@ -228,9 +236,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
-    _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
+    bucket_bytes, auto_buckets = _bucket_bytes(gradient_bucket_bytes, first_bucket_bytes, bucket_cap_mb,
+                                               not cpu_device and not cuda_is_simulated())
+    if combine_spatial_bn not in (True, False, "shard"):
+        raise ParallelizeError(f"Parallelize: combine_spatial_bn must be True, False or 'shard' (statistics over "
+                               f"this shard's devices only), got {combine_spatial_bn!r}")
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model)
+                            shared_model=shared_model, default_engine=default_engine(not cpu_device))
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and use_nccl and shares_a_gpu(layout.devices):
         raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
@@ -243,10 +255,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rdv, net_type,
         num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
-        combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
+        combine_spatial_bn, bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once))
+        _accumulation(accumulate_gradients), bool(cpu_update_once), auto_buckets=auto_buckets)
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -329,7 +341,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
-    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF")
+    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF",
+                            default_engine=default_engine(not cpu_device))
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
     if not callable(param_update_builder_fun):
         raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
@@ -846,21 +859,36 @@ def _accumulation(k: Any) -> int:
     return k
 
 
-def _check_bucket_options(gradient_bucket_bytes: Any, first_bucket_bytes: Any) -> None:
+DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb, the default bucket size on real CUDA devices
+
+
+def _bucket_bytes(gradient_bucket_bytes: Any, first_bucket_bytes: Any, bucket_cap_mb: Any,
+                  cuda: bool) -> tuple[int | None, bool]:
+    """(bucket size in bytes or None for none, whether it is the CUDA default), checked."""
+    if bucket_cap_mb is not None:
+        if gradient_bucket_bytes is not None:
+            raise ParallelizeError("Parallelize: pass gradient_bucket_bytes or bucket_cap_mb, not both")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ParallelizeError(f"Parallelize: bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb!r}")
+        gradient_bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
     options = {"first_bucket_bytes": first_bucket_bytes}
     if gradient_bucket_bytes is not None:
         options["gradient_bucket_bytes"] = gradient_bucket_bytes
     for name, value in options.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"Parallelize: {name} must be an int number of bytes, got {value!r}")
-        if value < 1:
-            raise ParallelizeError(f"Parallelize: {name} must be >= 1 byte, got {value}")
+        if value < (0 if name == "gradient_bucket_bytes" else 1):
+            raise ParallelizeError(f"Parallelize: {name} must be >= {0 if name == 'gradient_bucket_bytes' else 1} "
+                                   f"byte, got {value}")
+    if gradient_bucket_bytes is None and cuda:
+        return DEFAULT_BUCKET_CAP_MB * 1024 * 1024, True
+    return (gradient_bucket_bytes or None), False
 
 
 def _check_rendezvous(rendezvous: Any, max_concurrent: Any, barrier_timeout: Any, what: str = "Parallelize",
-                      **unsupported: bool) -> Rendezvous | None:
+                      default_engine: str = "GLOO", **unsupported: bool) -> Rendezvous | None:
     """The parsed rendezvous, after checking it and the options that go with it (before any change)."""
-    rdv = parse_rendezvous(rendezvous, what)
+    rdv = parse_rendezvous(rendezvous, what, default_engine)
     if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
         raise ParallelizeError(f"{what}: max_concurrent_distributed_ops must be an int >= 1, got {max_concurrent!r}")
     if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or not barrier_timeout > 0:

@@ -50,11 +50,21 @@ class Rendezvous:
     reduce_order: str = "ring"
 
 
-def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> Rendezvous | None:
+def default_engine(cuda: bool) -> str:
+    """The engine a rendezvous without one gets: "NCCL" when every shard's devices are real CUDA devices
+    (`cuda`, not placed on the CPU) and torch has NCCL, else "GLOO"."""
+    from graphpar.devices import cuda_is_simulated
+
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    return "NCCL" if cuda and not cuda_is_simulated() and torch.cuda.is_available() and nccl else "GLOO"
+
+
+def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize",
+                     default_engine: str = "GLOO") -> Rendezvous | None:
     """Check Caffe2's rendezvous dict and return it as a `Rendezvous` (None stays None).
 
     Keys: `shard_id` and `num_shards` (ints, 0 <= shard_id < num_shards), `engine` ("GLOO" or
-    "NCCL", default "GLOO"), `kv_handler` (a `torch.distributed.Store`, the name of a blob written by
+    "NCCL", default `default_engine`: Parallelize passes `default_engine(cuda)`), `kv_handler` (a `torch.distributed.Store`, the name of a blob written by
     `FileStoreHandlerCreate` / `TCPStoreHandlerCreate`, or None: torch.distributed's default group if
     it is initialised, else `env://` with torchrun's variables RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), optional `transport` ("tcp" or "ibverbs"), `interface`, `exit_nets`,
@@ -81,7 +91,7 @@ def parse_rendezvous(rendezvous: Mapping | None, what: str = "Parallelize") -> R
         raise ParallelizeError(f"{what}: rendezvous['kv_handler'] must be a torch.distributed.Store, the "
                                f"name of a blob holding one (FileStoreHandlerCreate), or None; got {kv!r}")
     shard_id, num_shards = _shard(rendezvous, kv, what)
-    engine = rendezvous.get("engine", "GLOO")
+    engine = rendezvous.get("engine", default_engine)
     if engine not in ENGINES:
         raise ParallelizeError(f"{what}: rendezvous['engine'] must be one of {ENGINES}, got {engine!r}")
     transport = rendezvous.get("transport", "tcp")

@@ -10,7 +10,9 @@ the hooks' `before_step`, feeds the next batch (`graphpar.data.feed`: nested bat
 a `DeviceFeeder`'s prepared batches), runs the train net once, records the losses, and runs the hooks'
 `after_step`. The data is iterated once per epoch and again when exhausted (`set_epoch(epoch)` is
 called on it, or on its `sampler`, when present). Scalars go to `trainer.storage` (one value per
-iteration and name) where the writers read them. `auto_scale_workers` applies Detectron2's linear
+iteration and name) where the writers read them; under a rendezvous the losses are the global batch's
+(gathered from every shard, as Detectron2's `comm.reduce_dict`), the same on every shard, while `time`
+is this process's step time. `auto_scale_workers` applies Detectron2's linear
 scaling rule to a config for a new device count.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
@@ -159,10 +162,15 @@ class PeriodicCheckpointer(HookBase):
         if done % self.period == 0 or done == self.trainer.max_iter:
             self.save(done)
 
+    def metadata(self) -> dict[str, Any]:
+        """JSON data saved in each checkpoint (`DefaultTrainer`'s: the trainer's state_dict)."""
+        return {}
+
     def save(self, iteration: int) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
-        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)))  # carries optimizer_iteration
+        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),  # carries optimizer_iteration
+                        metadata=self.metadata())
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
@@ -302,6 +310,7 @@ class Trainer:
         self._pending: Any = None
         self._initialized = False
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
+        self._world: Any = None  # the communicator the losses are gathered on (under a rendezvous)
         self.register_hooks(hooks)
 
     def register_hooks(self, hooks: Iterable[HookBase | None]) -> None:
@@ -429,23 +438,26 @@ class Trainer:
         self.storage.iter = self.iter
 
     def run_step(self) -> None:
-        """Feed the next batch, run the train net once, record each loss (the batch's mean).
+        """Feed the next batch, run the train net once, record each loss (the global batch's mean).
 
         With `Parallelize(accumulate_gradients=k)`, first k - 1 micro-batches each through the
         accumulate net (no all-reduce, no update); the losses recorded are the micro-batches' mean.
+        Under a rendezvous the losses are every shard's (one all-gather per step), so every shard
+        records the same values, which equal one process's on the whole batch.
         """
         state = self.model._parallel
         micro = state.accumulate_net
-        values: list[dict[str, float]] = []
+        local: list[np.ndarray] = []
         for _ in range(state.options.accumulate_gradients - 1):
             fed = feed(self.model, self._next_batch())
             if micro.Proto().name not in workspace.get_workspace().nets:
                 workspace.CreateNet(micro)
             workspace.RunNet(micro)
-            values.append(self.losses(fed.sizes))
+            local.append(self._local_losses(fed.sizes))
         fed = self.last_fed = feed(self.model, self._next_batch())
         dpm.RunNet(self.model, 1)
-        values.append(self.losses(fed.sizes))
+        local.append(self._local_losses(fed.sizes))
+        values = self._global_losses(local)
         for name in values[-1]:
             value = sum(v[name] for v in values) / len(values)
             if not math.isfinite(value):
@@ -453,15 +465,41 @@ class Trainer:
             self.storage.put_scalar(name, value)
 
     def losses(self, sizes: Sequence[int]) -> dict[str, float]:
-        """Each unscoped loss summed over the replicas, each weighted by its share of the rows (the
-        losses carry the 1/N loss scale, so equal chunks give plain sums)."""
+        """Each unscoped loss as the mean over the global batch (every shard's replicas, each weighted
+        by its share of the rows); `sizes` are this shard's rows per device. Under a rendezvous every
+        shard must call it together."""
+        return self._global_losses([self._local_losses(sizes)])[0]
+
+    def _local_losses(self, sizes: Sequence[int]) -> np.ndarray:
+        """[device, loss, (value summed over the blob, rows)] of this shard's replicas."""
         state = self.model._parallel
-        count, total = len(sizes), sum(sizes)
-        out: dict[str, float] = {}
-        for names, rows in zip(state.losses_by_device.values(), sizes):
-            for name in names:
-                value = float(workspace.FetchBlob(str(name)).reshape(-1).sum())
-                out[unscoped_name(str(name))] = out.get(unscoped_name(str(name)), 0.0) + value * count * rows / total
+        return np.array([[(float(workspace.FetchBlob(str(name)).reshape(-1).sum()), rows) for name in names]
+                         for names, rows in zip(state.losses_by_device.values(), sizes)], dtype=np.float64)
+
+    def _global_losses(self, local: list[np.ndarray]) -> list[dict[str, float]]:
+        """Per micro-batch {loss: global mean} from every shard's `_local_losses`, summed in global
+        device order with the same float operations as one process with all the devices (so S shards
+        x D devices give 1 x S*D devices' values bit for bit). The losses carry the 1/N loss scale
+        (N devices in all), so equal chunks give plain sums."""
+        state = self.model._parallel
+        stacked = np.stack(local)  # [micro, device, loss, 2]
+        if state.options.rendezvous is not None and state.options.rendezvous.num_shards > 1:
+            if self._world is None:
+                from graphpar import comm
+
+                self._world = comm.model_world(self.model)
+            parts = self._world.allgather(torch.from_numpy(stacked))
+            stacked = torch.cat(parts, dim=1).numpy()
+        names = [unscoped_name(str(n)) for n in next(iter(state.losses_by_device.values()))]
+        count = stacked.shape[1]
+        out: list[dict[str, float]] = []
+        for step in stacked:
+            total = int(sum(int(rows) for rows in step[:, 0, 1]))
+            values: dict[str, float] = {}
+            for device in step:
+                for name, (value, rows) in zip(names, device):
+                    values[name] = values.get(name, 0.0) + float(value) * count * int(rows) / total
+            out.append(values)
         return out
 
 
@@ -490,24 +528,28 @@ class Config(dict):
         return Config(deepcopy(dict(self)))
 
 
-def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Config:
+def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Any:
     """Detectron2's linear scaling rule: the config for `num_workers` devices from one written for
     `SOLVER.REFERENCE_WORLD_SIZE` (0: no scaling). With scale = num_workers / reference:
     IMS_PER_BATCH and BASE_LR are multiplied by it; MAX_ITER, WARMUP_ITERS, STEPS,
     CHECKPOINT_PERIOD and TEST.EVAL_PERIOD divided (rounded); REFERENCE_WORLD_SIZE becomes
-    num_workers. Returns a new config (the input is not changed).
+    num_workers. Returns a new config of the input's kind (a yacs `CfgNode` from `graphpar.config`
+    stays one, frozen if the input was; the input is not changed).
 
     Raises:
         ValueError: num_workers < 1; IMS_PER_BATCH not divisible by the reference world size, or
             the scaled batch not divisible by num_workers; a period or iteration count rounding to 0.
     """
-    cfg = Config(deepcopy(dict(cfg)))
+    frozen = callable(getattr(cfg, "is_frozen", None)) and cfg.is_frozen()
+    cfg = cfg.clone() if callable(getattr(cfg, "defrost", None)) else Config(deepcopy(dict(cfg)))
+    if frozen:
+        cfg.defrost()
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"auto_scale_workers: num_workers must be an int >= 1, got {num_workers!r}")
     solver = cfg.SOLVER
     old = int(solver.get("REFERENCE_WORLD_SIZE", 0))
     if old == 0 or old == num_workers:
-        return cfg
+        return _refreeze(cfg, frozen)
     if solver.IMS_PER_BATCH % old:
         raise ValueError(f"auto_scale_workers: SOLVER.IMS_PER_BATCH={solver.IMS_PER_BATCH} is not divisible by "
                          f"SOLVER.REFERENCE_WORLD_SIZE={old} (invalid REFERENCE_WORLD_SIZE)")
@@ -525,5 +567,11 @@ def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Config:
         raise ValueError(f"auto_scale_workers: MAX_ITER rounds to {solver.MAX_ITER} for {num_workers} workers")
     log.info("auto-scaled the config to batch %d, LR %g, max_iter %d, warmup %d for %d workers",
              solver.IMS_PER_BATCH, solver.BASE_LR, solver.MAX_ITER, solver.WARMUP_ITERS, num_workers)
+    return _refreeze(cfg, frozen)
+
+
+def _refreeze(cfg: Any, frozen: bool) -> Any:
+    if frozen:
+        cfg.freeze()
     return cfg
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -34,9 +35,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT", "get_local_rank", "get_rank", "get_world_size", "is_main_process", "launch",
-           "main", "rendezvous"]
+__all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
+           "init_process_group", "is_main_process", "launch", "main", "rendezvous"]
 
 
 def get_rank() -> int:
@@ -65,11 +67,14 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def rendezvous(engine: str = "GLOO", timeout_sec: float | None = None) -> dict | None:
-    """`Parallelize(rendezvous=...)` for this process: None alone, else the default group's shard."""
+def rendezvous(engine: str | None = None, timeout_sec: float | None = None) -> dict | None:
+    """`Parallelize(rendezvous=...)` for this process: None alone, else the default group's shard
+    (engine None: Parallelize's default, NCCL on real CUDA devices, else GLOO)."""
     if get_world_size() <= 1:
         return None
-    found = {"kv_handler": None, "shard_id": get_rank(), "num_shards": get_world_size(), "engine": engine}
+    found = {"kv_handler": None, "shard_id": get_rank(), "num_shards": get_world_size()}
+    if engine is not None:
+        found["engine"] = engine
     return found if timeout_sec is None else {**found, "timeout_sec": timeout_sec}
 
 
@@ -103,10 +108,11 @@ def _environment(rank: int, local_rank: int, world_size: int, local_world_size: 
 
 def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_machines: int = 1,
            machine_rank: int = 0, dist_url: str = "auto", args: Sequence[Any] = (),
-           timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+           timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str | None = None) -> None:
     """Run `main_func(*args)` in `num_processes_per_machine` spawned processes on this machine (machine
-    `machine_rank` of `num_machines`), each inside torch.distributed's default group (gloo, joined at
-    `dist_url` within `timeout`). One process in all: `main_func` runs here.
+    `machine_rank` of `num_machines`), each inside torch.distributed's default group (`backend`, default
+    `default_backend`: NCCL with a GPU per process, else gloo; joined at `dist_url` within `timeout`,
+    see `init_process_group`). One process in all: `main_func` runs here.
 
     Raises:
         ValueError: bad counts or dist_url.
@@ -127,7 +133,8 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
     try:
         mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
                            args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
-                                 tuple(args), timeout, errors))
+                                 tuple(args), timeout, errors,
+                                 backend or default_backend(num_processes_per_machine)))
     except mp.ProcessRaisedException as exc:
         if errors.empty():
             raise
@@ -137,8 +144,45 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
                                         exc.error_pid) from None
 
 
+def default_backend(num_processes_per_machine: int = 1) -> str:
+    """torch.distributed's backend for the default group: "nccl" when this machine has a GPU for every
+    process and torch has NCCL, else "gloo"."""
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if dist.is_nccl_available() and gpus >= num_processes_per_machine > 0 else "gloo"
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """Join torch.distributed's default group through env:// (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), logging the backend, init method and URL; with NCCL, first select this process's
+    first GPU (`comm.local_devices`).
+
+    Raises:
+        RuntimeError: the group could not be joined; names the backend, init method, URL and timeout.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    url = f"tcp://{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    log.info("process %s of %s: init_process_group(%s) with init method env:// at %s", rank, world, backend, url)
+    if backend == "nccl":
+        from graphpar.comm import local_devices
+
+        torch.cuda.set_device(local_devices()[0])
+    try:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    except (RuntimeError, ValueError) as exc:
+        raise RuntimeError(f"process {rank} of {world}: init_process_group({backend!r}) failed with init method "
+                           f"env:// at {url} (MASTER_ADDR:MASTER_PORT; timeout {timeout}): is process 0 running "
+                           f"and is {url} reachable from here? {exc}") from exc
+
+
 def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
-            addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any) -> None:
+            addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -146,7 +190,11 @@ def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, nu
     os.environ.update(_environment(rank, local_rank, per_machine * num_machines, per_machine, machine_rank,
                                    addr, port))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read by OpenMP only when torch started
-    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    try:
+        init_process_group(backend, timeout)
+    except RuntimeError:
+        errors.put((local_rank, traceback.format_exc()))
+        raise
     try:
         main_func(*args)
     except BaseException:

@@ -641,7 +641,7 @@ MISUSES = {
                                           shared_model=True), ParallelizeError, "shared_model across shards"),
     "zero concurrent distributed ops": (dict(max_concurrent_distributed_ops=0), ParallelizeError,
                                         "max_concurrent_distributed_ops must be an int >= 1"),
-    "zero bucket bytes": (dict(gradient_bucket_bytes=0), ParallelizeError, "gradient_bucket_bytes must be >= 1"),
+    "negative bucket bytes": (dict(gradient_bucket_bytes=-1), ParallelizeError, "gradient_bucket_bytes must be >= 0"),
     "negative first bucket": (dict(gradient_bucket_bytes=64, first_bucket_bytes=-1), ParallelizeError,
                               "first_bucket_bytes must be >= 1"),
     "float bucket bytes": (dict(gradient_bucket_bytes=1.5), TypeError, "gradient_bucket_bytes must be an int"),

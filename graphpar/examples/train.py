@@ -4,6 +4,7 @@
     python -m graphpar.examples.train --resume        # continue from the checkpoint it wrote
     python -m graphpar.examples.train --num-processes 2 --devices 2   # 2 processes x 2 devices, gloo
     python -m graphpar.launch --nproc-per-node 2 -m graphpar.examples.train --devices 2   # the same
+    python -m graphpar.examples.train --num-processes 2   # on 2 GPUs: one GPU per process, NCCL
 
 The 1,797 8x8 digit images ship inside scikit-learn, so nothing is downloaded. Each step feeds one
 global batch split evenly over the devices; gradients are all-reduced, so N devices train exactly
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphpar import brew, checkpoint, launch, model_helper, optimizer, workspace
+from graphpar import brew, checkpoint, comm, launch, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.data import ArrayLoader, DeviceFeeder, feed, gather
 from graphpar.devices import num_cuda_devices
@@ -89,7 +90,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=None,
-                        help="number of devices (default: all GPUs, else 4 CPU devices)")
+                        help="devices per process (default: this machine's GPUs shared out over its processes, "
+                             "else 4 CPU devices)")
     parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
     parser.add_argument("--epochs", type=int, default=12, help="epochs in all (a resumed run continues to it)")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
@@ -111,12 +113,16 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
-    if args.devices is None:
-        args.devices = 4 if args.cpu else available
+    per_machine = args.num_processes if launch.get_world_size() == 1 else comm.get_local_size()
+    if args.devices is None:  # GPUs: this machine's shared out, one per process with --num-processes K on K
+        args.devices = 4 if args.cpu else max(1, available // per_machine)
     if args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
-    if available is not None and args.devices > available:
-        parser.error(f"--devices {args.devices}: only {available} GPUs are visible (or pass --cpu)")
+    if available is not None:
+        try:
+            comm.local_devices(args.devices, 0, per_machine, available)
+        except ValueError as exc:
+            parser.error(f"--devices {args.devices} x {per_machine} processes: {exc} (or pass --cpu)")
     if args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
     if not 1 <= args.batch_size <= train_size:
@@ -193,16 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.num_processes > 1 and launch.get_world_size() == 1:
-        launch.launch(run, args.num_processes, args=(args,))
+        launch.launch(run, args.num_processes, args=(args,), backend="gloo" if args.cpu else None)
         return 0
     return run(args)
+
+
+def process_devices(args: argparse.Namespace) -> list[int]:
+    """This process's device ids: CPU devices 0..D-1 in every process; GPUs r*D .. r*D + D - 1 for
+    process r of this machine's (`comm.local_devices`), so processes never share a GPU."""
+    return list(range(args.devices)) if args.cpu else comm.local_devices(args.devices)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train in this process: alone, or as one shard of launch.get_world_size()."""
     shard, shards, say = launch.get_rank(), launch.get_world_size(), launch.is_main_process()
     x_train, y_train, x_test, y_test = load_digits(args.seed)
-    devices = list(range(args.devices))
+    devices = process_devices(args)
     steps_per_epoch = len(y_train) // args.batch_size
     max_iter = args.epochs * steps_per_epoch
     if args.resume:

@@ -11,7 +11,8 @@ each device cuts its buffer back (`Split`) and restores every gradient's shape (
 Sizes come from shape inference (`core.shapes.infer_specs`) on the ops of `param_init_net` that
 create the params (a gradient has its param's shape and dtype), whatever ops they are. A param whose
 size inference cannot tell (no op creates it, or its shape depends on tensor values, such as a fill
-with `input_as_shape`) raises `ParallelizeError` naming it, rather than guessing: bucketing is opt-in.
+with `input_as_shape`) raises `ParallelizeError` naming it, rather than guessing, when buckets were
+asked for; the default buckets on real CUDA devices fall back to one all-reduce per gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.core.shapes import BlobSpec, infer_specs
 from graphpar.errors import ParallelizeError
 from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
-from graphpar.passes.allreduce import checked_group
+from graphpar.passes.allreduce import allreduce_gradients, checked_group
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
@@ -48,12 +49,12 @@ def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
         if param not in specs:
             raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but no op of "
                                    f"param_init_net creates it; create it there, or use "
-                                   f"gradient_bucket_bytes=None")
+                                   f"gradient_bucket_bytes=0 (no buckets)")
         if specs[param] is None:
             raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but shape inference "
                                    f"on param_init_net cannot tell it: its shape depends on tensor values (e.g. "
                                    f"a fill with input_as_shape); give the shape as an argument (e.g. "
-                                   f"XavierFill(shape=...)), or use gradient_bucket_bytes=None")
+                                   f"XavierFill(shape=...)), or use gradient_bucket_bytes=0 (no buckets)")
     return {param: specs[param] for param in params}
 
 
@@ -148,10 +149,19 @@ def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], spec
 
 def allreduce_gradient_buckets(state: ParallelState) -> None:
     """Like `allreduce.allreduce_gradients`, in buckets of `gradient_bucket_bytes` (see the module doc).
-    Sparse gradients stay out of buckets: each is concatenated on its own after the buckets."""
+    Sparse gradients stay out of buckets: each is concatenated on its own after the buckets. The
+    default buckets on CUDA (`auto_buckets`) give way to `allreduce_gradients` when a param's size
+    cannot be told."""
     model, layout, options = state.model, state.layout, state.options
     params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
               if layout.replica_of(str(p)) == layout.master}
+    if options.auto_buckets:  # the CUDA default, not asked for: fall back rather than refuse
+        try:
+            param_specs(model.param_init_net.Proto(), params.values())
+        except ParallelizeError as exc:
+            log.info("gradients all-reduced one by one instead of in the default buckets: %s", exc)
+            allreduce_gradients(state)
+            return
     names = list(reversed(state.grad_names))
     sparse = [name for name in names if is_sparse(state.grouped[name])]
     allreduce_buckets(model.net.Proto(), model.param_init_net.Proto(), [n for n in names if n not in sparse],

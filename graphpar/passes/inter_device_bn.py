@@ -32,7 +32,7 @@ from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
-from graphpar.passes.reducers import Reducer, copies
+from graphpar.passes.reducers import DistributedReducer, Reducer, copies
 from graphpar.passes.state import ParallelState
 
 BN_TYPES = ("SpatialBN", "SpatialBNGradient")
@@ -135,5 +135,10 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 
 def combine_batch_norm(state: ParallelState) -> None:
-    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`)."""
-    inter_device_batch_norm(state.model.net.Proto(), state.reducer)
+    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`); with
+    `combine_spatial_bn="shard"` over this shard's devices only (the local reducer of a
+    `DistributedReducer`, so num_batches counts this shard's replicas)."""
+    reducer = state.reducer
+    if state.options.combine_spatial_bn == "shard" and isinstance(reducer, DistributedReducer):
+        reducer = reducer.local
+    inter_device_batch_norm(state.model.net.Proto(), reducer)

@@ -42,7 +42,7 @@ class ParallelizeOptions:
     average_computed_params: bool = False
     use_nccl: bool = False
     shared_model: bool = False
-    combine_spatial_bn: bool = False
+    combine_spatial_bn: bool | str = False  # True, False or "shard"
     gradient_bucket_bytes: int | None = None
     first_bucket_bytes: int = 1024 * 1024
     dynamic_memory_management: bool = False
@@ -54,6 +54,7 @@ class ParallelizeOptions:
     barrier_net_timeout_sec: float = 300.0
     accumulate_gradients: int = 1
     cpu_update_once: bool = False  # Parallelize's default is True; BMUF never uses it
+    auto_buckets: bool = False  # gradient_bucket_bytes is the CUDA default: per gradient if sizes are unknown
 
     @property
     def num_shards(self) -> int:

@@ -117,7 +117,8 @@ def test_peers_without_p2p_access_get_copies_on_real_cuda(monkeypatch: pytest.Mo
     on a faked 4-GPU machine: the test once asked a real 1-GPU machine about devices 1-3."""
     islands = {0: 0, 1: 0, 2: 1, 3: 1}
     fake_gpus(monkeypatch, 4, peer=lambda a, b: islands[a] == islands[b])  # Parallelize plans for real GPUs...
-    model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False)
+    # per-gradient all-reduce (real CUDA devices get DDP buckets by default)
+    model = _parallelize("p2p", devices=[0, 1, 2, 3], cpu_device=False, gradient_bucket_bytes=0)
     copies = [op for op in model.net.Proto().ops if op.type == "Copy" and op.outputs[0].endswith("_gpu2_copy")]
     assert [op.outputs[0] for op in copies] == [f"gpu_0/{g}_gpu2_copy" for g in reversed(model._grad_names)]
     assert all(op.args["input_device_ids"] == [2] for op in copies)

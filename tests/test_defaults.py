@@ -1,0 +1,230 @@
+"""graphpar.config and graphpar.defaults, in the style of Detectron2's config and trainer tests: yacs
+defaults and merges, the LR schedule against its formula, DefaultTrainer's steps against torch eager
+SGD on the same batches, evaluation, and state_dict / resume."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import workspace
+from graphpar.config import CfgNode, get_cfg
+from graphpar.defaults import DefaultTrainer, LRMultiplier, default_argument_parser
+from graphpar.engine import HookBase, auto_scale_workers
+from graphpar.evaluation import ClassificationEvaluator, DatasetEvaluators, flatten_results_dict
+from graphpar.loaders import DatasetCatalog, TrainingSampler
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(48, 16)).astype(np.float32)
+Y = (X[:, 0] + X[:, 1] > 0).astype(np.int32)
+if "defaults_train" not in DatasetCatalog:
+    DatasetCatalog.register("defaults_train", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[:32], Y[:32])])
+    DatasetCatalog.register("defaults_test", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[32:], Y[32:])])
+
+
+def _cfg(tmp_path, *opts: str) -> CfgNode:
+    cfg = get_cfg()
+    cfg.merge_from_list(["DATASETS.TRAIN", "('defaults_train',)", "DATASETS.TEST", "('defaults_test',)",
+                         "SOLVER.MAX_ITER", "6", "SOLVER.IMS_PER_BATCH", "8", "SOLVER.WARMUP_ITERS", "3",
+                         "SOLVER.STEPS", "(4,)", "SOLVER.BASE_LR", "0.2", "SOLVER.MOMENTUM", "0.0",
+                         "MODEL.NUM_CLASSES", "2", "MODEL.HIDDEN", "(8,)", "OUTPUT_DIR", str(tmp_path / "out"),
+                         "SOLVER.CHECKPOINT_PERIOD", "3", "SEED", "5", *opts])
+    return cfg
+
+
+def test_get_cfg_merges_yaml_and_key_value_lists_and_refuses_unknown_keys(tmp_path) -> None:
+    cfg = get_cfg()
+    assert cfg.SOLVER.IMS_PER_BATCH == 16 and cfg.MODEL.DEVICE == "cpu" and not get_cfg().is_frozen()
+    path = tmp_path / "exp.yaml"
+    path.write_text("SOLVER:\n  BASE_LR: 0.5\n  STEPS: (10, 20)\nMODEL:\n  META_ARCHITECTURE: lenet\n")
+    cfg.merge_from_file(str(path))
+    cfg.merge_from_list(["SOLVER.MAX_ITER", "300", "DATASETS.TRAIN", "('a', 'b')"])
+    assert (cfg.SOLVER.BASE_LR, cfg.SOLVER.STEPS, cfg.MODEL.META_ARCHITECTURE) == (0.5, (10, 20), "lenet")
+    assert cfg.SOLVER.MAX_ITER == 300 and cfg.DATASETS.TRAIN == ("a", "b")
+    assert get_cfg().SOLVER.BASE_LR == 0.01  # the defaults are untouched
+    with pytest.raises(KeyError, match="Non-existent config key: SOLVER.BASE_LRR"):
+        cfg.merge_from_list(["SOLVER.BASE_LRR", "1"])
+    with pytest.raises(ValueError, match="KEY VALUE pairs"):
+        cfg.merge_from_list(["SOLVER.BASE_LR"])
+    with pytest.raises(ValueError, match="Type mismatch"):
+        cfg.merge_from_list(["SOLVER.MAX_ITER", "'many'"])
+    args = default_argument_parser().parse_args(["--config-file", str(path), "--num-gpus", "2", "SOLVER.GAMMA", "0.5"])
+    assert args.num_gpus == 2 and args.opts == ["SOLVER.GAMMA", "0.5"]
+
+
+def test_auto_scale_workers_keeps_a_cfgnode_and_its_frozen_state() -> None:
+    cfg = get_cfg()
+    cfg.merge_from_list(["SOLVER.REFERENCE_WORLD_SIZE", "8", "SOLVER.IMS_PER_BATCH", "16", "SOLVER.MAX_ITER", "1000"])
+    cfg.freeze()
+    scaled = auto_scale_workers(cfg, 4)
+    assert isinstance(scaled, CfgNode) and scaled.is_frozen()
+    assert (scaled.SOLVER.IMS_PER_BATCH, scaled.SOLVER.MAX_ITER, scaled.SOLVER.BASE_LR) == (8, 2000, 0.005)
+    assert cfg.SOLVER.IMS_PER_BATCH == 16
+
+
+def _detectron2_lr(it: int, name: str, steps, gamma, factor, warmup, method, max_iter) -> float:
+    """Detectron2's WarmupParamScheduler over MultiStep / Cosine, written from its formulas."""
+    if name == "WarmupMultiStepLR":
+        value = gamma ** sum(it >= s for s in steps)
+    else:
+        value = 0.5 * (1 + math.cos(math.pi * it / max_iter))
+    if it < warmup:
+        value *= factor if method == "constant" else factor + (1 - factor) * it / warmup
+    return value
+
+
+@pytest.mark.parametrize("name, method", [("WarmupMultiStepLR", "linear"), ("WarmupCosineLR", "constant"),
+                                          ("WarmupMultiStepLR", "constant")])
+def test_lr_multiplier_follows_detectron2_formulas(name, method) -> None:
+    schedule = LRMultiplier(name, 100, (30, 60), 0.1, 0.01, 10, method)
+    for it in range(100):
+        assert schedule(it) == pytest.approx(_detectron2_lr(it, name, (30, 60), 0.1, 0.01, 10, method, 100),
+                                             rel=1e-12)
+    with pytest.raises(ValueError, match="LR_SCHEDULER_NAME"):
+        LRMultiplier("Poly", 10)
+    with pytest.raises(ValueError, match="increasing"):
+        LRMultiplier("WarmupMultiStepLR", 10, (5, 2))
+
+
+def _eager_reference(params: dict[str, np.ndarray], cfg: CfgNode, steps: int) -> dict[str, torch.Tensor]:
+    """The MLP trained by torch eager SGD (weight decay on every param) on the batches the loader draws."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    order = list(itertools.islice(TrainingSampler(32, seed=cfg.SEED, rank=0, world=1), steps * 8))
+    schedule = DefaultTrainer.build_lr_scheduler(cfg)
+    for it in range(steps):
+        rows = order[it * 8:(it + 1) * 8]
+        x, y = torch.from_numpy(X[rows]), torch.from_numpy(Y[rows]).long()
+        h = torch.relu(x @ p["fc1_w"].T + p["fc1_b"])
+        loss = torch.nn.functional.cross_entropy(h @ p["pred_w"].T + p["pred_b"], y)
+        grads = torch.autograd.grad(loss, list(p.values()))
+        with torch.no_grad():
+            lr = cfg.SOLVER.BASE_LR * schedule(it)
+            for value, g in zip(p.values(), grads):
+                value -= lr * (g + cfg.SOLVER.WEIGHT_DECAY * value)
+    return p
+
+
+def _params(prefix: str = "cpu_0") -> dict[str, np.ndarray]:
+    return {n: workspace.FetchBlob(f"{prefix}/{n}") for n in ("fc1_w", "fc1_b", "pred_w", "pred_b")}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_default_trainer_trains_as_eager_sgd_with_the_scheduled_lr(tmp_path, devices) -> None:
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    trainer = DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", str(devices)))
+    trainer.resume_or_load(resume=False)
+    start = _params()
+    trainer.train()
+    expected = _eager_reference(start, trainer.cfg, 6)
+    for name, value in _params().items():
+        np.testing.assert_allclose(value, expected[name].detach().numpy(), rtol=2e-5, atol=1e-6, err_msg=name)
+    lrs = [v for _, v in trainer.storage.history["lr"]]
+    np.testing.assert_allclose(lrs, [0.2 * trainer.scheduler(it) for it in range(6)], rtol=1e-6)
+    assert lrs[0] == pytest.approx(0.2 * 0.001) and lrs[5] == pytest.approx(0.02)
+    # EvalHook ran DefaultTrainer.test after the last step: the accuracy of the test split, from NumPy
+    p = _params()
+    scores = np.maximum(X[32:] @ p["fc1_w"].T + p["fc1_b"], 0) @ p["pred_w"].T + p["pred_b"]
+    accuracy = float((scores.argmax(1) == Y[32:]).mean())
+    assert trainer.storage.latest()["accuracy/top1"][1] == pytest.approx(accuracy)
+    assert DefaultTrainer.test(trainer.cfg, trainer.test_model) == {"accuracy": {"top1": pytest.approx(accuracy)}}
+
+
+class Counter(HookBase):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def after_step(self) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+
+
+def test_state_dict_and_resume_restore_iteration_scheduler_and_hooks(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    first = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "4"))
+    first.register_hooks([Counter()])
+    first.resume_or_load(resume=True)  # nothing to resume: starts at 0
+    first.train()
+    state = first.state_dict()
+    assert state["iteration"] == 4 and state["hooks"] == {"Counter": {"steps": 4}}
+    assert state["scheduler"]["last_iter"] == 3
+    saved = _params()
+
+    workspace.ResetWorkspace()
+    second = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "6"))
+    counter = Counter()
+    second.register_hooks([counter])
+    assert second.resume_or_load(resume=True) == 4  # the checkpoint written after iteration 4
+    assert counter.steps == 3 and second.scheduler.last_iter == 3  # saved at 3 steps, with the checkpoint
+    for name, value in saved.items():
+        np.testing.assert_array_equal(_params()[name], value)
+    second.train()
+    assert [it for it, _ in second.storage.history["lr"]] == [4, 5] and counter.steps == 5
+    third = DefaultTrainer.__new__(DefaultTrainer)
+    third.hooks, third.scheduler, third.storage = [Counter()], LRMultiplier("WarmupMultiStepLR", 6), second.storage
+    third.load_state_dict(state)
+    assert third.iter == third.start_iter == 5 and third.hooks[0].steps == 4 and third.scheduler.last_iter == 3
+
+
+def test_evaluators_combine_and_classification_counts_top_k() -> None:
+    evaluator = ClassificationEvaluator(topk=(1, 2))
+    scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3], [0.2, 0.3, 0.5]])
+    evaluator.process({"label": np.array([1, 2, 1])}, {"softmax": scores})
+    assert evaluator.evaluate() == {"accuracy": {"top1": pytest.approx(1 / 3), "top2": pytest.approx(1.0)}}
+    both = DatasetEvaluators([evaluator, ClassificationEvaluator(scores="other")])
+    assert both.output_names == ["other", "softmax"]
+    with pytest.raises(ValueError, match="two evaluators return the task 'accuracy'"):
+        both.process({"label": np.array([0])}, {"softmax": scores[:1], "other": scores[:1]})
+        both.evaluate()
+    assert flatten_results_dict({"a": {"b": 1, "c": {"d": 2}}}) == {"a/b": 1.0, "a/c/d": 2.0}
+
+
+def test_a_bad_config_is_refused_with_the_key(tmp_path) -> None:
+    with pytest.raises(ValueError, match="META_ARCHITECTURE 'nope' is not in MODEL_REGISTRY"):
+        DefaultTrainer(_cfg(tmp_path, "MODEL.META_ARCHITECTURE", "nope"))
+    with pytest.raises(ValueError, match="MODEL.DEVICE must be 'cpu' or 'cuda'"):
+        DefaultTrainer(_cfg(tmp_path, "MODEL.DEVICE", "tpu"))
+    with pytest.raises(ValueError, match="IMS_PER_BATCH=8 must be a multiple of the 3 devices"):
+        DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", "3"))
+
+
+def test_the_config_is_scaled_to_the_devices_and_weights_start_a_new_run(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    first = DefaultTrainer(_cfg(tmp_path, "SOLVER.REFERENCE_WORLD_SIZE", "1", "MODEL.NUM_DEVICES", "2",
+                                "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "8", "SOLVER.CHECKPOINT_PERIOD", "2"))
+    solver = first.cfg.SOLVER  # linear scaling from 1 device to 2
+    assert (solver.IMS_PER_BATCH, solver.BASE_LR, solver.MAX_ITER, solver.STEPS) == (8, 0.4, 4, (2,))
+    assert first.cfg.is_frozen() and first.max_iter == 4
+    first.resume_or_load(resume=False)
+    first.train()
+    trained = _params()
+
+    workspace.ResetWorkspace()
+    weights = tmp_path / "out" / "model_0000004.safetensors"
+    second = DefaultTrainer(_cfg(tmp_path, "MODEL.WEIGHTS", str(weights), "OUTPUT_DIR", str(tmp_path / "other")))
+    assert second.resume_or_load(resume=True) == 0  # nothing in its OUTPUT_DIR: MODEL.WEIGHTS, from iteration 0
+    for name, value in trained.items():
+        np.testing.assert_array_equal(_params()[name], value)
+
+
+def test_the_seed_of_the_config_makes_the_run_repeatable(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    DefaultTrainer(_cfg(tmp_path)).initialize()
+    first = _params()
+    workspace.ResetWorkspace()
+    workspace.SetSeed(123)  # whatever the workspace was seeded with before
+    DefaultTrainer(_cfg(tmp_path)).initialize()
+    for name, value in first.items():
+        np.testing.assert_array_equal(_params()[name], value)
+    workspace.ResetWorkspace()
+    DefaultTrainer(_cfg(tmp_path, "SEED", "1")).initialize()
+    assert not np.array_equal(_params()["fc1_w"], first["fc1_w"])
