@@ -5,23 +5,18 @@ devices or simulated CUDA, bucket_cap_mb as DDP names it, bytes kept, 0 turning 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from graphpar import data_parallel_model as dpm
 from graphpar import optimizer
 from graphpar.errors import ParallelizeError
 from graphpar.model_helper import ModelHelper
 from graphpar.models import mlp
+from tests.fake_gpus import fake_gpus
 
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    monkeypatch.setattr(dpm, "num_cuda_devices", lambda: 2)  # two real GPUs, as far as Parallelize can tell
-    monkeypatch.setattr(dpm, "check_balance", lambda ids: False)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    dpm.can_access_peer.cache_clear()
-    yield
-    dpm.can_access_peer.cache_clear()
+    fake_gpus(monkeypatch, 2)  # two real GPUs, as far as Parallelize can tell
 
 
 def _build(cpu: bool = False, **options):
