@@ -151,8 +151,11 @@ def fc(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: in
     """FC: `<out>_w` [dim_out, dim_in] XavierFill (WEIGHT), `<out>_b` [dim_out] ConstantFill 0 (BIAS).
 
     `weight_init`/`bias_init` are `(op_name, kwargs)` pairs; `WeightInitializer`/`BiasInitializer`
-    are Initializer classes; other kwargs (e.g. `axis`) go to the FC op.
+    are Initializer classes; other kwargs (e.g. `axis`) go to the FC op. Caffe2's
+    `enable_tensor_core` (a cuDNN/cuBLAS math mode) is consumed here, as Caffe2's helper does, and
+    ignored: PyTorch picks the math mode.
     """
+    kwargs.pop("enable_tensor_core", None)
     weight = model.create_param(_suffixed(blob_out, "_w"), [dim_out, dim_in],
                                 _initializer(WeightInitializer, weight_init, ("XavierFill", {})),
                                 ParameterTags.WEIGHT)

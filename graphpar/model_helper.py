@@ -316,6 +316,13 @@ class ModelHelper:
         """The ParameterInfo of `param` (a created parameter), else None."""
         return self._parameters_info.get(str(param))
 
+    def GetOptimizationParamInfo(self, params: Iterable[str] | None = None) -> list[ParameterInfo]:  # noqa: N802
+        """The ParameterInfo of each param that has a gradient (of `params` if given), in creation order,
+        as Caffe2's: what the optimizer builders update (each info's `grad` is set)."""
+        param_to_grad = self.param_to_grad if not params else self.get_param_to_grad(params)
+        return [self._parameters_info.setdefault(str(p), ParameterInfo(str(p), p, None, grad=g))
+                for p, g in param_to_grad.items()]
+
     def get_param_to_grad(self, params: Iterable[str]) -> dict[BlobReference, str | GradientSlice]:
         """{param: gradient} for `params` that have one (after AddGradientOperators)."""
         wanted = {str(p) for p in params}

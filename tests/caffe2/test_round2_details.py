@@ -1,0 +1,81 @@
+"""Caffe2 details its own tests and trainer rely on: SoftmaxWithLoss(only_loss=True), enable_tensor_core
+through brew.arg_scope, ModelHelper.GetOptimizationParamInfo, and Parallelize with a forward builder
+returning [] (no loss on that replica)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar import brew, core, data_parallel_model, model_helper, optimizer, workspace
+from graphpar.errors import ParallelizeError
+
+
+def test_softmax_with_loss_accepts_only_loss_and_computes_the_same() -> None:
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    label = np.array([0, 2, 1, 2], np.int32)
+    results = []
+    for args in ({}, {"only_loss": True}):
+        workspace.ResetWorkspace()
+        net = core.Net("swl")
+        net.SoftmaxWithLoss(["x", "label"], ["p", "loss"], **args)
+        workspace.FeedBlob("x", x)
+        workspace.FeedBlob("label", label)
+        workspace.RunNetOnce(net)
+        results.append(float(workspace.FetchBlob("loss")))
+    want = torch.nn.functional.cross_entropy(torch.from_numpy(x), torch.from_numpy(label).long()).item()
+    assert results[1] == results[0] and abs(results[0] - want) < 1e-6
+
+
+def test_enable_tensor_core_reaches_neither_fc_nor_conv() -> None:
+    model = model_helper.ModelHelper("tc")
+    with brew.arg_scope([brew.conv, brew.fc], enable_tensor_core=True):
+        conv = brew.conv(model, "data", "conv", 3, 4, kernel=3)
+        brew.fc(model, conv, "fc", 4 * 6 * 6, 2)
+    ops = {op.type: op for op in model.net.Proto().op}
+    assert "enable_tensor_core" not in ops["FC"].arg and "enable_tensor_core" not in ops["Conv"].arg
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("data", np.ones((2, 3, 8, 8), np.float32))
+    workspace.RunNetOnce(model.param_init_net)
+    workspace.RunNetOnce(model.net)  # FC rejected the argument before
+    assert workspace.FetchBlob("fc").shape == (2, 2)
+
+
+def test_get_optimization_param_info_lists_params_with_gradients() -> None:
+    model = model_helper.ModelHelper("info")
+    fc1 = brew.fc(model, "data", "fc1", 3, 4)
+    brew.fc(model, "data", "unused", 3, 4)  # no gradient: not listed
+    loss = model.net.AveragedLoss(fc1, "loss")
+    model.AddGradientOperators([loss])
+    infos = model.GetOptimizationParamInfo()
+    assert [(str(i.blob), str(i.grad)) for i in infos] == [("fc1_w", "fc1_w_grad"), ("fc1_b", "fc1_b_grad")]
+    assert [str(i.blob) for i in model.GetOptimizationParamInfo(["fc1_b"])] == ["fc1_b"]
+    assert [str(i.blob) for i in model.GetOptimizationParamInfo(model.GetParams())] == ["fc1_w", "fc1_b"]
+
+
+def test_parallelize_accepts_a_forward_builder_returning_no_loss() -> None:
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper("barrier")
+    data_parallel_model.Parallelize_CPU(model, input_builder_fun=lambda m: None,
+                                        forward_pass_builder_fun=lambda m, s: [],
+                                        optimizer_builder_fun=lambda m: None, devices=[1, 2, 3])
+    data_parallel_model.RunInitNet(model)
+    data_parallel_model.RunNet(model, 1)
+    assert model._losses_by_gpu == {1: [], 2: [], 3: []}
+
+
+def test_losses_on_some_replicas_only_are_refused() -> None:
+    """A replica without a loss would get no gradients and drift from the others: a clear error."""
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper("mixed")
+
+    def forward(m: model_helper.ModelHelper, scale: float) -> list:
+        fc = brew.fc(m, "data", "fc", 3, 1)
+        loss = m.net.Scale(m.net.AveragedLoss(fc, "l"), "sl", scale=scale)
+        return [loss] if core.ScopedName("") == "cpu_0/" else []
+
+    with pytest.raises(ParallelizeError, match=r"losses for devices \[0\] only"):
+        data_parallel_model.Parallelize_CPU(
+            model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+            optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 1.0), devices=[0, 1])
