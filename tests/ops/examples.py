@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar import distributed
+from graphpar.core.ir import NetDef, OperatorDef
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -43,6 +44,11 @@ def pos(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def ints(*values: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
+
+
+def _net(*ops: tuple[str, list[str], list[str]]) -> NetDef:
+    """A NetDef argument (If/While) of (type, inputs, outputs) ops."""
+    return NetDef("inner", [OperatorDef(t, i, o) for t, i, o in ops])
 
 
 def probs(rows: int, cols: int) -> torch.Tensor:
@@ -163,6 +169,14 @@ EXAMPLES: dict[str, list[Example]] = {
                                 f(3, 2), f(1), ints(4, dtype=torch.int64), outputs=4)],
     "RowWiseCounter": [ex(ints(0, 1, 0, 2, 0, dtype=torch.int64), pos(5, dtype=torch.float64), ints(1, 3, 1),
                           ints(4, dtype=torch.int64), outputs=2, counter_halflife=3)],
+    **{name: [ex(f(2, 3), f(2, 3)), ex(f(2, 3), f(3), broadcast=1), ex(ints(1, 2, 3), ints(2))]
+       for name in ("LT", "LE", "GT", "GE", "EQ", "NE")},
+    "If": [ex(torch.tensor(True), f(2, 3), outputs=1, unknown=(0,), then_net=_net(("Relu", ["X1"], ["Y0"]))),
+           ex(torch.tensor([False]), f(2), f(3), outputs=1, unknown=(0,), then_net=_net(("Copy", ["X1"], ["Y0"])),
+              else_net=_net(("Copy", ["X2"], ["Y0"])))],
+    "While": [ex(torch.tensor(True), ints(0), ints(3), ints(1), outputs=2, unknown=(0, 1),
+                 cond_net=_net(("LT", ["X1", "X2"], ["X0"]), ("Copy", ["X0"], ["Y0"]), ("Copy", ["X1"], ["Y1"])),
+                 loop_net=_net(("Add", ["X1", "X3"], ["X1"])))],
     "RAdam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "SparseRAdam": [ex(f(5, 2), f(5, 2), pos(5, 2), ints(1, 3, 1), f(3, 2), f(1), ints(7, dtype=torch.int64), outputs=3)],
     "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],
