@@ -1,6 +1,7 @@
 """Caffe2 details its own tests and trainer rely on: SoftmaxWithLoss(only_loss=True), enable_tensor_core
-through brew.arg_scope, ModelHelper.GetOptimizationParamInfo, and Parallelize with a forward builder
-returning [] (no loss on that replica)."""
+through brew.arg_scope, ModelHelper.GetOptimizationParamInfo, Parallelize with a forward builder
+returning [] (no loss on that replica), CreateNet's shape errors as Caffe2's run-time enforce failures,
+and GetGpuPeerAccessPattern on logical GPUs placed on the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from graphpar import brew, core, data_parallel_model, model_helper, optimizer, workspace
-from graphpar.errors import ParallelizeError
+from graphpar.devices import cuda_on_cpu
+from graphpar.errors import ParallelizeError, ShapeInferenceError
+from graphpar.proto import caffe2_pb2
 
 
 def test_softmax_with_loss_accepts_only_loss_and_computes_the_same() -> None:
@@ -79,3 +82,32 @@ def test_losses_on_some_replicas_only_are_refused() -> None:
         data_parallel_model.Parallelize_CPU(
             model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
             optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 1.0), devices=[0, 1])
+
+
+def test_a_shape_error_at_create_net_is_also_caffe2s_runtime_enforce_failure() -> None:
+    """Caffe2's Split of 3 values into 2 failed when run, with a RuntimeError saying `enforce fail`;
+    graphpar finds it at CreateNet, with an error that is that too (and still a ValueError)."""
+    net = core.Net("split")
+    net.Proto().type = "dag"
+    a = net.AddExternalInput("a")
+    net.Split(a, ["b", "c"], axis=0)
+    workspace.ResetWorkspace()
+    workspace.FeedBlob(a, np.array([1, 2, 3], dtype=np.float32))
+    with pytest.raises(RuntimeError, match="enforce fail") as caught:
+        workspace.RunNetOnce(net)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, ShapeInferenceError)
+    assert "Split(a -> b, c): dim 0 of size 3 does not split into 2" in str(caught.value)
+
+
+def test_peer_access_pattern_describes_logical_gpus_on_the_cpu() -> None:
+    workspace.ResetWorkspace()
+    with cuda_on_cpu():
+        net = core.Net("on_gpu_3")
+        with core.DeviceScope(core.DeviceOption(caffe2_pb2.CUDA, 3)):
+            net.ConstantFill([], "x", shape=[1], value=1.0)
+        workspace.CreateNet(net)
+        pattern = workspace.GetGpuPeerAccessPattern()
+        assert pattern.shape == (4, 4) and pattern.dtype == np.bool_ and pattern.all()  # one memory: all peers
+        assert workspace.GetGpuPeerAccessPattern(2).shape == (2, 2)
+    if workspace.NumCudaDevices() == 0:
+        assert workspace.GetGpuPeerAccessPattern().shape == (0, 0)  # real GPUs: none here
