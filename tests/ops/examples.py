@@ -9,6 +9,8 @@ needs an entry.
 
 from __future__ import annotations
 
+import atexit
+import os
 import tempfile
 from typing import Any, NamedTuple
 
@@ -46,6 +48,20 @@ def ints(*values: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
+def _checkpoint() -> str:
+    """A checkpoint file holding Y0 (float32 [2, 3]) and Y1 (int64 [4]), for Load."""
+    from graphpar import checkpoint
+    from graphpar.workspace import Workspace
+
+    ws = Workspace("load_example")
+    ws.feed_blob("Y0", f(2, 3))
+    ws.feed_blob("Y1", ints(1, 2, 3, 4, dtype=torch.int64))
+    path = tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False).name
+    checkpoint.save(path, ["Y0", "Y1"], ws)
+    atexit.register(os.remove, path)
+    return path
+
+
 def _net(*ops: tuple[str, list[str], list[str]]) -> NetDef:
     """A NetDef argument (If/While) of (type, inputs, outputs) ops."""
     return NetDef("inner", [OperatorDef(t, i, o) for t, i, o in ops])
@@ -65,6 +81,8 @@ _POOLED, _INDICES = F.max_pool2d(_X4, 2, 2, return_indices=True)
 _POOL = {"kernel": 2, "stride": 2}
 _CONV = {"kernel": 3, "pad": 1, "stride": 2}
 _SCHEDULE = {"base_lr": -0.1, "policy": "step", "stepsize": 2, "gamma": 0.5}
+
+_CHECKPOINT = _checkpoint()
 
 EXAMPLES: dict[str, list[Example]] = {
     "Abs": [ex(f(2, 3))],
@@ -177,6 +195,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "While": [ex(torch.tensor(True), ints(0), ints(3), ints(1), outputs=2, unknown=(0, 1),
                  cond_net=_net(("LT", ["X1", "X2"], ["X0"]), ("Copy", ["X0"], ["Y0"]), ("Copy", ["X1"], ["Y1"])),
                  loop_net=_net(("Add", ["X1", "X3"], ["X1"])))],
+    "Load": [ex(outputs=2, db=_CHECKPOINT, absolute_path=True)],
     "RAdam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "SparseRAdam": [ex(f(5, 2), f(5, 2), pos(5, 2), ints(1, 3, 1), f(3, 2), f(1), ints(7, dtype=torch.int64), outputs=3)],
     "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],
