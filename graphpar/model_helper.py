@@ -96,6 +96,16 @@ class ParameterInfo:
     grad: str | GradientSlice | None = None
     optimizer: Any = None  # from an active optimizer_context.UseOptimizer block, else None
 
+    @property
+    def blob_copy(self) -> dict[int, str] | None:
+        """Caffe2's copies of the param in other dtypes: {DataType.FLOAT: '<param>_fp32'} for a float16
+        param with a float32 master (PseudoFP16Initializer), else None."""
+        if not isinstance(self.initializer, PseudoFP16Initializer):
+            return None
+        from graphpar.ops.fill import DataType
+
+        return {DataType.FLOAT: fp32_master_name(self.name)}
+
 
 def _normalize_tags(tags: str | Iterable[str] | None) -> tuple[str, ...]:
     """A tag or a list of tags as a tuple; TypeError for anything else."""

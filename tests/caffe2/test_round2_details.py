@@ -12,6 +12,7 @@ import torch
 from graphpar import brew, core, data_parallel_model, model_helper, optimizer, workspace
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError, ShapeInferenceError
+from graphpar.model_helper import PseudoFP16Initializer
 from graphpar.proto import caffe2_pb2
 
 
@@ -111,3 +112,19 @@ def test_peer_access_pattern_describes_logical_gpus_on_the_cpu() -> None:
         assert workspace.GetGpuPeerAccessPattern(2).shape == (2, 2)
     if workspace.NumCudaDevices() == 0:
         assert workspace.GetGpuPeerAccessPattern().shape == (0, 0)  # real GPUs: none here
+
+
+def test_parameter_info_blob_copy_names_the_float32_master_of_a_float16_param() -> None:
+    """Caffe2's trainer re-creates each master after the initial sync: HalfToFloat(blob, blob_copy[FLOAT])."""
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper("fp16")
+    with brew.arg_scope([brew.fc], WeightInitializer=PseudoFP16Initializer, BiasInitializer=PseudoFP16Initializer):
+        brew.fc(model, "data", "half", 3, 2)
+    brew.fc(model, "half", "full", 2, 2)
+    infos = {str(i.blob): i for i in (model.get_param_info(p) for p in model.GetParams())}
+    assert infos["half_w"].blob_copy == {core.DataType.FLOAT: "half_w_fp32"} and infos["full_w"].blob_copy is None
+    workspace.RunNetOnce(model.param_init_net)
+    workspace.FeedBlob("half_w_fp32", np.zeros((2, 3), np.float32))  # a stale master
+    info = infos["half_w"]
+    workspace.RunOperatorOnce(core.CreateOperator("HalfToFloat", [info.blob], [info.blob_copy[core.DataType.FLOAT]]))
+    np.testing.assert_array_equal(workspace.FetchBlob("half_w_fp32"), workspace.FetchBlob("half_w").astype(np.float32))
