@@ -61,4 +61,4 @@ def test_a_small_resnext_trains_a_step_with_softmax_loss() -> None:
 
 def test_an_unknown_depth_is_refused() -> None:
     with pytest.raises(ValueError, match="42 layers is not a ResNe"):
-        resnet.create_resnext(ModelHelper("bad"), "data", 3, 10, 42, 1, 64)
+        resnet.create_resnext(ModelHelper("unknown_depth"), "data", 3, 10, 42, 1, 64)
