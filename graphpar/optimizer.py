@@ -103,9 +103,12 @@ class Optimizer:
     Subclasses implement `_update(net, init_net, param, grad, device)`, which records one param's update.
     """
 
+    _caffe2_only: tuple[str, ...] = ()  # Caffe2 options of this optimizer that graphpar does not implement
+
     def __init__(self, base_learning_rate: float, policy: str, lr_sign: float, **policy_args: Any) -> None:
         _check_number("base_learning_rate", base_learning_rate, low=0.0)
         cls = type(self).__name__
+        _check_options(cls, policy, policy_args, self._caffe2_only)
         where = f"{cls}: learning-rate policy {policy!r}"
         lr_args = parse_args(get_schema("LearningRate"), {"base_lr": float(base_learning_rate),
                                                           "policy": policy, **policy_args}, where)
@@ -388,11 +391,15 @@ class AdagradOptimizer(Optimizer):
     `<param>_prev_update_iter` (int64), one per row, which `RowWiseCounter` advances for the rows of each
     sparse gradient (Caffe2 reads them only for its row-wise weight decay, which graphpar's Adagrad
     does not have, so the update itself is unchanged). `use_dedicated_lr_iteration_counter`: the
-    learning rate reads its own counter `optimizer_iteration_lr` (as Caffe2)."""
+    learning rate reads its own counter `optimizer_iteration_lr` (as Caffe2). `engine` is accepted and
+    ignored (PyTorch picks the kernels)."""
+
+    _caffe2_only = ("weight_decay", "output_effective_lr", "output_effective_lr_and_update", "pruning_options",
+                    "swa_options", "ema_options", "weight_scale", "sparse_dedup_aggregator")
 
     def __init__(self, base_learning_rate: float = 0.01, epsilon: float = 1e-4, decay: float = 1.0,
                  policy: str = "fixed", rowWise: bool = False, lars: float | None = None,  # noqa: N803
-                 counter_halflife: int = -1, use_dedicated_lr_iteration_counter: bool = False,
+                 counter_halflife: int = -1, use_dedicated_lr_iteration_counter: bool = False, engine: str = "",
                  **policy_args: Any) -> None:
         if isinstance(counter_halflife, bool) or not isinstance(counter_halflife, int):
             raise TypeError(f"build_adagrad: counter_halflife must be an int (-1: off), got {counter_halflife!r}")
@@ -406,6 +413,7 @@ class AdagradOptimizer(Optimizer):
                              f"decay={decay}")
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.epsilon, self.decay, self.row_wise = float(epsilon), float(decay), bool(rowWise)
+        self.engine = engine  # Caffe2's kernel choice: PyTorch picks the kernels
         self.counter_halflife = counter_halflife
         self._iteration_is_aux = counter_halflife > 0  # the counters read it (Caffe2 lists it as shared)
         self.use_dedicated_lr_iteration_counter = bool(use_dedicated_lr_iteration_counter)
@@ -728,6 +736,22 @@ class WeightDecayBuilder(Optimizer):
                 device: DeviceOption) -> None:
         wd = _constant(init_net, f"wd_{int(device.device_type)}_{device.device_id}", self.weight_decay, device)
         net.WeightedSum([grad, _one(init_net, device), param, wd], grad)
+
+
+def _check_options(cls: str, policy: str, policy_args: dict[str, Any], caffe2_only: tuple[str, ...]) -> None:
+    """Raise for keyword arguments that are neither the optimizer's nor the learning-rate policy's,
+    naming them: NotImplementedError for Caffe2's options graphpar does not implement (unless given
+    their off value, which is dropped), TypeError for unknown ones."""
+    for name in [n for n in caffe2_only if n in policy_args and not policy_args[n]]:
+        del policy_args[name]  # None, False, 0 or {}: Caffe2's default, the option is off
+    missing = sorted(set(policy_args) & set(caffe2_only))
+    if missing:
+        raise NotImplementedError(f"{cls}: Caffe2's {', '.join(missing)} is not implemented in graphpar; see "
+                                  f"docs/caffe2_migration.md")
+    unknown = sorted(set(policy_args) - set(get_schema("LearningRate").all_args()))
+    if unknown:
+        raise TypeError(f"{cls}: unknown option(s) {unknown}: neither an option of this optimizer nor an "
+                        f"argument of the learning-rate policy {policy!r} (e.g. stepsize, gamma for 'step')")
 
 
 def _check_number(name: str, value: Any, low: float, below: float | None = None) -> None:

@@ -241,3 +241,19 @@ def test_gftrl_and_yellowfin_refuse_sparse_gradients() -> None:
     for opt in (optimizer.GFtrlOptimizer(), optimizer.YellowFinOptimizer()):
         with pytest.raises(NotImplementedError, match="no sparse update"):
             opt.check(core.Net("init"), "w", core.GradientSlice("i", "v"))
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"weight_decay": 0.1}, NotImplementedError, "Caffe2's weight_decay is not implemented"),
+    ({"ema_options": {"ema_alpha": 0.5}}, NotImplementedError, "Caffe2's ema_options is not implemented"),
+    ({"bogus": 1}, TypeError, r"unknown option\(s\) \['bogus'\]: neither an option of this optimizer nor"),
+])
+def test_adagrad_errors_name_the_option_not_the_policy(options, error, message) -> None:  # noqa: ANN001
+    with pytest.raises(error, match=message) as caught:
+        optimizer.build_adagrad(_model(), 0.1, **options)
+    assert "sub_policy" not in str(caught.value)  # not the learning-rate policy's argument list
+
+
+def test_caffe2s_off_values_of_unimplemented_adagrad_options_are_accepted() -> None:
+    opt = optimizer.build_adagrad(_model(), 0.1, weight_decay=0.0, sparse_dedup_aggregator=None, engine="SIMD")
+    assert opt.engine == "SIMD"
