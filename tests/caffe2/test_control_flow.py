@@ -134,3 +134,19 @@ def test_control_flow_errors_name_what_is_wrong() -> None:
     workspace.FeedBlob("x", np.ones(2, np.float32))
     with pytest.raises(OperatorError, match=r"the condition must hold one value, got shape \[2\]"):
         workspace.RunNetOnce(net)
+
+
+def test_clone_renames_blobs_inside_the_nets_of_control_flow_ops() -> None:
+    then_net = core.Net("then_relu")
+    then_net.Relu("x", "y")
+    net = core.Net("cond_relu")
+    net.If(["c", "x"], ["y"], then_net=then_net)
+    clone = net.Clone("cond_relu_clone", blob_remap={"x": "x2", "y": "y2"})
+    inner = clone.Proto().ops[0].args["then_net"].ops[0]
+    assert (clone.Proto().ops[0].inputs, inner.inputs, inner.outputs) == (["c", "x2"], ["x2"], ["y2"])
+    assert net.Proto().ops[0].args["then_net"].ops[0].inputs == ["x"]  # the original is untouched
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("c", np.array(True))
+    workspace.FeedBlob("x2", np.array([-1.0, 2.0], np.float32))
+    workspace.RunNetOnce(clone)
+    np.testing.assert_array_equal(workspace.FetchBlob("y2"), [0.0, 2.0])
