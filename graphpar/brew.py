@@ -151,8 +151,11 @@ def fc(model: ModelHelper, blob_in: str, blob_out: str, dim_in: int, dim_out: in
     """FC: `<out>_w` [dim_out, dim_in] XavierFill (WEIGHT), `<out>_b` [dim_out] ConstantFill 0 (BIAS).
 
     `weight_init`/`bias_init` are `(op_name, kwargs)` pairs; `WeightInitializer`/`BiasInitializer`
-    are Initializer classes; other kwargs (e.g. `axis`) go to the FC op.
+    are Initializer classes; other kwargs (e.g. `axis`) go to the FC op. Caffe2's
+    `enable_tensor_core` (a cuDNN/cuBLAS math mode) is consumed here, as Caffe2's helper does, and
+    ignored: PyTorch picks the math mode.
     """
+    kwargs.pop("enable_tensor_core", None)
     weight = model.create_param(_suffixed(blob_out, "_w"), [dim_out, dim_in],
                                 _initializer(WeightInitializer, weight_init, ("XavierFill", {})),
                                 ParameterTags.WEIGHT)
@@ -406,3 +409,55 @@ def add_weight_decay(model: ModelHelper, weight_decay: float) -> Any:
     from graphpar.optimizer import add_weight_decay as add
 
     return add(model, weight_decay)
+
+
+def _net_blobs(models: Sequence[ModelHelper], scope: Sequence[str], where: str) -> tuple[list[str], list[str]]:
+    """(blobs the models' nets read before writing them, blobs they write that are in `scope`), in first-use
+    order, as Caffe2's control_ops_util.get_external_blob_names.
+
+    Raises:
+        ValueError: a net reads a blob that is neither written before by it nor in `scope`.
+    """
+    lexical, reads, writes = {str(b) for b in scope}, [], []
+    for model in models:
+        defined: set[str] = set()
+        for op in model.net.Proto().ops:
+            reads += [b for b in op.inputs if b not in defined and b not in reads]
+            defined.update(op.outputs)
+            writes += [b for b in op.outputs if b in lexical and b not in writes]
+    undefined = [b for b in reads if b not in lexical]
+    if undefined:
+        raise ValueError(f"{where}: the nets read {undefined}, which are not in external_blobs {sorted(lexical)} "
+                         f"(nor written before by the net that reads them)")
+    return reads, writes
+
+
+@Register
+def cond(model: ModelHelper, cond_blob: str, external_blobs: Sequence[str], then_model: ModelHelper,
+         else_model: ModelHelper | None = None) -> list[BlobReference]:
+    """Caffe2's brew.cond: an `If` op in model.net running then_model's net if `cond_blob` is true, else
+    else_model's (if given). `external_blobs`: the blobs of the enclosing net the branches may read or
+    write; what they read becomes the op's inputs, what they write of them its outputs (without an
+    else branch the outputs are read too, so they keep their values when the condition is false).
+    Returns the outputs."""
+    models = [then_model] if else_model is None else [then_model, else_model]
+    reads, writes = _net_blobs(models, external_blobs, f"brew.cond({cond_blob!r})")
+    if else_model is None:
+        reads += [b for b in writes if b not in reads]
+    nets = {"then_net": then_model.net.Proto(), **({} if else_model is None else {"else_net": else_model.net.Proto()})}
+    outputs = model.net.If([str(cond_blob), *[b for b in reads if b != str(cond_blob)]], writes, **nets)
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+@Register
+def loop(model: ModelHelper, cond_blob: str, external_blobs: Sequence[str], loop_model: ModelHelper,
+         cond_model: ModelHelper | None = None) -> list[BlobReference]:
+    """Caffe2's brew.loop: a `While` op in model.net repeating { cond_model's net (if given); stop unless
+    `cond_blob` is true; loop_model's net }. `external_blobs` as in `cond`; the outputs are read too
+    (the loop may not run at all). Returns the outputs."""
+    models = [loop_model] if cond_model is None else [loop_model, cond_model]
+    reads, writes = _net_blobs(models, external_blobs, f"brew.loop({cond_blob!r})")
+    reads += [b for b in writes if b not in reads]
+    nets = {"loop_net": loop_model.net.Proto(), **({} if cond_model is None else {"cond_net": cond_model.net.Proto()})}
+    outputs = model.net.While([str(cond_blob), *[b for b in reads if b != str(cond_blob)]], writes, **nets)
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

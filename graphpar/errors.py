@@ -29,6 +29,11 @@ class OperatorError(RuntimeError, GraphparError):
     """A kernel failed; the message names the net, the op, its inputs and where it was recorded."""
 
 
+class ShapeInferenceError(ValueError, RuntimeError, GraphparError):
+    """An op's output shapes cannot be inferred from its inputs' at CreateNet (graphpar checks before a
+    run). A ValueError, and a RuntimeError as the `[enforce fail ...]` Caffe2 raised when the op ran."""
+
+
 class GradientError(ValueError, GraphparError):
     """Automatic differentiation cannot produce a correct gradient for the net as recorded."""
 

@@ -96,6 +96,16 @@ class ParameterInfo:
     grad: str | GradientSlice | None = None
     optimizer: Any = None  # from an active optimizer_context.UseOptimizer block, else None
 
+    @property
+    def blob_copy(self) -> dict[int, str] | None:
+        """Caffe2's copies of the param in other dtypes: {DataType.FLOAT: '<param>_fp32'} for a float16
+        param with a float32 master (PseudoFP16Initializer), else None."""
+        if not isinstance(self.initializer, PseudoFP16Initializer):
+            return None
+        from graphpar.ops.fill import DataType
+
+        return {DataType.FLOAT: fp32_master_name(self.name)}
+
 
 def _normalize_tags(tags: str | Iterable[str] | None) -> tuple[str, ...]:
     """A tag or a list of tags as a tuple; TypeError for anything else."""
@@ -315,6 +325,13 @@ class ModelHelper:
     def get_param_info(self, param: str) -> ParameterInfo | None:
         """The ParameterInfo of `param` (a created parameter), else None."""
         return self._parameters_info.get(str(param))
+
+    def GetOptimizationParamInfo(self, params: Iterable[str] | None = None) -> list[ParameterInfo]:  # noqa: N802
+        """The ParameterInfo of each param that has a gradient (of `params` if given), in creation order,
+        as Caffe2's: what the optimizer builders update (each info's `grad` is set)."""
+        param_to_grad = self.param_to_grad if not params else self.get_param_to_grad(params)
+        return [self._parameters_info.setdefault(str(p), ParameterInfo(str(p), p, None, grad=g))
+                for p, g in param_to_grad.items()]
 
     def get_param_to_grad(self, params: Iterable[str]) -> dict[BlobReference, str | GradientSlice]:
         """{param: gradient} for `params` that have one (after AddGradientOperators)."""

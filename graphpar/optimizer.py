@@ -80,9 +80,12 @@ def _one(init_net: Net, device: DeviceOption) -> BlobReference:
     return _constant(init_net, f"ONE_{int(device.device_type)}_{device.device_id}", 1.0, device)
 
 
-def _iteration_counter(net: Net, init_net: Net) -> BlobReference:
-    """The model's one CPU iteration counter, created on first use (Caffe2's BuildUniqueMutexIter)."""
-    iteration = BlobReference(OPTIMIZER_ITERATION)
+OPTIMIZER_ITERATION_LR = "optimizer_iteration_lr"  # the learning rate's own counter (Caffe2's name)
+
+
+def _iteration_counter(net: Net, init_net: Net, name: str = OPTIMIZER_ITERATION) -> BlobReference:
+    """The model's CPU iteration counter `name`, created on first use (Caffe2's BuildUniqueMutexIter)."""
+    iteration = BlobReference(name)
     with DeviceScope(DeviceOption(CPU)):
         if not init_net.BlobIsDefined(iteration):
             init_net.ConstantFill([], iteration, shape=[1], value=0, dtype="int64")
@@ -100,9 +103,12 @@ class Optimizer:
     Subclasses implement `_update(net, init_net, param, grad, device)`, which records one param's update.
     """
 
+    _caffe2_only: tuple[str, ...] = ()  # Caffe2 options of this optimizer that graphpar does not implement
+
     def __init__(self, base_learning_rate: float, policy: str, lr_sign: float, **policy_args: Any) -> None:
         _check_number("base_learning_rate", base_learning_rate, low=0.0)
         cls = type(self).__name__
+        _check_options(cls, policy, policy_args, self._caffe2_only)
         where = f"{cls}: learning-rate policy {policy!r}"
         lr_args = parse_args(get_schema("LearningRate"), {"base_lr": float(base_learning_rate),
                                                           "policy": policy, **policy_args}, where)
@@ -116,6 +122,7 @@ class Optimizer:
         self._lr_multiplier: BlobReference | dict[DeviceOption, BlobReference] | None = None
         self._internal: set[str] = set()  # init blobs that are not auxiliary parameters (as in Caffe2)
         self._created: list[tuple[str, list]] = []  # (param, the init ops its update created)
+        self.use_dedicated_lr_iteration_counter = False  # LearningRate reads `optimizer_iteration_lr`
 
     def get_cpu_blob_name(self, name: str) -> str:
         """The name of this optimizer's CPU blob `name`, e.g. 'SgdOptimizer_0_lr_cpu'."""
@@ -148,7 +155,8 @@ class Optimizer:
         scaled = BlobReference(self.blob_name("scaled_lr", device))
         if net.BlobIsDefined(lr):
             return scaled if net.BlobIsDefined(scaled) else lr
-        iteration = _iteration_counter(net, init_net)
+        counter = OPTIMIZER_ITERATION_LR if self.use_dedicated_lr_iteration_counter else OPTIMIZER_ITERATION
+        iteration = _iteration_counter(net, init_net, counter)
         with DeviceScope(device):
             net.LearningRate([iteration], lr, base_lr=self._lr_sign * self.base_learning_rate,
                              policy=self.policy, **self.policy_args)
@@ -172,6 +180,10 @@ class Optimizer:
             self._update(net, init_net, BlobReference(param), BlobReference(grad), device)
         self._created.append((str(param), init_ops[start:]))
 
+    def _run(self, net: Net, param_init_net: Net, param_info: Any) -> None:
+        """Caffe2's entry point: record the update of `param_info.blob` from `param_info.grad`."""
+        self(net, param_init_net, param_info.blob, param_info.grad)
+
     def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
         """Raise, before anything is recorded, if this optimizer cannot update `param` from `grad`."""
         if isinstance(grad, GradientSlice) and not self.supports_sparse:
@@ -185,7 +197,8 @@ class Optimizer:
         `<param>_momentum`) and `shared` (ONE, weight decay; Adam's iteration counter), as in Caffe2."""
         aux = AuxOptimizerParams(local=[], shared=[])
         for param, ops in self._created:  # Caffe2's split: state named after its param is local
-            for blob in (b for op in ops for b in op.outputs if b != OPTIMIZER_ITERATION and b not in self._internal):
+            counters = (OPTIMIZER_ITERATION, OPTIMIZER_ITERATION_LR)
+            for blob in (b for op in ops for b in op.outputs if b not in counters and b not in self._internal):
                 (aux.local if blob.startswith(param + "_") else aux.shared).append(BlobReference(blob))
         if self._iteration_is_aux and self._created:
             aux.shared.append(BlobReference(OPTIMIZER_ITERATION))
@@ -307,26 +320,48 @@ class FP16SgdOptimizer(MultiPrecisionSgdOptimizer):
 
 
 class AdamOptimizer(Optimizer):
-    """Adam (torch.optim.Adam's update) with `<param>_first_moment` / `_second_moment` state."""
+    """Adam (torch.optim.Adam's update) with `<param>_first_moment` / `_second_moment` state.
+
+    `use_smart_decay` (Caffe2's): a sparse gradient runs `SmartDecaySparseAdam`, which decays each row's
+    moments by the steps since that row was last updated (`<param>_last_seen`, int64, one per row) and
+    catches the first moment up; a dense gradient runs plain Adam (Caffe2 passed `last_seen` to Adam as
+    its optional effective-gradient output, overwriting it with a float tensor: a bug, not followed)."""
 
     _iteration_is_aux = True
 
     def __init__(self, base_learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, policy: str = "fixed", enableRAdam: bool = False,  # noqa: N803
-                 **policy_args: Any) -> None:
+                 use_smart_decay: bool = False, **policy_args: Any) -> None:
         for name, beta in (("beta1", beta1), ("beta2", beta2)):
             _check_number(name, beta, low=0.0, below=1.0)
         _check_number("epsilon", epsilon, low=0.0)
+        if use_smart_decay and enableRAdam:
+            raise NotImplementedError("Smart decay is not implemented for RAdam.  Set enableRAdam or "
+                                      "use_smart_decay to False.")
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
         self.radam = bool(enableRAdam)  # rectified Adam: the RAdam / SparseRAdam ops
+        self.use_smart_decay = bool(use_smart_decay)
+
+    def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        if self.use_smart_decay:
+            _rows(init_net, BlobReference(param))
+
+    def _moments(self, init_net: Net, param: BlobReference) -> tuple[BlobReference, ...]:
+        """The state: first and second moments, and `<param>_last_seen` with use_smart_decay."""
+        m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
+        init_net.ConstantFill([param], m1, value=0.0)
+        init_net.ConstantFill([param], m2, value=0.0)
+        if not self.use_smart_decay:
+            return m1, m2
+        last_seen = BlobReference(f"{param}_last_seen")
+        init_net.ConstantFill([], last_seen, shape=[_rows(init_net, param)], value=0, dtype="int64")
+        return m1, m2, last_seen
 
     def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
                 device: DeviceOption) -> None:
         lr = self.build_lr(net, init_net, device)
-        m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
-        init_net.ConstantFill([param], m1, value=0.0)
-        init_net.ConstantFill([param], m2, value=0.0)
+        m1, m2 = self._moments(init_net, param)[:2]
         op = net.RAdam if self.radam else net.Adam
         op([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
            beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
@@ -337,9 +372,12 @@ class AdamOptimizer(Optimizer):
                        device: DeviceOption) -> None:
         """SparseAdam: the rows in the slice only (torch.optim.SparseAdam)."""
         lr = self.build_lr(net, init_net, device)
-        m1, m2 = (BlobReference(n) for n in adam_moment_names(param))
-        init_net.ConstantFill([param], m1, value=0.0)
-        init_net.ConstantFill([param], m2, value=0.0)
+        state = self._moments(init_net, param)
+        if self.use_smart_decay:
+            net.SmartDecaySparseAdam([param, *state, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
+                                     [param, *state], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+            return
+        m1, m2 = state
         op = net.SparseRAdam if self.radam else net.SparseAdam
         op([param, m1, m2, grad.indices, grad.values, lr, BlobReference(OPTIMIZER_ITERATION)],
            [param, m1, m2], beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
@@ -347,11 +385,24 @@ class AdamOptimizer(Optimizer):
 
 class AdagradOptimizer(Optimizer):
     """Adagrad (Caffe2's AdagradOptimizer): `<param>_squared_sum` state; `rowWise` keeps one value per row
-    (`<param>_avg_squared_sum`) for sparse gradients."""
+    (`<param>_avg_squared_sum`) for sparse gradients.
+
+    `counter_halflife` > 0 keeps Caffe2's row frequencies: `<param>_update_counter` (float64) and
+    `<param>_prev_update_iter` (int64), one per row, which `RowWiseCounter` advances for the rows of each
+    sparse gradient (Caffe2 reads them only for its row-wise weight decay, which graphpar's Adagrad
+    does not have, so the update itself is unchanged). `use_dedicated_lr_iteration_counter`: the
+    learning rate reads its own counter `optimizer_iteration_lr` (as Caffe2). `engine` is accepted and
+    ignored (PyTorch picks the kernels)."""
+
+    _caffe2_only = ("weight_decay", "output_effective_lr", "output_effective_lr_and_update", "pruning_options",
+                    "swa_options", "ema_options", "weight_scale", "sparse_dedup_aggregator")
 
     def __init__(self, base_learning_rate: float = 0.01, epsilon: float = 1e-4, decay: float = 1.0,
                  policy: str = "fixed", rowWise: bool = False, lars: float | None = None,  # noqa: N803
+                 counter_halflife: int = -1, use_dedicated_lr_iteration_counter: bool = False, engine: str = "",
                  **policy_args: Any) -> None:
+        if isinstance(counter_halflife, bool) or not isinstance(counter_halflife, int):
+            raise TypeError(f"build_adagrad: counter_halflife must be an int (-1: off), got {counter_halflife!r}")
         _check_number("epsilon", epsilon, low=0.0)
         if lars is not None:
             _check_number("lars", lars, low=0.0)
@@ -362,10 +413,16 @@ class AdagradOptimizer(Optimizer):
                              f"decay={decay}")
         super().__init__(base_learning_rate, policy, -1.0, **policy_args)
         self.epsilon, self.decay, self.row_wise = float(epsilon), float(decay), bool(rowWise)
+        self.engine = engine  # Caffe2's kernel choice: PyTorch picks the kernels
+        self.counter_halflife = counter_halflife
+        self._iteration_is_aux = counter_halflife > 0  # the counters read it (Caffe2 lists it as shared)
+        self.use_dedicated_lr_iteration_counter = bool(use_dedicated_lr_iteration_counter)
 
     supports_sparse = True
 
     def check(self, init_net: Net, param: str, grad: str | GradientSlice) -> None:
+        if self.counter_halflife > 0:
+            _rows(init_net, BlobReference(param))
         if not self.row_wise:
             return
         if not isinstance(grad, GradientSlice):
@@ -378,7 +435,19 @@ class AdagradOptimizer(Optimizer):
         lr = self._lars_lr(net, init_net, param, grad, self.build_lr(net, init_net, device), device)
         moment = BlobReference(f"{param}_squared_sum")
         init_net.ConstantFill([param], moment, value=0.0)
+        self._row_counters(net, init_net, param)
         net.Adagrad([param, moment, grad, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
+
+    def _row_counters(self, net: Net, init_net: Net, param: BlobReference) -> tuple[BlobReference, ...] | None:
+        """(prev_update_iter, update_counter, the iteration counter) with counter_halflife, else None."""
+        if self.counter_halflife <= 0:
+            return None
+        iteration = _iteration_counter(net, init_net)
+        rows = _rows(init_net, param)
+        counter, prev = BlobReference(f"{param}_update_counter"), BlobReference(f"{param}_prev_update_iter")
+        init_net.ConstantFill([], counter, shape=[rows], value=0.0, dtype="float64")
+        init_net.ConstantFill([], prev, shape=[rows], value=0, dtype="int64")
+        return prev, counter, iteration
 
     def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
                        device: DeviceOption) -> None:
@@ -389,8 +458,13 @@ class AdagradOptimizer(Optimizer):
         else:
             moment = BlobReference(f"{param}_squared_sum")
             init_net.ConstantFill([param], moment, value=0.0)
+        counters = self._row_counters(net, init_net, param)
         op = net.RowWiseSparseAdagrad if self.row_wise else net.SparseAdagrad
         op([param, moment, grad.indices, grad.values, lr], [param, moment], epsilon=self.epsilon, decay=self.decay)
+        if counters is not None:
+            prev, counter, iteration = counters
+            net.RowWiseCounter([prev, counter, grad.indices, iteration], [prev, counter],
+                               counter_halflife=self.counter_halflife)
 
 
 class RmsPropOptimizer(Optimizer):
@@ -512,12 +586,141 @@ class FtrlOptimizer(Optimizer):
         net.SparseFtrl([param, nz, grad.indices, grad.values], [param, nz], **self._args())
 
 
+class StormOptimizer(Optimizer):
+    """Caffe2's STORM (Cutkosky & Orabona 2019): state `<param>_moment` (zeros) and `<param>_grad_sq_sum`
+    ([1], starting at `grad_sq_init`); `Storm` for dense gradients, `SparseStorm` on the rows of sparse
+    ones. `lr` is the rate scale k of the paper, `momentum` its c, `beta` its w; `lars` as in build_sgd."""
+
+    supports_sparse = True
+
+    def __init__(self, lr: float = 0.1, momentum: float = 10.0, beta: float = 0.1, grad_sq_init: float = 0.01,
+                 policy: str = "fixed", lars: float | None = None, **policy_args: Any) -> None:
+        for name, value in (("momentum", momentum), ("beta", beta), ("grad_sq_init", grad_sq_init)):
+            _check_number(name, value, low=0.0)
+        if lars is not None:
+            _check_number("lars", lars, low=0.0)
+        super().__init__(lr, policy, -1.0, **policy_args)
+        self.momentum, self.beta, self.grad_sq_init, self.lars = float(momentum), float(beta), float(grad_sq_init), lars
+
+    def _state(self, init_net: Net, param: BlobReference) -> tuple[BlobReference, BlobReference]:
+        moment, gss = BlobReference(f"{param}_moment"), BlobReference(f"{param}_grad_sq_sum")
+        init_net.ConstantFill([param], moment, value=0.0)
+        init_net.ConstantFill([], gss, shape=[1], value=self.grad_sq_init)
+        return moment, gss
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self._lars_lr(net, init_net, param, grad, self.build_lr(net, init_net, device), device)
+        moment, gss = self._state(init_net, param)
+        net.Storm([param, moment, gss, grad, lr], [param, moment, gss], momentum=self.momentum, beta=self.beta)
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        moment, gss = self._state(init_net, param)
+        net.SparseStorm([param, moment, gss, grad.values, grad.indices, lr], [param, moment, gss],
+                        momentum=self.momentum, beta=self.beta)
+
+
+class DecayAdagradOptimizer(Optimizer):
+    """Caffe2's DecayAdagrad: dense gradients run `DecayAdagrad` (state `<param>_first_mo1ment`, Caffe2's
+    spelling, and `<param>_second_moment`; the iteration counter is shared state); sparse ones run
+    `SparseAdagrad` with `<param>_squared_sum`, as Caffe2 does."""
+
+    supports_sparse = True
+
+    def __init__(self, alpha: float = 0.01, beta1: float = 0.0, beta2: float = 0.999, epsilon: float = 0.1,
+                 weight_decay: float = 0.0, bias_correction_first: bool = True, policy: str = "fixed",
+                 engine: str = "", **policy_args: Any) -> None:
+        _check_number("beta1", beta1, low=0.0, below=1.0)
+        _check_number("beta2", beta2, low=0.0, below=1.0)
+        _check_number("epsilon", epsilon, low=0.0)
+        _check_number("weight_decay", weight_decay, low=0.0)
+        if epsilon == 0:
+            raise ValueError("build_decay_adagrad: epsilon must be > 0")
+        super().__init__(alpha, policy, -1.0, **policy_args)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.weight_decay, self.bias_correction_first = float(weight_decay), bool(bias_correction_first)
+        self.engine = engine  # Caffe2's kernel choice: PyTorch picks the kernels
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        m1, m2 = BlobReference(f"{param}_first_mo1ment"), BlobReference(f"{param}_second_moment")
+        init_net.ConstantFill([param], m1, value=0.0)
+        init_net.ConstantFill([param], m2, value=0.0)
+        self._iteration_is_aux = True  # as in Caffe2: the dense update's counter is shared state
+        net.DecayAdagrad([param, m1, m2, grad, lr, BlobReference(OPTIMIZER_ITERATION)], [param, m1, m2],
+                         beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,
+                         bias_correction_first=self.bias_correction_first)
+
+    def _sparse_update(self, net: Net, init_net: Net, param: BlobReference, grad: GradientSlice,
+                       device: DeviceOption) -> None:
+        lr = self.build_lr(net, init_net, device)
+        moment = BlobReference(f"{param}_squared_sum")
+        init_net.ConstantFill([param], moment, value=0.0)
+        net.SparseAdagrad([param, moment, grad.indices, grad.values, lr], [param, moment], epsilon=self.epsilon)
+
+
+class GFtrlOptimizer(FtrlOptimizer):
+    """Caffe2's group-lasso FTRL: `GFtrl` with state `<param>_gftrl_nz` (the param's shape + [2]); each
+    column of the param (seen as [dim 0, the rest]) is a group. Dense gradients only, as in Caffe2."""
+
+    supports_sparse = False
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        nz = BlobReference(f"{param}_gftrl_nz")
+        init_net.ConstantFill([param], nz, extra_shape=[2], value=0.0)
+        net.GFtrl([param, nz, grad], [param, nz], **self._args())
+
+
+class YellowFinOptimizer(Optimizer):
+    """Caffe2's YellowFin (an automatic tuner of momentum SGD): `YellowFin` with its own rate and momentum
+    per param (`<param>_lr_avg` starting at `alpha`, `<param>_mu_avg` at `mu`) and the state
+    `<param>_moment`, `_curv_win`, `_g_avg`, `_g2_avg`, `_scalars_memory`. It tunes its own rate, so it
+    reads no LearningRate (and ignores LR multipliers). Dense gradients only, as in Caffe2."""
+
+    _iteration_is_aux = True
+
+    def __init__(self, alpha: float = 0.1, mu: float = 0.0, beta: float = 0.999, curv_win_width: int = 20,
+                 zero_debias: bool = True, epsilon: float = 0.1 ** 6, policy: str = "fixed") -> None:
+        _check_number("alpha", alpha, low=0.0)
+        _check_number("mu", mu, low=0.0, below=1.0)
+        _check_number("beta", beta, low=0.0, below=1.0)
+        _check_number("epsilon", epsilon, low=0.0)
+        if alpha == 0 or isinstance(curv_win_width, bool) or not isinstance(curv_win_width, int) or curv_win_width < 1:
+            raise ValueError(f"build_yellowfin: needs alpha > 0 and an int curv_win_width >= 1, got alpha={alpha}, "
+                             f"curv_win_width={curv_win_width!r}")
+        if policy != "fixed":
+            raise ValueError(f"build_yellowfin: YellowFin tunes its own learning rate; policy={policy!r} would "
+                             f"not be used (Caffe2 ignored it too): leave it 'fixed'")
+        super().__init__(0.0, "fixed", -1.0)
+        self.alpha, self.mu, self.beta, self.epsilon = float(alpha), float(mu), float(beta), float(epsilon)
+        self.curv_win_width, self.zero_debias = curv_win_width, bool(zero_debias)
+
+    def _update(self, net: Net, init_net: Net, param: BlobReference, grad: BlobReference,
+                device: DeviceOption) -> None:
+        state = [BlobReference(f"{param}_{name}") for name in
+                 ("moment", "lr_avg", "mu_avg", "curv_win", "g_avg", "g2_avg", "scalars_memory")]
+        moment, lr_avg, mu_avg, curv_win, g_avg, g2_avg, memory = state
+        for blob in (moment, g_avg, g2_avg):
+            init_net.ConstantFill([param], blob, value=0.0)
+        for blob, size, value in ((lr_avg, 1, self.alpha), (mu_avg, 1, self.mu), (curv_win, self.curv_win_width, 0.0),
+                                  (memory, 5, 0.0)):
+            init_net.ConstantFill([], blob, shape=[size], value=value)
+        iteration = _iteration_counter(net, init_net)
+        net.YellowFin([param, *state, grad, iteration], [param, *state], beta=self.beta, epsilon=self.epsilon,
+                      curv_win_width=self.curv_win_width, zero_debias=self.zero_debias)
+
+
 def _rows(init_net: Net, param: BlobReference) -> int:
     """The first dimension of `param`, from shape inference on the init net's ops creating it."""
     spec = infer_specs(init_net.Proto(), wanted=[str(param)]).get(str(param))
     if spec is None:
-        raise ValueError(f"build_adagrad(rowWise=True) needs the shape of {str(param)!r}, but param_init_net "
-                         f"does not create it with a known shape")
+        raise ValueError(f"the optimizer keeps one value per row of {str(param)!r} (Adagrad's rowWise or "
+                         f"counter_halflife, Adam's use_smart_decay), but param_init_net does not create it with a "
+                         f"known shape")
     return spec.shape[0]
 
 
@@ -533,6 +736,22 @@ class WeightDecayBuilder(Optimizer):
                 device: DeviceOption) -> None:
         wd = _constant(init_net, f"wd_{int(device.device_type)}_{device.device_id}", self.weight_decay, device)
         net.WeightedSum([grad, _one(init_net, device), param, wd], grad)
+
+
+def _check_options(cls: str, policy: str, policy_args: dict[str, Any], caffe2_only: tuple[str, ...]) -> None:
+    """Raise for keyword arguments that are neither the optimizer's nor the learning-rate policy's,
+    naming them: NotImplementedError for Caffe2's options graphpar does not implement (unless given
+    their off value, which is dropped), TypeError for unknown ones."""
+    for name in [n for n in caffe2_only if n in policy_args and not policy_args[n]]:
+        del policy_args[name]  # None, False, 0 or {}: Caffe2's default, the option is off
+    missing = sorted(set(policy_args) & set(caffe2_only))
+    if missing:
+        raise NotImplementedError(f"{cls}: Caffe2's {', '.join(missing)} is not implemented in graphpar; see "
+                                  f"docs/caffe2_migration.md")
+    unknown = sorted(set(policy_args) - set(get_schema("LearningRate").all_args()))
+    if unknown:
+        raise TypeError(f"{cls}: unknown option(s) {unknown}: neither an option of this optimizer nor an "
+                        f"argument of the learning-rate policy {policy!r} (e.g. stepsize, gamma for 'step')")
 
 
 def _check_number(name: str, value: Any, low: float, below: float | None = None) -> None:
@@ -699,25 +918,17 @@ def build_adam(model: ModelHelper, base_learning_rate: float, beta1: float = 0.9
     `<param>_first_moment` and `<param>_second_moment` (zeros), and the step count is `optimizer_iteration`.
     `max_gradient_norm` and `allow_lr_injection` multiply the learning rate as in `build_sgd`
     (Caffe2's mechanism; for Adam this differs from clipping the gradients). `enableRAdam`: rectified Adam
-    (torch.optim.RAdam's update, ops `RAdam` / `SparseRAdam`). Caffe2's `use_smart_decay` is accepted
-    as False only.
+    (torch.optim.RAdam's update, ops `RAdam` / `SparseRAdam`). `use_smart_decay`: Caffe2's smart decay
+    for sparse gradients (`AdamOptimizer`).
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
-        NotImplementedError: use_smart_decay.
+        NotImplementedError: use_smart_decay with enableRAdam (as in Caffe2).
     """
-    _not_implemented("build_adam", use_smart_decay=use_smart_decay)
     _check_clip_norm(max_gradient_norm)
-    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, enableRAdam, **policy_args)
+    optimizer = AdamOptimizer(base_learning_rate, beta1, beta2, epsilon, policy, enableRAdam, use_smart_decay,
+                              **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
-
-
-def _not_implemented(builder: str, **options: Any) -> None:
-    """NotImplementedError naming the Caffe2 options of `builder` that were set (None/False = unset)."""
-    used = sorted(name for name, value in options.items() if value not in (None, False))
-    if used:
-        raise NotImplementedError(f"{builder}: Caffe2's {', '.join(used)} is not implemented in graphpar; "
-                                  f"see docs/caffe2_migration.md")
 
 
 def _check_clip_norm(max_gradient_norm: float | None) -> None:
@@ -743,8 +954,8 @@ def build_multi_precision_sgd(model: ModelHelper, base_learning_rate: float, mom
 
 def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float = 1e-4, decay: float = 1.0,
                   policy: str = "fixed", rowWise: bool = False, max_gradient_norm: float | None = None,  # noqa: N803
-                  allow_lr_injection: bool = False, lars: float | None = None,
-                  **policy_args: Any) -> AdagradOptimizer:
+                  allow_lr_injection: bool = False, lars: float | None = None, counter_halflife: int = -1,
+                  use_dedicated_lr_iteration_counter: bool = False, **policy_args: Any) -> AdagradOptimizer:
     """Add Adagrad updates for every param of `model` with a gradient (Caffe2's `build_adagrad`).
 
     Dense gradients: `Adagrad` (moment = decay moment + g^2; param -= lr g / (sqrt(moment) + epsilon));
@@ -753,13 +964,15 @@ def build_adagrad(model: ModelHelper, base_learning_rate: float, epsilon: float 
     `<param>_squared_sum` (`<param>_avg_squared_sum` row-wise), zeros. Equals torch.optim.Adagrad
     (lr_decay 0, initial_accumulator_value 0, eps=epsilon) with decay 1. `lars`, `max_gradient_norm`,
     `allow_lr_injection`: as in `build_sgd` (LARS scales dense updates only, as in Caffe2).
+    `counter_halflife`, `use_dedicated_lr_iteration_counter`: see `AdagradOptimizer`.
 
     Raises:
         ValueError / TypeError: a bad hyper-parameter or a model without gradients.
         NotImplementedError: rowWise with a dense gradient.
     """
     _check_clip_norm(max_gradient_norm)
-    optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, lars, **policy_args)
+    optimizer = AdagradOptimizer(base_learning_rate, epsilon, decay, policy, rowWise, lars, counter_halflife,
+                                 use_dedicated_lr_iteration_counter, **policy_args)
     return _build(model, optimizer, max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
 
 
@@ -791,6 +1004,37 @@ def build_ftrl(model: ModelHelper, engine: str | None = "SIMD", **kwargs: Any) -
     """Add Caffe2's FTRL updates (`FtrlOptimizer`: alpha, beta, lambda1, lambda2); `engine` is accepted
     and ignored."""
     return _build(model, FtrlOptimizer(engine=engine, **kwargs))
+
+
+def build_storm(model: ModelHelper, base_learning_rate: float, parameters: Any = None,
+                max_gradient_norm: float | None = None, allow_lr_injection: bool = False,
+                **kwargs: Any) -> StormOptimizer:
+    """Add Caffe2's STORM updates (`StormOptimizer`: momentum, beta, grad_sq_init, lars, policy and its
+    args); `parameters` is accepted and unused, as in Caffe2."""
+    _check_clip_norm(max_gradient_norm)
+    return _build(model, StormOptimizer(lr=base_learning_rate, **kwargs), max_gradient_norm=max_gradient_norm,
+                  allow_lr_injection=allow_lr_injection)
+
+
+def build_decay_adagrad(model: ModelHelper, base_learning_rate: float, max_gradient_norm: float | None = None,
+                        allow_lr_injection: bool = False, **kwargs: Any) -> DecayAdagradOptimizer:
+    """Add Caffe2's DecayAdagrad updates (`DecayAdagradOptimizer`: beta1, beta2, epsilon, weight_decay,
+    bias_correction_first, policy and its args)."""
+    _check_clip_norm(max_gradient_norm)
+    return _build(model, DecayAdagradOptimizer(alpha=base_learning_rate, **kwargs),
+                  max_gradient_norm=max_gradient_norm, allow_lr_injection=allow_lr_injection)
+
+
+def build_gftrl(model: ModelHelper, engine: str | None = "", **kwargs: Any) -> GFtrlOptimizer:
+    """Add Caffe2's group-lasso FTRL updates (`GFtrlOptimizer`: alpha, beta, lambda1, lambda2); `engine`
+    is accepted and ignored."""
+    return _build(model, GFtrlOptimizer(engine=engine, **kwargs))
+
+
+def build_yellowfin(model: ModelHelper, base_learning_rate: float = 0.1, **kwargs: Any) -> YellowFinOptimizer:
+    """Add Caffe2's YellowFin updates (`YellowFinOptimizer`: mu, beta, curv_win_width, zero_debias,
+    epsilon); `base_learning_rate` is the initial tuned rate."""
+    return _build(model, YellowFinOptimizer(alpha=base_learning_rate, **kwargs))
 
 
 def build_fp16_sgd(model: ModelHelper, base_learning_rate: float, momentum: float = 0.0,

@@ -53,9 +53,9 @@ import numpy as np
 import torch
 
 from graphpar.core import net as core_net
-from graphpar.core.ir import DeviceOption, DeviceType, NetDef, OperatorDef
+from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import can_access_peer, device_option_for_blob, num_cuda_devices
+from graphpar.devices import can_access_peer, cuda_is_simulated, device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
@@ -565,9 +565,20 @@ def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802
     return device_type == GpuDeviceType
 
 
-def GetGpuPeerAccessPattern() -> np.ndarray:  # noqa: N802
-    """A [n, n] bool matrix: whether GPU i can access GPU j's memory directly (empty without GPUs)."""
-    n = num_cuda_devices()
+def GetGpuPeerAccessPattern(num_devices: int | None = None) -> np.ndarray:  # noqa: N802
+    """A [n, n] bool matrix: whether GPU i can access GPU j's memory directly (empty without GPUs).
+
+    With real GPUs, n is the logical CUDA device count (the device map's length, else the GPUs; or
+    `num_devices`, the first ones). With logical CUDA devices placed on the CPU (`GRAPHPAR_CUDA_ON_CPU`),
+    they share one memory, so every pair is a peer; n is `num_devices`, else the logical devices the nets
+    of the current workspace use (the highest CUDA device id + 1), at least the real GPU count.
+    """
+    if cuda_is_simulated():
+        used = [op.device_option.device_id for plan in get_workspace().nets.values() for op in plan.netdef.ops
+                if op.device_option is not None and op.device_option.device_type == CUDA]
+        n = num_devices if num_devices is not None else max([num_cuda_devices() - 1, *used]) + 1
+        return np.ones((n, n), dtype=bool)
+    n = num_cuda_devices() if num_devices is None else min(num_devices, num_cuda_devices())
     return np.array([[i == j or can_access_peer(i, j) for j in range(n)] for i in range(n)],
                     dtype=bool).reshape(n, n)
 

@@ -408,28 +408,20 @@ class Net:
               update_external_list: bool = False) -> Net:
         """A copy of this net named `name` (made unique), with blobs renamed through `blob_remap`.
 
-        Inputs, outputs, control inputs and external inputs/outputs are all renamed. `op_id_mask`
-        keeps only the ops at those indices; `update_external_list=True` then recomputes the
-        external inputs (read before written) and outputs (written, never read afterwards), as Caffe2.
-        `remap_funcs` and `keep_schema` (Caffe2's hooks for nested nets and record schemas) are
-        accepted and ignored: graphpar nets have neither.
+        Inputs, outputs, control inputs and external inputs/outputs are all renamed, in the nets that
+        ops take as arguments too (If / While), as Caffe2 does. `op_id_mask` keeps only the ops at
+        those indices; `update_external_list=True` then recomputes the external inputs (read before
+        written) and outputs (written, never read afterwards), as Caffe2. `remap_funcs` and
+        `keep_schema` (Caffe2's hooks for other nested ops and record schemas) are accepted and ignored.
         """
         remap = {str(k): str(v) for k, v in (blob_remap or {}).items()}
-
-        def rename(blobs: list[str]) -> list[str]:
-            return [remap.get(b, b) for b in blobs]
-
         netdef = self._net.copy(name)
         if op_id_mask is not None:
             keep = set(op_id_mask)
             netdef.ops = [op for i, op in enumerate(netdef.ops) if i in keep]
         if update_external_list:
             _recompute_externals(netdef)
-        for op in netdef.ops:
-            op.inputs, op.outputs = rename(op.inputs), rename(op.outputs)
-            op.control_inputs = rename(op.control_inputs)
-        netdef.external_inputs = rename(netdef.external_inputs)
-        netdef.external_outputs = rename(netdef.external_outputs)
+        _rename_blobs(netdef, remap)
         clone = Net.__new__(Net)
         clone._adopt(netdef)
         return clone
@@ -617,6 +609,27 @@ def _backward_slice(ops: list[OperatorDef], inputs: list[str], outputs: list[str
             needed.difference_update(op.outputs)
             needed.update(b for b in op.inputs if b not in inputs)
     return chosen[::-1]
+
+
+def _rename_blobs(netdef: NetDef, remap: dict[str, str]) -> None:
+    """Rename blobs through `remap` in `netdef` (a copy: changed in place) and the nets its ops take as
+    arguments."""
+
+    def rename(blobs: list[str]) -> list[str]:
+        return [remap.get(b, b) for b in blobs]
+
+    for op in netdef.ops:
+        op.inputs, op.outputs, op.control_inputs = rename(op.inputs), rename(op.outputs), rename(op.control_inputs)
+        for key, value in op.args.items():
+            if isinstance(value, NetDef):  # op.copy() deep-copied it
+                _rename_blobs(value, remap)
+            elif isinstance(value, list) and any(isinstance(v, NetDef) for v in value):
+                op.args[key] = [v.copy() if isinstance(v, NetDef) else v for v in value]  # the list copy shares them
+                for inner in op.args[key]:
+                    if isinstance(inner, NetDef):
+                        _rename_blobs(inner, remap)
+    netdef.external_inputs = rename(netdef.external_inputs)
+    netdef.external_outputs = rename(netdef.external_outputs)
 
 
 def _recompute_externals(netdef: NetDef) -> None:

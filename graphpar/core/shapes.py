@@ -23,6 +23,7 @@ import torch
 from graphpar.core.graph import output_devices
 from graphpar.core.ir import CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, TensorSpec, get_schema, op_signature, parse_args
+from graphpar.errors import ShapeInferenceError
 
 META = torch.device("meta")
 
@@ -123,7 +124,7 @@ def _fed(known: dict[str, TensorSpec | None], placed: dict[str, DeviceOption], f
 
 def _infer_op(netdef: NetDef, index: int, device: DeviceOption, inputs: list[TensorSpec],
               memo: dict[tuple, list[TensorSpec | None]]) -> list[TensorSpec | None]:
-    """The op's output specs from its rule, memoized by signature; ValueError naming the op if it fails."""
+    """The op's output specs from its rule, memoized by signature; ShapeInferenceError naming the op if it fails."""
     op = netdef.ops[index]
     signature = op_signature(op)
     key = None if signature is None else (signature, device.device_type, *inputs)
@@ -137,7 +138,7 @@ def _infer_op(netdef: NetDef, index: int, device: DeviceOption, inputs: list[Ten
         outs = schema.infer(args, ctx, inputs) if schema.infer else on_meta(schema.kernel(args, ctx), inputs)
         outs = _checked(outs, len(op.outputs))
     except Exception as exc:
-        raise ValueError(_failure(netdef, index, inputs, exc, schema.infer is None)) from exc
+        raise ShapeInferenceError(_failure(netdef, index, inputs, exc, schema.infer is None)) from exc
     if key is not None:
         memo[key] = outs
     return outs
@@ -185,5 +186,5 @@ def _failure(netdef: NetDef, index: int, inputs: list[TensorSpec], exc: Exceptio
     hint += float64_hint(op.inputs, [spec.dtype for spec in inputs])
     recorded = f" (recorded at {op.source})" if op.source else ""
     described = "\n".join(lines) or "    (none)"
-    return (f"net {netdef.name!r} op #{index} ({op.type}){recorded}: its output shapes cannot be inferred: "
-            f"{type(exc).__name__}: {exc}\n  inputs:\n{described}{hint}")
+    return (f"[enforce fail at CreateNet] net {netdef.name!r} op #{index} ({op.type}){recorded}: its output shapes "
+            f"cannot be inferred: {type(exc).__name__}: {exc}\n  inputs:\n{described}{hint}")

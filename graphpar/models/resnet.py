@@ -82,3 +82,99 @@ def resnet50(model: ModelHelper, loss_scale: float, num_classes: int = 1000, in_
              label: str = "label") -> list[BlobReference]:
     """ResNet-50 (bottleneck blocks 3-4-6-3, 4x expansion); `width` is the stem's channel count."""
     return _resnet(model, loss_scale, 50, num_classes, in_channels, width, is_test, data, label)
+
+
+# ---- Caffe2's model-zoo builders (caffe2/python/models/resnet.py): its signatures and blob names ------
+
+RESNEXT_BLOCK_CONFIG = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3),
+                        152: (3, 8, 36, 3), 200: (3, 24, 36, 3)}
+RESNEXT_STRIDES = (1, 2, 2, 2)
+
+
+class _Caffe2Blocks:
+    """Caffe2's ResNetBuilder naming: component k's convolutions `comp_<k>_conv_<i>`, their batch norms
+    `comp_<k>_spatbn_<i>`, its sum `comp_<k>_sum_<i>`, and `shortcut_projection_<k>` (+ `_spatbn`)."""
+
+    def __init__(self, model: ModelHelper, blob: str, no_bias: bool, is_test: bool, bn_epsilon: float,
+                 bn_momentum: float) -> None:
+        self.model, self.blob, self.no_bias, self.is_test = model, blob, int(bool(no_bias)), is_test
+        self.bn = {"epsilon": bn_epsilon, "momentum": bn_momentum, "is_test": is_test}
+        self.comp = 0
+
+    def _conv_bn(self, index: int, dim_in: int, dim_out: int, kernel: int, stride: int = 1, group: int = 1,
+                 pad: int = 0) -> BlobReference:
+        conv = brew.conv(self.model, self.blob, f"comp_{self.comp}_conv_{index}", dim_in, dim_out,
+                         weight_init=("MSRAFill", {}), kernel=kernel, stride=stride, group=group, pad=pad,
+                         no_bias=self.no_bias)
+        return brew.spatial_bn(self.model, conv, f"comp_{self.comp}_spatbn_{index}", dim_out, **self.bn)
+
+    def bottleneck(self, dim_in: int, dim_inner: int, dim_out: int, stride: int, group: int) -> None:
+        shortcut = self.blob
+        for index, (d_in, d_out, kernel, s, g, pad) in enumerate(
+                ((dim_in, dim_inner, 1, 1, 1, 0), (dim_inner, dim_inner, 3, stride, group, 1)), start=1):
+            bn = self._conv_bn(index, d_in, d_out, kernel, s, g, pad)
+            self.blob = brew.relu(self.model, bn, bn)
+        last = self._conv_bn(3, dim_inner, dim_out, 1)
+        if dim_out != dim_in:
+            shortcut = brew.conv(self.model, shortcut, f"shortcut_projection_{self.comp}", dim_in, dim_out,
+                                 weight_init=("MSRAFill", {}), kernel=1, stride=stride, no_bias=self.no_bias)
+            shortcut = brew.spatial_bn(self.model, shortcut, f"shortcut_projection_{self.comp}_spatbn", dim_out,
+                                       **self.bn)
+        out = brew.sum(self.model, [shortcut, last], f"comp_{self.comp}_sum_3")
+        self.blob = brew.relu(self.model, out, out)
+        self.comp += 1
+
+
+def create_resnext(model: ModelHelper, data: str, num_input_channels: int, num_labels: int, num_layers: int,
+                   num_groups: int, num_width_per_group: int, label: str | None = None, is_test: bool = False,
+                   no_loss: bool = False, no_bias: bool = True, conv1_kernel: int = 7, conv1_stride: int = 2,
+                   final_avg_kernel: int = 7, log: object = None, bn_epsilon: float = 1e-5,
+                   bn_momentum: float = 0.9) -> BlobReference | tuple[BlobReference, BlobReference]:
+    """Caffe2's ResNe(X)t builder (Xie et al. 2016): `conv1` + `conv1_spatbn_relu` + `pool1`, four stages
+    of bottlenecks (`num_groups` groups of `num_width_per_group` channels in the 3x3 convolution, doubled
+    per stage; the stride on the 3x3, as torchvision's ResNeXt), global average pooling `final_avg` and
+    the classifier `last_out_L<num_labels>`.
+
+    Returns the logits with `no_loss`; else (softmax, loss) of a SoftmaxWithLoss when `label` is given,
+    or the softmax. `final_avg_kernel` and `log` are accepted for Caffe2's signature (the pooling is
+    global).
+
+    Raises:
+        ValueError: a depth not in RESNEXT_BLOCK_CONFIG.
+    """
+    if num_layers not in RESNEXT_BLOCK_CONFIG:
+        raise ValueError(f"create_resnext: {num_layers} layers is not a ResNe(X)t depth; use one of "
+                         f"{sorted(RESNEXT_BLOCK_CONFIG)}")
+    filters = (64, 64, 128, 256, 512) if num_layers in (18, 34) else (64, 256, 512, 1024, 2048)
+    conv = brew.conv(model, data, "conv1", num_input_channels, filters[0], weight_init=("MSRAFill", {}),
+                     kernel=conv1_kernel, stride=conv1_stride, pad=3, no_bias=int(bool(no_bias)))
+    bn = brew.spatial_bn(model, conv, "conv1_spatbn_relu", filters[0], epsilon=bn_epsilon, momentum=bn_momentum,
+                         is_test=is_test)
+    pool = brew.max_pool(model, brew.relu(model, bn, bn), "pool1", kernel=3, stride=2, pad=1)
+    blocks = _Caffe2Blocks(model, pool, no_bias, is_test, 1e-5, 0.9)  # Caffe2's stages use these, as here
+    inner = num_groups * num_width_per_group
+    for stage, (count, stride) in enumerate(zip(RESNEXT_BLOCK_CONFIG[num_layers], RESNEXT_STRIDES)):
+        dim_in = filters[stage]
+        for index in range(count):
+            blocks.bottleneck(dim_in, inner, filters[stage + 1], stride if index == 0 else 1, num_groups)
+            dim_in = filters[stage + 1]
+        inner *= 2
+    final_avg = brew.average_pool(model, blocks.blob, "final_avg", kernel=final_avg_kernel, stride=1,
+                                  global_pooling=True)
+    last_out = brew.fc(model, final_avg, f"last_out_L{num_labels}", filters[-1], num_labels)
+    if no_loss:
+        return last_out
+    if label is not None:
+        return tuple(model.net.SoftmaxWithLoss([last_out, label], ["softmax", "loss"]))
+    return brew.softmax(model, last_out, "softmax")
+
+
+def create_resnet50(model: ModelHelper, data: str, num_input_channels: int, num_labels: int,
+                    label: str | None = None, is_test: bool = False, no_loss: bool = False, no_bias: bool = False,
+                    conv1_kernel: int = 7, conv1_stride: int = 2,
+                    final_avg_kernel: int = 7) -> BlobReference | tuple[BlobReference, BlobReference]:
+    """Caffe2's ResNet-50: `create_resnext` with 1 group of 64 channels (convolutions with biases unless
+    `no_bias`, as Caffe2's default)."""
+    return create_resnext(model, data, num_input_channels, num_labels, 50, 1, 64, label=label, is_test=is_test,
+                          no_loss=no_loss, no_bias=no_bias, conv1_kernel=conv1_kernel, conv1_stride=conv1_stride,
+                          final_avg_kernel=final_avg_kernel)

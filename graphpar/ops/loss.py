@@ -136,13 +136,14 @@ register_op(
     "SoftmaxWithLoss",
     inputs=(2, 3),
     outputs=2,
-    args={"scale": 1.0, "label_prob": False, "axis": 1},
+    args={"scale": 1.0, "label_prob": False, "axis": 1, "only_loss": False},
     kernel=_softmax_with_loss,
     gradient=_softmax_with_loss_gradient,
     doc="SoftmaxWithLoss(logits, labels[, weights]) -> P (softmax of logits viewed as [N, D] at `axis`, "
     "logits' shape), loss (0-d) = scale·Σ w_i·(-log P[i, label_i]) / Σw, with Σw = N without "
     "weights. Labels are int [N], or probabilities [N, D] with label_prob=1. Computed with "
-    "log_softmax, so no 1e-20 floor is needed.",
+    "log_softmax, so no 1e-20 floor is needed. `only_loss` (Caffe2's scripts pass it) is accepted and "
+    "changes nothing: both outputs are written, and P is what the gradient reads.",
 )
 
 register_gradient(

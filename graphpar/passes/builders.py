@@ -35,8 +35,8 @@ def build_replicas(state: ParallelState) -> None:
     """Run the input and forward builders per device and keep each replica's losses.
 
     Guarantees: every replica's ops are recorded (replica 0's first); `losses_by_device` maps each
-    device to its losses. A training model's forward builder must return a non-empty list of
-    BlobReferences (ParallelizeError otherwise).
+    device to its losses. A training model's forward builder must return a list of BlobReferences,
+    empty for every replica or for none (ParallelizeError otherwise).
     """
     options, layout = state.options, state.layout
     loss_scale = 1.0 / (len(layout.devices) * options.num_shards)
@@ -49,6 +49,11 @@ def build_replicas(state: ParallelState) -> None:
             if device_id == layout.master and len(layout.devices) > 1:
                 _warn_unscaled(state.model.net.Proto(), result, loss_scale)
         state.losses_by_device[device_id] = list(result) if isinstance(result, list) else []
+    with_loss = [d for d, losses in state.losses_by_device.items() if losses]
+    if state.training and with_loss and len(with_loss) < len(layout.devices):
+        raise ParallelizeError(f"forward_pass_builder_fun returned losses for devices {with_loss} only; every "
+                               f"replica returns its losses, or none does (e.g. a barrier-only net): a replica "
+                               f"without a loss would get no gradients and drift from the others")
 
 
 def _warn_unscaled(net: NetDef, losses: list[str], loss_scale: float) -> None:
@@ -79,9 +84,11 @@ def _scales_feeding(net: NetDef, blob: str) -> list[float]:
 
 
 def _check_losses(losses: Any, scope: str) -> None:
-    if not isinstance(losses, list) or not losses or not all(isinstance(b, BlobReference) for b in losses):
-        raise ParallelizeError(f"forward_pass_builder_fun must return a non-empty list of loss blobs "
-                               f"(BlobReferences, already multiplied by loss_scale); for {scope} it returned "
+    """A list of loss blobs; an empty one (no loss on that replica, e.g. a barrier-only net) is allowed,
+    as in Caffe2."""
+    if not isinstance(losses, list) or not all(isinstance(b, BlobReference) for b in losses):
+        raise ParallelizeError(f"forward_pass_builder_fun must return a list of loss blobs (BlobReferences, "
+                               f"already multiplied by loss_scale; [] for none); for {scope} it returned "
                                f"{losses!r}")
 
 

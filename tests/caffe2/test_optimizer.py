@@ -63,7 +63,7 @@ def test_adam_accepts_caffe2_options() -> None:
     _train(model)
     assert workspace.HasBlob("fc_w_first_moment")
     with pytest.raises(NotImplementedError, match="use_smart_decay"):
-        optimizer.build_adam(_model(), 0.01, use_smart_decay=True)
+        optimizer.build_adam(_model(), 0.01, use_smart_decay=True, enableRAdam=True)  # as Caffe2
 
 
 @pytest.mark.parametrize("build, local, shared", [

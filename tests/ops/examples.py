@@ -9,6 +9,8 @@ needs an entry.
 
 from __future__ import annotations
 
+import atexit
+import os
 import tempfile
 from typing import Any, NamedTuple
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar import distributed
+from graphpar.core.ir import NetDef, OperatorDef
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -45,6 +48,25 @@ def ints(*values: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
+def _checkpoint() -> str:
+    """A checkpoint file holding Y0 (float32 [2, 3]) and Y1 (int64 [4]), for Load."""
+    from graphpar import checkpoint
+    from graphpar.workspace import Workspace
+
+    ws = Workspace("load_example")
+    ws.feed_blob("Y0", f(2, 3))
+    ws.feed_blob("Y1", ints(1, 2, 3, 4, dtype=torch.int64))
+    path = tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False).name
+    checkpoint.save(path, ["Y0", "Y1"], ws)
+    atexit.register(os.remove, path)
+    return path
+
+
+def _net(*ops: tuple[str, list[str], list[str]]) -> NetDef:
+    """A NetDef argument (If/While) of (type, inputs, outputs) ops."""
+    return NetDef("inner", [OperatorDef(t, i, o) for t, i, o in ops])
+
+
 def probs(rows: int, cols: int) -> torch.Tensor:
     return torch.softmax(f(rows, cols), 1)
 
@@ -59,6 +81,8 @@ _POOLED, _INDICES = F.max_pool2d(_X4, 2, 2, return_indices=True)
 _POOL = {"kernel": 2, "stride": 2}
 _CONV = {"kernel": 3, "pad": 1, "stride": 2}
 _SCHEDULE = {"base_lr": -0.1, "policy": "step", "stepsize": 2, "gamma": 0.5}
+
+_CHECKPOINT = _checkpoint()
 
 EXAMPLES: dict[str, list[Example]] = {
     "Abs": [ex(f(2, 3))],
@@ -152,6 +176,26 @@ EXAMPLES: dict[str, list[Example]] = {
     "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
     "CreateCommonWorld": [ex(_STORE, size=1, rank=0, name="example_cw"), ex(size=1, rank=0, name="example_cw")],
     "FileStoreHandlerCreate": [ex(path=_STORE_DIR, prefix="example")],
+    "Storm": [ex(f(3, 2), f(3, 2), pos(1), f(3, 2), f(1), outputs=3, momentum=5.0, beta=0.5)],
+    "SparseStorm": [ex(f(5, 2), f(5, 2), pos(1), f(3, 2), ints(1, 3, 1), f(1), outputs=3)],
+    "DecayAdagrad": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(2, dtype=torch.int64), outputs=3,
+                        weight_decay=0.1)],
+    "GFtrl": [ex(f(3, 2), pos(3, 2, 2), f(3, 2), outputs=2), ex(f(4), pos(4, 2), f(4), pos(1), outputs=2)],
+    "YellowFin": [ex(f(3, 2), f(3, 2), pos(1), pos(1), f(4), f(3, 2), pos(3, 2), pos(5), f(3, 2),
+                     ints(3, dtype=torch.int64), outputs=8, curv_win_width=4)],
+    "SmartDecaySparseAdam": [ex(f(5, 2), f(5, 2), pos(5, 2), ints(0, 1, 0, 2, 0, dtype=torch.int64), ints(1, 3, 1),
+                                f(3, 2), f(1), ints(4, dtype=torch.int64), outputs=4)],
+    "RowWiseCounter": [ex(ints(0, 1, 0, 2, 0, dtype=torch.int64), pos(5, dtype=torch.float64), ints(1, 3, 1),
+                          ints(4, dtype=torch.int64), outputs=2, counter_halflife=3)],
+    **{name: [ex(f(2, 3), f(2, 3)), ex(f(2, 3), f(3), broadcast=1), ex(ints(1, 2, 3), ints(2))]
+       for name in ("LT", "LE", "GT", "GE", "EQ", "NE")},
+    "If": [ex(torch.tensor(True), f(2, 3), outputs=1, unknown=(0,), then_net=_net(("Relu", ["X1"], ["Y0"]))),
+           ex(torch.tensor([False]), f(2), f(3), outputs=1, unknown=(0,), then_net=_net(("Copy", ["X1"], ["Y0"])),
+              else_net=_net(("Copy", ["X2"], ["Y0"])))],
+    "While": [ex(torch.tensor(True), ints(0), ints(3), ints(1), outputs=2, unknown=(0, 1),
+                 cond_net=_net(("LT", ["X1", "X2"], ["X0"]), ("Copy", ["X0"], ["Y0"]), ("Copy", ["X1"], ["Y1"])),
+                 loop_net=_net(("Add", ["X1", "X3"], ["X1"])))],
+    "Load": [ex(outputs=2, db=_CHECKPOINT, absolute_path=True)],
     "RAdam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "SparseRAdam": [ex(f(5, 2), f(5, 2), pos(5, 2), ints(1, 3, 1), f(3, 2), f(1), ints(7, dtype=torch.int64), outputs=3)],
     "TCPStoreHandlerCreate": [ex(host="127.0.0.1", port=0, is_master=True)],

@@ -1,0 +1,152 @@
+"""Caffe2's control flow: the comparison ops against NumPy, If / While with nets as op arguments, and
+brew.cond / brew.loop as Caffe2's brew_test uses them (against the same logic in plain Python)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphpar import brew, core, workspace
+from graphpar.errors import OperatorError
+from graphpar.model_helper import ModelHelper
+from graphpar.proto.convert import from_proto, to_proto
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("op, fn", [("LT", np.less), ("LE", np.less_equal), ("GT", np.greater),
+                                    ("GE", np.greater_equal), ("EQ", np.equal), ("NE", np.not_equal)])
+def test_comparisons_match_numpy(op: str, fn) -> None:  # noqa: ANN001
+    a = RNG.integers(0, 3, (2, 3, 4)).astype(np.float32)
+    b = RNG.integers(0, 3, (2, 3, 4)).astype(np.float32)
+    row = RNG.integers(0, 3, (3,)).astype(np.float32)
+    workspace.ResetWorkspace()
+    for name, value in (("a", a), ("b", b), ("row", row)):
+        workspace.FeedBlob(name, value)
+    net = core.Net("cmp")
+    getattr(net, op)(["a", "b"], "same")
+    getattr(net, op)(["a", "row"], "legacy", broadcast=1, axis=1)  # Caffe2's broadcast: row aligns at dim 1
+    workspace.RunNetOnce(net)
+    np.testing.assert_array_equal(workspace.FetchBlob("same"), fn(a, b))
+    np.testing.assert_array_equal(workspace.FetchBlob("legacy"), fn(a, row.reshape(1, 3, 1)))
+    assert workspace.FetchBlob("same").dtype == np.bool_
+
+
+def _cond_models(else_branch: bool) -> ModelHelper:
+    then_model = ModelHelper(name="then_model")
+    then_model.net.Copy("then_value", "output_blob")
+    else_model = None
+    if else_branch:
+        else_model = ModelHelper(name="else_model")
+        else_model.net.Copy("else_value", "output_blob")
+    model = ModelHelper(name="cond_model")
+    brew.cond(model, "cond", ["then_value", "else_value", "output_blob"], then_model, else_model)
+    return model
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_brew_cond_runs_the_branch_the_condition_picks(flag: bool) -> None:
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("cond", np.array(flag))
+    workspace.FeedBlob("then_value", np.array(1))
+    workspace.FeedBlob("else_value", np.array(2))
+    model = _cond_models(else_branch=True)
+    (op,) = model.net.Proto().op
+    assert (op.type, op.input, op.output) == ("If", ["cond", "then_value", "else_value"], ["output_blob"])
+    workspace.RunNetOnce(model.net)
+    assert workspace.FetchBlob("output_blob") == (1 if flag else 2)
+
+
+def test_brew_cond_without_else_keeps_the_outputs_when_false() -> None:
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("cond", np.array(False))
+    workspace.FeedBlob("then_value", np.array(1))
+    workspace.FeedBlob("output_blob", np.array(7))
+    model = _cond_models(else_branch=False)
+    assert model.net.Proto().op[0].input == ["cond", "then_value", "output_blob"]  # the output is read too
+    workspace.RunNetOnce(model.net)
+    assert workspace.FetchBlob("output_blob") == 7
+    workspace.FeedBlob("cond", np.array(True))
+    workspace.RunNetOnce(model.net)
+    assert workspace.FetchBlob("output_blob") == 1
+
+
+@pytest.mark.parametrize("limit", [10, 0])
+def test_brew_loop_runs_the_condition_net_before_each_iteration(limit: int) -> None:
+    workspace.ResetWorkspace()
+    for name, value in (("cond", True), ("ONE", 1), ("TWO", 2), ("LIMIT", limit), ("counter", 0), ("output_blob", 0)):
+        workspace.FeedBlob(name, np.array(value))
+    loop_model = ModelHelper(name="loop_model")
+    loop_model.net.Add(["output_blob", "TWO"], "output_blob")
+    cond_model = ModelHelper(name="cond_model")
+    cond_model.net.Add(["counter", "ONE"], "counter")
+    cond_model.net.Copy(cond_model.net.LT(["counter", "LIMIT"]), "cond")
+    model = ModelHelper(name="loop")
+    brew.loop(model, "cond", ["cond", "ONE", "TWO", "LIMIT", "counter", "output_blob"], loop_model, cond_model)
+    workspace.RunNetOnce(model.net)
+    counter, output = 0, 0  # the same loop in Python: condition net first, then the body
+    while True:
+        counter += 1
+        if not counter < limit:
+            break
+        output += 2
+    assert (workspace.FetchBlob("output_blob"), workspace.FetchBlob("counter")) == (output, counter)
+    assert not workspace.HasBlob(str(model.net.Proto().op[0].args["cond_net"].ops[1].outputs[0]))  # local to the op
+
+
+def test_if_with_nets_as_op_arguments_survives_the_proto_round_trip() -> None:
+    then_net = core.Net("then")
+    then_net.Relu("x", "y")
+    else_net = core.Net("else")
+    else_net.Scale("x", "y", scale=-1.0)
+    net = core.Net("outer")
+    net.If(["c", "x"], ["y"], then_net=then_net, else_net=else_net.Proto())  # a Net or a NetDef
+    restored = from_proto(to_proto(net.Proto()))
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    for flag, want in ((True, np.maximum(x, 0)), (False, -x)):
+        workspace.ResetWorkspace()
+        workspace.FeedBlob("c", np.array([flag]))
+        workspace.FeedBlob("x", x)
+        workspace.RunNetOnce(core.Net(restored))
+        np.testing.assert_array_equal(workspace.FetchBlob("y"), want)
+
+
+def test_a_bad_inner_op_fails_at_create_net() -> None:
+    inner = core.NetDef("inner", [core.OperatorDef("NoSuchOp", ["x"], ["y"])])
+    net = core.Net("outer")
+    net.If(["c", "x"], ["y"], then_net=inner)
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("c", np.array(True))
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    with pytest.raises(OperatorError, match="If.*could not be built: unknown operator type 'NoSuchOp'"):
+        workspace.CreateNet(net)
+
+
+def test_control_flow_errors_name_what_is_wrong() -> None:
+    then_model = ModelHelper(name="reads_unknown")
+    then_model.net.Copy("secret", "out")
+    with pytest.raises(ValueError, match=r"read \['secret'\]"):
+        brew.cond(ModelHelper(name="m"), "cond", ["out"], then_model)
+    net = core.Net("two_values")
+    net.If(["c", "x"], ["x"], then_net=core.Net("noop"))
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("c", np.array([True, False]))
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    with pytest.raises(OperatorError, match=r"the condition must hold one value, got shape \[2\]"):
+        workspace.RunNetOnce(net)
+
+
+def test_clone_renames_blobs_inside_the_nets_of_control_flow_ops() -> None:
+    then_net = core.Net("then_relu")
+    then_net.Relu("x", "y")
+    net = core.Net("cond_relu")
+    net.If(["c", "x"], ["y"], then_net=then_net)
+    clone = net.Clone("cond_relu_clone", blob_remap={"x": "x2", "y": "y2"})
+    inner = clone.Proto().ops[0].args["then_net"].ops[0]
+    assert (clone.Proto().ops[0].inputs, inner.inputs, inner.outputs) == (["c", "x2"], ["x2"], ["y2"])
+    assert net.Proto().ops[0].args["then_net"].ops[0].inputs == ["x"]  # the original is untouched
+    workspace.ResetWorkspace()
+    workspace.FeedBlob("c", np.array(True))
+    workspace.FeedBlob("x2", np.array([-1.0, 2.0], np.float32))
+    workspace.RunNetOnce(clone)
+    np.testing.assert_array_equal(workspace.FetchBlob("y2"), [0.0, 2.0])
