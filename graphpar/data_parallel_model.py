@@ -284,6 +284,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     cpu_device: bool = False,
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
+    check_finite_loss: bool = False,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -305,6 +306,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
         add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
         max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
+        check_finite_loss: as Parallelize's: a NaN or infinite loss on any replica makes RunNet raise
+            before any local update, and the global update does not run (no replica, no global model
+            changes).
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -326,7 +330,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  rendezvous=rdv, net_type=net_type, num_threads_per_device=num_threads_per_device,
                                  use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
-                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec))
+                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec),
+                                 check_finite_loss=bool(check_finite_loss))
     blob_to_device: dict[str, DeviceOption] = {}
     reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
                        order=rdv.reduce_order if rdv else "ring")
@@ -502,7 +507,8 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     """Run the model's nets `num_iterations` times (a `(net, n)` entry runs n times).
 
     Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
-    net and one iteration: as before the call).
+    net and one iteration: as before the call). With `num_iterations` 0 nothing runs (BMUF's global
+    update, too, needs at least one local step).
 
     Raises:
         ParallelizeError: the model was not parallelized.
@@ -511,7 +517,9 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
             (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
     """
     state = _state_of(model)
-    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in state.nets]
+    # a fixed-count entry (BMUF's global update) follows local steps: RunNet(model, 0) runs nothing
+    entries = [(entry[0], entry[1] if num_iterations else 0) if isinstance(entry, tuple)
+               else (entry, num_iterations) for entry in state.nets]
     ws = workspace.get_workspace()
     missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
     if missing:
