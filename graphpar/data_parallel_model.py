@@ -515,6 +515,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
         RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
             called there), or some replicas were fed a new batch since the last run and others not
             (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
+        ValueError: a replica's fed inputs all have zero rows (an empty batch); nothing runs.
     """
     state = _state_of(model)
     # a fixed-count entry (BMUF's global update) follows local steps: RunNet(model, 0) runs nothing
@@ -530,6 +531,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
         state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
                                   state.param_names)
     state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
+    state.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         workspace.RunNet(net, count)
     state.feeds.remember(ws.blobs)
