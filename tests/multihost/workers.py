@@ -59,7 +59,7 @@ def local_sgd(model) -> None:  # noqa: ANN001
 
 
 def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, bmuf: bool = False,
-          **options: Any):  # noqa: ANN201
+          lr: float = LR, **options: Any):  # noqa: ANN201
     from graphpar import data_parallel_model as dpm
     from graphpar import optimizer
     from graphpar.model_helper import ModelHelper
@@ -70,7 +70,7 @@ def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 
                              cpu_device=True, rendezvous=rendezvous, block_learning_rate=0.5, **options)
         return model
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward(kind, hidden),
-                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, lr, momentum=MOMENTUM),
                     devices=devices, cpu_device=True, rendezvous=rendezvous, **options)
     return model
 
