@@ -556,9 +556,14 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
-    counters = {op.outputs[0] for op in model.net.Proto().ops
-                if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None}
-    return first | counters
+    return first | set(_global_counters(model))
+
+
+def _global_counters(model: ModelHelper) -> list[str]:
+    """The outputs of the train net's counter ops (Trait.COUNTER) outside every replica scope."""
+    layout = _state_of(model).layout
+    return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops
+                              if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None))
 
 
 def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: dict | None = None) -> bool:
@@ -581,7 +586,9 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
 
 def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802
                             cpu_mode: bool = False) -> None:
-    """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint).
+    """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint);
+    with several shards, from shard 0's first device, and the model's unscoped counters
+    (`optimizer_iteration`) from shard 0 too, so every shard resumes at shard 0's iteration.
 
     The first call builds `model._checkpoint_net` for `blobs` (default: every synced blob); every
     call runs it in the current workspace (as in Caffe2, `blobs` of later calls are not looked at).
@@ -608,7 +615,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         for name in names:
             grouped.setdefault(name, layout.group(name))
-        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer))
+        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, _global_counters(model)))
     _check_loaded_for(model, ws, grouped)
     with ws.unchanged_on_error():
         for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:

@@ -174,4 +174,5 @@ def test_blob_syncs_checkpoint_sync_and_barriers_cross_shards(tmp_path: Path) ->
         assert got["total"][0] == 3.0  # AddDistributedBlobSync: 1 + 2, across shards only
         np.testing.assert_array_equal(got["fc1_w0"], np.zeros((8, 6), np.float32))  # FinalizeAfterCheckpoint
         np.testing.assert_array_equal(got["fc1_w1"], np.zeros((8, 6), np.float32))
+        assert got["iteration"].tolist() == [3]  # issue 23 item 2: the counter is shard 0's too
         assert "one timeout for every call" in str(got["timeout_change"])

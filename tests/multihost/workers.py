@@ -223,8 +223,10 @@ def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
         dpm.Synchronize(model, 10)
         # a "checkpoint" that differs per shard: FinalizeAfterCheckpoint makes shard 0's first device win
         workspace.FeedBlob("cpu_0/fc1_w", np.full((8, 6), float(shard), dtype=np.float32))
+        workspace.FeedBlob("optimizer_iteration", np.array([3 + 2 * shard], dtype=np.int64))  # another run's
         dpm.FinalizeAfterCheckpoint(model)
         saved.update({f"fc1_w{d}": workspace.FetchBlob(f"cpu_{d}/fc1_w") for d in (0, 1)})
+        saved["iteration"] = workspace.FetchBlob("optimizer_iteration")
         try:
             dpm.Synchronize(model, 11)
         except Exception as exc:  # noqa: BLE001
