@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from functools import cache, partial
 from typing import Any
 
-from graphpar import workspace
+from graphpar import distributed, workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
@@ -386,7 +386,8 @@ def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N8
     if state.sync_barrier is None:
         init = barrier_net("sync_barrier_init", rdv, timeout_sec, store_of(rdv), world=SYNC_WORLD)
         net = NetDef("sync_barrier", [init.ops.pop()], [SYNC_WORLD])
-        workspace.RunNetOnce(init)
+        with distributed.creations_kept_on_error():  # a timed-out first call can be retried
+            workspace.RunNetOnce(init)
         state.sync_barrier = (timeout_sec, Net(net))
     elif state.sync_barrier[0] != timeout_sec:
         raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {state.sync_barrier[0]} "
@@ -467,7 +468,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
         check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
         check_run(netdef.name, (), [b for op in netdef.ops for b in op.outputs], ws.loaded)
     _check_can_create(model, ws, defined, False, "RunInitNet")
-    with ws.unchanged_on_error():
+    with ws.unchanged_on_error(), distributed.creations_kept_on_error():  # a timed-out rendezvous can be retried
         for net in state.init_nets:
             ws.run_net_once(net)
         CreateNet(model)

@@ -236,3 +236,65 @@ def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
             f.write(f"{type(exc).__name__}: {exc}")
         return
     np.savez(out, **saved)
+
+
+def late_peer(out: str, shard: int, store: str, timeout_sec: float) -> None:
+    """Shard 1 comes to RunInitNet, and then to the first Synchronize, only after shard 0's call timed
+    out; shard 0 calls again (issue 23 item 7). Saves the failed calls' errors and the trained params."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    workspace.ResetWorkspace()
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": 2, "timeout_sec": timeout_sec}
+    failures: list[str] = []
+
+    def retried(call: Any) -> None:
+        for _ in range(3):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - the retry is what is tested
+                failures.append(f"{type(exc).__name__}: {exc}")
+                open(os.path.join(store, f"failed{len(failures)}"), "w").close()
+        raise RuntimeError(failures[-1])
+
+    def after_failure(count: int) -> None:
+        deadline = time.monotonic() + 10 * timeout_sec
+        while not os.path.exists(os.path.join(store, f"failed{count}")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside shard 0's second call
+
+    try:
+        model = build("mlp", [0], rendezvous)
+        feed("mlp", 0, shard, 2, [0])
+        if shard == 1:
+            after_failure(1)
+        retried(lambda: dpm.RunInitNet(model))
+        dpm.RunNet(model, 1)
+        if shard == 1:
+            after_failure(2)
+        retried(lambda: dpm.Synchronize(model, timeout_sec))
+        saved = {"failures": np.array(failures), **state(model)}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def env_rendezvous_alone(out: str, port: int, timeout_sec: float) -> None:
+    """Rank 0 of 2 through env:// (kv_handler=None) with rank 1 never started: RunInitNet must raise
+    within the rendezvous' timeout (issue 23 item 3). Writes the seconds it took and the error."""
+    os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from graphpar import data_parallel_model as dpm
+
+    model = build("mlp", [0], {"kv_handler": None, "timeout_sec": timeout_sec})
+    feed("mlp", 0, 0, 2, [0])
+    start = time.monotonic()
+    try:
+        dpm.RunInitNet(model)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        message = f"{type(exc).__name__}: {exc}"
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{message}")
