@@ -43,14 +43,15 @@ def test_tcp_store_handler_create_times_out(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_rendezvous_that_timed_out_can_be_called_again(tmp_path: Path) -> None:
-    """Item 7: shard 0's RunInitNet and Synchronize time out (3 s) before shard 1 comes; called again,
+    """Item 7: shard 0's RunInitNet and Synchronize time out (4 s) before shard 1 comes; called again,
     they meet it and both shards train the same step."""
-    codes = run_processes(workers.late_peer, [(str(tmp_path / f"shard{r}.npz"), r, str(tmp_path), 3.0)
+    codes = run_processes(workers.late_peer, [(str(tmp_path / f"shard{r}.npz"), r, str(tmp_path), 4.0)
                                               for r in range(2)], limit=80)
     assert codes == [0, 0]
     assert not list(tmp_path.glob("*.error")), [p.read_text() for p in tmp_path.glob("*.error")]
     first, second = load(tmp_path / "shard0.npz"), load(tmp_path / "shard1.npz")
-    assert len(first["failures"]) == 2 and len(second["failures"]) == 0, first["failures"]
-    assert all("within 3 s" in str(f) or "timeout 3 s" in str(f) for f in first["failures"]), first["failures"]
+    assert len(second["failures"]) == 0, second["failures"]
+    assert 2 <= len(first["failures"]) <= 4, first["failures"]  # once per call; again only on a loaded machine
+    assert all("within 4 s" in str(f) or "timeout 4 s" in str(f) for f in first["failures"]), first["failures"]
     for name in ("cpu_0/fc1_w", "cpu_0/pred_w"):
         np.testing.assert_array_equal(first[name], second[name])

@@ -249,18 +249,18 @@ def late_peer(out: str, shard: int, store: str, timeout_sec: float) -> None:
     rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": 2, "timeout_sec": timeout_sec}
     failures: list[str] = []
 
-    def retried(call: Any) -> None:
+    def retried(call: Any, phase: int) -> None:
         for _ in range(3):
             try:
                 return call()
             except Exception as exc:  # noqa: BLE001 - the retry is what is tested
                 failures.append(f"{type(exc).__name__}: {exc}")
-                open(os.path.join(store, f"failed{len(failures)}"), "w").close()
+                open(os.path.join(store, f"failed{phase}"), "w").close()
         raise RuntimeError(failures[-1])
 
-    def after_failure(count: int) -> None:
+    def after_failure(phase: int) -> None:
         deadline = time.monotonic() + 10 * timeout_sec
-        while not os.path.exists(os.path.join(store, f"failed{count}")) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(store, f"failed{phase}")) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # well inside shard 0's second call
 
@@ -269,11 +269,11 @@ def late_peer(out: str, shard: int, store: str, timeout_sec: float) -> None:
         feed("mlp", 0, shard, 2, [0])
         if shard == 1:
             after_failure(1)
-        retried(lambda: dpm.RunInitNet(model))
+        retried(lambda: dpm.RunInitNet(model), 1)
         dpm.RunNet(model, 1)
         if shard == 1:
             after_failure(2)
-        retried(lambda: dpm.Synchronize(model, timeout_sec))
+        retried(lambda: dpm.Synchronize(model, timeout_sec), 2)
         saved = {"failures": np.array(failures), **state(model)}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         with open(out + ".error", "w") as f:
