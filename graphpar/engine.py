@@ -34,7 +34,8 @@ import numpy as np
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.data import Fed, feed
-from graphpar.naming import unscoped_name
+from graphpar.errors import CheckpointError
+from graphpar.naming import stripBlobName, unscoped_name
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]
@@ -363,7 +364,8 @@ class Trainer:
         it, so data whose order depends only on the epoch gives the same batches.
 
         Raises:
-            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`.
+            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`; without
+                `resume`, also a file holding none of the model's params.
         """
         self.initialize()
         target = Path(path) if path is not None else None
@@ -376,9 +378,7 @@ class Trainer:
         if not target.exists():
             raise FileNotFoundError(f"resume_or_load: no checkpoint at {target}")
         if not resume:
-            params = {str(p) for p in self.model.GetParams()}
-            checkpoint.load(target, [b for b in checkpoint.read_metadata(target)["blobs"] if b in params])
-            dpm.FinalizeAfterCheckpoint(self.model)
+            self._load_weights(target)
             return self.iter
         checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
@@ -387,6 +387,17 @@ class Trainer:
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
+
+    def _load_weights(self, target: Path) -> None:
+        """The file's params (scoped under any device, as `checkpoint.load(model=...)` maps them onto
+        this model's first device, or unscoped), broadcast to the replicas."""
+        params = {stripBlobName(str(p)) for p in self.model.GetParams()}
+        names = [b for b in checkpoint.read_metadata(target)["blobs"] if stripBlobName(b) in params]
+        if not names:
+            raise CheckpointError(f"resume_or_load: checkpoint {str(target)!r} holds none of model "
+                                  f"{self.model.name!r}'s params ({sorted(params)[:3]}...)")
+        checkpoint.load(target, names, model=self.model)
+        dpm.FinalizeAfterCheckpoint(self.model)
 
     def _skip_to(self, iteration: int) -> None:
         try:

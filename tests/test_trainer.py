@@ -284,3 +284,26 @@ def test_periodic_writer_sends_scalars_to_tensorboard_when_installed(tmp_path, m
     with pytest.raises(ImportError):  # asked for explicitly, but not installed
         monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
         Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, tensorboard=True)], max_iter=1).train()
+
+
+@pytest.mark.parametrize("saved_on", [(1, 2), (5,)])
+def test_resume_false_maps_the_weights_onto_the_first_device_whatever_the_files(tmp_path, saved_on):
+    """Issue 23 item 8: weights saved on devices (1, 2) went to replica 1 only; saved on device 5 they
+    failed with 'no blob names given'."""
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    saver = Trainer(_model(saved_on), _batches(), max_iter=2)
+    saver.train()
+    path = tmp_path / "weights.safetensors"
+    dpm.save_checkpoint(saver.model, path)
+    first = saver.model._devices[0]
+    params = {name.split("/", 1)[1]: value for name, value in _params(saver.model).items()
+              if name.startswith(f"cpu_{first}/") and name.endswith(("_w", "_b"))}
+    workspace.ResetWorkspace()
+    trainer = Trainer(_model((0, 1)), _batches(), max_iter=1)
+    assert trainer.resume_or_load(resume=False, path=path) == 0
+    for name, value in params.items():
+        for d in (0, 1):
+            np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/{name}"), value, err_msg=f"cpu_{d}/{name}")
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 0
+    trainer.train()
