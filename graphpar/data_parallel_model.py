@@ -557,11 +557,12 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
-    return first | set(_global_counters(model))
+    return first | set(iteration_counters(model))
 
 
-def _global_counters(model: ModelHelper) -> list[str]:
-    """The outputs of the train net's counter ops (Trait.COUNTER) outside every replica scope."""
+def iteration_counters(model: ModelHelper) -> list[str]:
+    """The outputs of the train net's counter ops (Trait.COUNTER) outside every replica scope, e.g.
+    `optimizer_iteration`: how many updates the model has made."""
     layout = _state_of(model).layout
     return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops
                               if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None))
@@ -616,7 +617,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         for name in names:
             grouped.setdefault(name, layout.group(name))
-        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, _global_counters(model)))
+        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, iteration_counters(model)))
     _check_loaded_for(model, ws, grouped)
     with ws.unchanged_on_error():
         for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:

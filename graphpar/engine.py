@@ -302,6 +302,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self._done = 0  # updates made, for a model without an iteration counter
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self.register_hooks(hooks)
 
@@ -383,7 +384,7 @@ class Trainer:
         checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
         iteration = checkpoint.read_metadata(target)["iteration"]
-        self.start_iter = self.iter = self.storage.iter = int(iteration or 0)
+        self.start_iter = self.iter = self.storage.iter = self._done = int(iteration or 0)
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
@@ -416,8 +417,13 @@ class Trainer:
     # -- the loop --
 
     def train(self) -> None:
-        """Train from `self.iter` to `max_iter`; hooks' after_train runs even if a step raises."""
+        """Train from the model's iteration to `max_iter`; hooks' after_train runs even if a step raises.
+
+        The model's counter (`optimizer_iteration`) says where to start, so calling again after a hook
+        raised continues after the last update instead of repeating it.
+        """
         self.initialize()
+        self.iter = self.storage.iter = self._updates_done()
         if self.iter >= self.max_iter:
             print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
                   f"max_iter to train longer", file=sys.stderr)
@@ -431,6 +437,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.before_step()
                 self.run_step()
+                self._done = iteration + 1
                 for hook in self.hooks:
                     hook.after_step()
         finally:
@@ -438,6 +445,13 @@ class Trainer:
                 hook.after_train()
         self.iter = self.max_iter
         self.storage.iter = self.iter
+
+    def _updates_done(self) -> int:
+        """The model's iteration counter, else the updates this trainer made (a model without one)."""
+        counters = [c for c in dpm.iteration_counters(self.model) if workspace.HasBlob(c)]
+        if not counters:
+            return self._done
+        return int(workspace.FetchBlob(counters[0]).reshape(-1)[0])
 
     def run_step(self) -> None:
         """Feed the next batch, run the train net once, record each loss (the batch's mean).

@@ -307,3 +307,34 @@ def test_resume_false_maps_the_weights_onto_the_first_device_whatever_the_files(
             np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/{name}"), value, err_msg=f"cpu_{d}/{name}")
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 0
     trainer.train()
+
+
+def test_a_hook_that_raises_does_not_make_train_repeat_the_iteration():
+    """Issue 23 item 6: after_step raised at iteration 5, train() again ran 11 updates for max_iter=10."""
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    full = Trainer(_model(), _batches(), max_iter=10)
+    full.train()
+    expected = _params(full.model)
+
+    class FailOnce(HookBase):
+        def __init__(self):
+            self.steps, self.failed = [], False
+
+        def after_step(self):
+            self.steps.append(self.trainer.iter)
+            if self.trainer.iter == 5 and not self.failed:
+                self.failed = True
+                raise RuntimeError("hook failed")
+
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    hook = FailOnce()
+    trainer = Trainer(_model(), _batches(), [hook], max_iter=10)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        trainer.train()
+    trainer.train()
+    assert hook.steps == list(range(10))
+    assert trainer.iter == 10 == int(workspace.FetchBlob("optimizer_iteration")[0])
+    for name, value in _params(trainer.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
