@@ -108,7 +108,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     first_bucket_bytes: int = 1024 * 1024,
     average_computed_params: bool = False,
     uneven_batches: bool = False,
-    check_finite_loss: bool = False,
+    check_finite_loss: bool | None = None,
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
 ) -> None:
@@ -182,8 +182,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
             `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
             an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
-            reads each loss on the host (one device sync per replica and step); graphpar's example
-            trainer turns it on. See docs/errors.md.
+            reads each loss on the host (one device sync per replica and step), so the default (None)
+            is on for training CPU replicas, where that costs a few µs per step (docs/errors.md),
+            and off on CUDA, where the sync would stall the step's queue, and for models without an
+            optimizer (an evaluation reports a NaN loss); pass True or False to choose. See
+            docs/errors.md.
         rendezvous: train over several processes (shards, on one machine or many), each owning
             `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
             ...}` (see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
@@ -225,6 +228,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
+    check_finite_loss = _finite_loss_check(check_finite_loss, cpu_device,
+                                           optimizer_builder_fun is not None or param_update_builder_fun is not None)
     options = ParallelizeOptions(
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rdv, net_type,
@@ -245,6 +250,12 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
     _log_built(model._parallel)
+
+
+def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
+    """check_finite_loss as given, else on for training CPU replicas (a host read of a CPU loss is free;
+    an evaluation model keeps reporting a NaN loss instead of raising)."""
+    return bool(cpu_device and training) if check_finite_loss is None else bool(check_finite_loss)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -284,7 +295,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     cpu_device: bool = False,
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
-    check_finite_loss: bool = False,
+    check_finite_loss: bool | None = None,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -306,9 +317,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
         add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
         max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
-        check_finite_loss: as Parallelize's: a NaN or infinite loss on any replica makes RunNet raise
-            before any local update, and the global update does not run (no replica, no global model
-            changes).
+        check_finite_loss: as Parallelize's (default on for CPU replicas): a NaN or infinite loss on
+            any replica makes RunNet raise before any local update, and the global update does not
+            run (no replica, no global model changes).
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -331,7 +342,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
                                  barrier_net_timeout_sec=float(barrier_net_timeout_sec),
-                                 check_finite_loss=bool(check_finite_loss))
+                                 check_finite_loss=_finite_loss_check(check_finite_loss, cpu_device, True))
     blob_to_device: dict[str, DeviceOption] = {}
     reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
                        order=rdv.reduce_order if rdv else "ring")

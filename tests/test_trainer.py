@@ -25,6 +25,7 @@ from graphpar.engine import (
     Trainer,
     auto_scale_workers,
 )
+from graphpar.errors import OperatorError
 from graphpar.model_helper import ModelHelper
 
 _names = iter(range(10**6))
@@ -37,12 +38,12 @@ def _mlp(model: ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
 
-def _model(devices=(0, 1), **sgd) -> ModelHelper:
+def _model(devices=(0, 1), check_finite_loss=None, **sgd) -> ModelHelper:
     model = ModelHelper(name=f"trainer_{next(_names)}")
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(
                         m, 0.2, policy="step", stepsize=3, gamma=0.5, momentum=0.9, **sgd),
-                    devices=list(devices), cpu_device=True)
+                    devices=list(devices), cpu_device=True, check_finite_loss=check_finite_loss)
     return model
 
 
@@ -167,8 +168,10 @@ def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
         Trainer(_model(), [], max_iter=1).train()
     bad = _batches(1)
     bad[0]["data"][0, 0] = np.inf
-    with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 0"):
+    with pytest.raises(OperatorError, match="CheckFinite"):  # CPU replicas check their losses by default
         Trainer(_model(), bad, max_iter=2).train()
+    with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 0"):
+        Trainer(_model(check_finite_loss=False), bad, max_iter=2).train()  # the Trainer's own check
 
 
 def test_set_epoch_is_called_on_the_data_each_epoch():
