@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from graphpar import workspace
+from graphpar import distributed, workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
@@ -118,7 +118,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     bucket_cap_mb: float | None = None,
     average_computed_params: bool = False,
     uneven_batches: bool = False,
-    check_finite_loss: bool = False,
+    check_finite_loss: bool | None = None,
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
 ) -> None:
@@ -198,8 +198,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
             `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
             an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
-            reads each loss on the host (one device sync per replica and step); graphpar's example
-            trainer turns it on. See docs/errors.md.
+            reads each loss on the host (one device sync per replica and step), so the default (None)
+            is on for training CPU replicas, where that costs a few µs per step (docs/errors.md),
+            and off on CUDA, where the sync would stall the step's queue, and for models without an
+            optimizer (an evaluation reports a NaN loss); pass True or False to choose. See
+            docs/errors.md.
         rendezvous: train over several processes (shards, on one machine or many), each owning
             `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
             ...}` (engine default: NCCL on real CUDA devices when torch has it, else GLOO; see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
@@ -251,6 +254,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                f"(use_nccl=False) or a map with one replica per GPU")
     if not cpu_device and not cuda_is_simulated():
         check_balance(layout.devices)
+    check_finite_loss = _finite_loss_check(check_finite_loss, cpu_device,
+                                           optimizer_builder_fun is not None or param_update_builder_fun is not None)
     options = ParallelizeOptions(
         input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
         post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rdv, net_type,
@@ -271,6 +276,12 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
     _log_built(model._parallel)
+
+
+def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
+    """check_finite_loss as given, else on for training CPU replicas (a host read of a CPU loss is free;
+    an evaluation model keeps reporting a NaN loss instead of raising)."""
+    return bool(cpu_device and training) if check_finite_loss is None else bool(check_finite_loss)
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -310,6 +321,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     cpu_device: bool = False,
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
+    check_finite_loss: bool | None = None,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -331,6 +343,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         warmup_iterations: local steps `RunWarmup` runs (None: no warmup net).
         add_blobs_to_sync: unprefixed blobs broadcast from the master after each global update.
         max_gradient_norm: clip the block gradients by their global L2 norm before the momentum.
+        check_finite_loss: as Parallelize's (default on for CPU replicas): a NaN or infinite loss on
+            any replica makes RunNet raise before any local update, and the global update does not
+            run (no replica, no global model changes).
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -353,7 +368,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                  rendezvous=rdv, net_type=net_type, num_threads_per_device=num_threads_per_device,
                                  use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
                                  max_concurrent_distributed_ops=max_concurrent_distributed_ops,
-                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec))
+                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec),
+                                 check_finite_loss=_finite_loss_check(check_finite_loss, cpu_device, True))
     blob_to_device: dict[str, DeviceOption] = {}
     reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
                        order=rdv.reduce_order if rdv else "ring")
@@ -408,7 +424,8 @@ def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N8
     if state.sync_barrier is None:
         init = barrier_net("sync_barrier_init", rdv, timeout_sec, store_of(rdv), world=SYNC_WORLD)
         net = NetDef("sync_barrier", [init.ops.pop()], [SYNC_WORLD])
-        workspace.RunNetOnce(init)
+        with distributed.creations_kept_on_error():  # a timed-out first call can be retried
+            workspace.RunNetOnce(init)
         state.sync_barrier = (timeout_sec, Net(net))
     elif state.sync_barrier[0] != timeout_sec:
         raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {state.sync_barrier[0]} "
@@ -489,7 +506,7 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
         check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
         check_run(netdef.name, (), [b for op in netdef.ops for b in op.outputs], ws.loaded)
     _check_can_create(model, ws, defined, False, "RunInitNet")
-    with ws.unchanged_on_error():
+    with ws.unchanged_on_error(), distributed.creations_kept_on_error():  # a timed-out rendezvous can be retried
         for net in state.init_nets:
             ws.run_net_once(net)
         CreateNet(model)
@@ -529,16 +546,20 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     """Run the model's nets `num_iterations` times (a `(net, n)` entry runs n times).
 
     Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
-    net and one iteration: as before the call).
+    net and one iteration: as before the call). With `num_iterations` 0 nothing runs (BMUF's global
+    update, too, needs at least one local step).
 
     Raises:
         ParallelizeError: the model was not parallelized.
         RuntimeError: a net of the model was not created in the current workspace (RunInitNet was not
             called there), or some replicas were fed a new batch since the last run and others not
             (`graphpar.feeds`); nothing runs then. Other workspace errors propagate.
+        ValueError: a replica's fed inputs all have zero rows (an empty batch); nothing runs.
     """
     state = _state_of(model)
-    entries = [entry if isinstance(entry, tuple) else (entry, num_iterations) for entry in state.nets]
+    # a fixed-count entry (BMUF's global update) follows local steps: RunNet(model, 0) runs nothing
+    entries = [(entry[0], entry[1] if num_iterations else 0) if isinstance(entry, tuple)
+               else (entry, num_iterations) for entry in state.nets]
     ws = workspace.get_workspace()
     missing = [net.Proto().name for net, _ in entries if net.Proto().name not in ws.nets]
     if missing:
@@ -549,6 +570,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
         state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
                                   state.param_names)
     state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
+    state.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         workspace.RunNet(net, count)
     state.feeds.remember(ws.blobs)
@@ -573,9 +595,15 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
-    counters = {op.outputs[0] for op in model.net.Proto().ops
-                if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None}
-    return first | counters
+    return first | set(iteration_counters(model))
+
+
+def iteration_counters(model: ModelHelper) -> list[str]:
+    """The outputs of the train net's counter ops (Trait.COUNTER) outside every replica scope, e.g.
+    `optimizer_iteration`: how many updates the model has made."""
+    layout = _state_of(model).layout
+    return list(dict.fromkeys(op.outputs[0] for op in model.net.Proto().ops
+                              if has_trait(op, Trait.COUNTER) and layout.replica_of(op.outputs[0]) is None))
 
 
 def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: dict | None = None) -> bool:
@@ -598,7 +626,9 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
 
 def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802
                             cpu_mode: bool = False) -> None:
-    """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint).
+    """Broadcast loaded blobs from the first device to every replica (call after loading a checkpoint);
+    with several shards, from shard 0's first device, and the model's unscoped counters
+    (`optimizer_iteration`) from shard 0 too, so every shard resumes at shard 0's iteration.
 
     The first call builds `model._checkpoint_net` for `blobs` (default: every synced blob); every
     call runs it in the current workspace (as in Caffe2, `blobs` of later calls are not looked at).
@@ -625,7 +655,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         for name in names:
             grouped.setdefault(name, layout.group(name))
-        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer))
+        net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, iteration_counters(model)))
     _check_loaded_for(model, ws, grouped)
     with ws.unchanged_on_error():
         for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:

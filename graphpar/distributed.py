@@ -15,10 +15,11 @@ the shard, the communicator and the collective, never hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,16 +171,25 @@ def register_store(store: Any) -> int:
         return handle
 
 
-def get_store(handle: int) -> Any:
-    """The store of `handle`; DEFAULT_STORE joins torch.distributed's default group (env:// if needed).
+def get_store(handle: int, timeout_sec: float = DEFAULT_TIMEOUT_SEC) -> Any:
+    """The store of `handle`; DEFAULT_STORE joins torch.distributed's default group (env:// within
+    `timeout_sec` if it is not initialised yet).
 
     Raises:
         ValueError: an unknown handle.
+        RuntimeError: the env:// rendezvous did not complete within `timeout_sec`.
     """
     if handle == DEFAULT_STORE:
         dist = torch.distributed
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://")
+            try:
+                dist.init_process_group("gloo", init_method="env://",
+                                        timeout=datetime.timedelta(seconds=timeout_sec))
+            except (RuntimeError, ValueError) as exc:  # DistError is a RuntimeError
+                raise RuntimeError(f"env:// rendezvous (RANK={os.environ.get('RANK')}, WORLD_SIZE="
+                                   f"{os.environ.get('WORLD_SIZE')}, MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                                   f"MASTER_PORT={os.environ.get('MASTER_PORT')}) did not complete within "
+                                   f"{timeout_sec:g} s: are all the processes started? {exc}") from None
         return dist.distributed_c10d._get_default_store()
     with _lock:
         store = _stores.get(handle)
@@ -250,7 +260,8 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
     """Build communicator `name` over `size` shards (this one is `rank`) and return its handle.
 
     Every shard must create the same communicators in the same order: the n-th creation of `name` in
-    each process meets the others' n-th under the store prefix `name/n`.
+    each process meets the others' n-th under the store prefix `name/n`. A creation that fails does not
+    count, so calling again (the peers were late) meets them under the same prefix.
 
     Raises:
         RuntimeError: the peers did not all join within `timeout_sec` (naming the shard and the name).
@@ -258,7 +269,7 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
     group = prefixed = None
     if size > 1:
         if store is None:
-            store = get_store(DEFAULT_STORE if store_handle is None else store_handle)
+            store = get_store(DEFAULT_STORE if store_handle is None else store_handle, timeout_sec)
         with _lock:
             generation = _created[name] = _created.get(name, 0) + 1
         prefixed = torch.distributed.PrefixStore(f"graphpar/{name}/{generation}", store)
@@ -272,10 +283,28 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
             else:
                 group = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
         except (RuntimeError, ValueError) as exc:
+            with _lock:  # a retry meets the peers under the same prefix (they may only be late)
+                _created[name] = generation - 1
             raise RuntimeError(f"shard {rank} of {size}: could not create communicator {name!r} with "
                                f"{engine} within {timeout_sec:g} s (are all {size} shards running the same "
                                f"model with the same rendezvous?): {exc}") from None
     return register_world(Communicator(name, rank, size, timeout_sec, group, prefixed))
+
+
+@contextlib.contextmanager
+def creations_kept_on_error() -> Iterator[None]:
+    """Within the block, a raise puts back the count of communicators created (see `create_world`), so
+    that a failed RunInitNet or Synchronize leaves nothing that makes the next attempt's prefixes differ
+    from the peers'."""
+    with _lock:
+        before = dict(_created)
+    try:
+        yield
+    except BaseException:
+        with _lock:
+            _created.clear()
+            _created.update(before)
+        raise
 
 
 def register_world(world: Any) -> int:

@@ -37,7 +37,8 @@ import torch
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.data import Fed, feed
-from graphpar.naming import unscoped_name
+from graphpar.errors import CheckpointError
+from graphpar.naming import stripBlobName, unscoped_name
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]
@@ -309,6 +310,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self._done = 0  # updates made, for a model without an iteration counter
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self._world: Any = None  # the communicator the losses are gathered on (under a rendezvous)
         self.register_hooks(hooks)
@@ -372,7 +374,8 @@ class Trainer:
         it, so data whose order depends only on the epoch gives the same batches.
 
         Raises:
-            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`.
+            FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`; without
+                `resume`, also a file holding none of the model's params.
         """
         self.initialize()
         target = Path(path) if path is not None else None
@@ -385,17 +388,26 @@ class Trainer:
         if not target.exists():
             raise FileNotFoundError(f"resume_or_load: no checkpoint at {target}")
         if not resume:
-            params = {str(p) for p in self.model.GetParams()}
-            checkpoint.load(target, [b for b in checkpoint.read_metadata(target)["blobs"] if b in params])
-            dpm.FinalizeAfterCheckpoint(self.model)
+            self._load_weights(target)
             return self.iter
         checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
         iteration = checkpoint.read_metadata(target)["iteration"]
-        self.start_iter = self.iter = self.storage.iter = int(iteration or 0)
+        self.start_iter = self.iter = self.storage.iter = self._done = int(iteration or 0)
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
+
+    def _load_weights(self, target: Path) -> None:
+        """The file's params (scoped under any device, as `checkpoint.load(model=...)` maps them onto
+        this model's first device, or unscoped), broadcast to the replicas."""
+        params = {stripBlobName(str(p)) for p in self.model.GetParams()}
+        names = [b for b in checkpoint.read_metadata(target)["blobs"] if stripBlobName(b) in params]
+        if not names:
+            raise CheckpointError(f"resume_or_load: checkpoint {str(target)!r} holds none of model "
+                                  f"{self.model.name!r}'s params ({sorted(params)[:3]}...)")
+        checkpoint.load(target, names, model=self.model)
+        dpm.FinalizeAfterCheckpoint(self.model)
 
     def _skip_to(self, iteration: int) -> None:
         try:
@@ -414,8 +426,13 @@ class Trainer:
     # -- the loop --
 
     def train(self) -> None:
-        """Train from `self.iter` to `max_iter`; hooks' after_train runs even if a step raises."""
+        """Train from the model's iteration to `max_iter`; hooks' after_train runs even if a step raises.
+
+        The model's counter (`optimizer_iteration`) says where to start, so calling again after a hook
+        raised continues after the last update instead of repeating it.
+        """
         self.initialize()
+        self.iter = self.storage.iter = self._updates_done()
         if self.iter >= self.max_iter:
             print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
                   f"max_iter to train longer", file=sys.stderr)
@@ -429,6 +446,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.before_step()
                 self.run_step()
+                self._done = iteration + 1
                 for hook in self.hooks:
                     hook.after_step()
         finally:
@@ -436,6 +454,13 @@ class Trainer:
                 hook.after_train()
         self.iter = self.max_iter
         self.storage.iter = self.iter
+
+    def _updates_done(self) -> int:
+        """The model's iteration counter, else the updates this trainer made (a model without one)."""
+        counters = [c for c in dpm.iteration_counters(self.model) if workspace.HasBlob(c)]
+        if not counters:
+            return self._done
+        return int(workspace.FetchBlob(counters[0]).reshape(-1)[0])
 
     def run_step(self) -> None:
         """Feed the next batch, run the train net once, record each loss (the global batch's mean).

@@ -112,7 +112,7 @@ class DeviceFeeder:
         self.iterable, self.model, self.depth, self.dim = iterable, model, depth, dim
         cuda = model._parallel.layout.device_type == CUDA and not cuda_is_simulated()
         self.copier = copier if copier is not None else (CudaCopier() if cuda else None)
-        self._epoch: _Epoch | None = None
+        self._loader: _Loader | None = None  # not the epoch: a dropped iterator stops its thread (__del__)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -120,14 +120,15 @@ class DeviceFeeder:
     def __iter__(self) -> Iterator[Prepared]:
         """One epoch: a new thread over `iter(iterable)` (an epoch still running is closed first)."""
         self.close()
-        self._epoch = _Epoch(self)
-        return self._epoch
+        epoch = _Epoch(self)
+        self._loader = epoch.loader
+        return epoch
 
     def close(self) -> None:
         """Stop and join the loading thread (idempotent)."""
-        if self._epoch is not None:
-            self._epoch.close()
-            self._epoch = None
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
 
     def __enter__(self) -> DeviceFeeder:
         return self
@@ -196,28 +197,48 @@ def _put(out: queue.Queue, stop: threading.Event, item: Any) -> bool:
     return False
 
 
-class _Epoch(Iterator[Prepared]):
-    """One pass over the iterable: the loading thread and the consumer's end of the queue."""
+class _Loader:
+    """The loading thread of one pass, its queue and its stop flag (no reference to the consumer's end)."""
 
     def __init__(self, feeder: DeviceFeeder) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=feeder.depth)
-        self._stop = threading.Event()
-        self._done = False
-        # The thread holds no reference to this object or the feeder, so dropping both stops it (__del__).
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=feeder.depth)
+        self.stop = threading.Event()
         work = functools.partial(_prepare, feeder.model, feeder.dim, feeder.copier)
-        self.thread = threading.Thread(target=_load, args=(feeder.iterable, work, self._queue, self._stop),
+        self.thread = threading.Thread(target=_load, args=(feeder.iterable, work, self.queue, self.stop),
                                        name="graphpar-DeviceFeeder", daemon=True)
         self.thread.start()
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread, drop what it prepared, and join it (a loader stuck in `next()` for more
+        than `timeout` seconds is left behind: the thread is a daemon)."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            try:
+                while True:
+                    self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.05)
+
+
+class _Epoch(Iterator[Prepared]):
+    """One pass over the iterable: the consumer's end of a `_Loader`. The feeder holds the loader, not
+    this object, so dropping the iterator stops the thread (`__del__`) while the feeder lives."""
+
+    def __init__(self, feeder: DeviceFeeder) -> None:
+        self.loader = _Loader(feeder)
+        self.thread = self.loader.thread
+
     def __next__(self) -> Prepared:
-        if self._done:
+        if self.loader.stop.is_set():  # closed, by this epoch or by the feeder
             raise StopIteration
         while True:
             try:
-                item = self._queue.get(timeout=0.1)
+                item = self.loader.queue.get(timeout=0.1)
                 break
             except queue.Empty:
-                if not self.thread.is_alive() and self._queue.empty():
+                if not self.thread.is_alive() and self.loader.queue.empty():
                     self.close()
                     raise RuntimeError("DeviceFeeder: the loading thread stopped without a batch or an "
                                        "error (was the feeder closed?)") from None
@@ -231,18 +252,8 @@ class _Epoch(Iterator[Prepared]):
         return item
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread, drop what it prepared, and join it (a loader stuck in `next()` for more
-        than `timeout` seconds is left behind: the thread is a daemon)."""
-        self._done = True
-        self._stop.set()
-        deadline = time.monotonic() + timeout
-        while self.thread.is_alive() and time.monotonic() < deadline:
-            try:
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self.thread.join(timeout=0.05)
+        """Stop and join the loading thread (see `_Loader.close`)."""
+        self.loader.close(timeout)
 
     def __del__(self) -> None:
-        self._stop.set()
+        self.loader.stop.set()

@@ -52,6 +52,22 @@ class FeedTracker:
                     f"again. Feed every device (graphpar.data.feed_batch splits one batch over them); nothing "
                     f"ran")
 
+    def check_rows(self, blobs: Mapping[str, torch.Tensor], what: str) -> None:
+        """Raise ValueError if a replica's fed arrays all have zero rows (an empty batch on that replica
+        trains nothing there and biases the all-reduced gradient towards the others)."""
+        replicas: dict[str, list[bool]] = {}
+        for group in self.groups.values():
+            for blob in group:
+                tensor = blobs.get(blob)
+                if tensor is not None and tensor.dim() > 0:
+                    replicas.setdefault(blob.split("/", 1)[0], []).append(tensor.shape[0] == 0)
+        empty = [scope for scope, rows in replicas.items() if all(rows)]
+        if empty:
+            raise ValueError(f"{what}: replica(s) {', '.join(empty)} were fed an empty batch (every fed input "
+                             f"has zero rows); an empty batch on one replica would bias the gradient towards the "
+                             f"others. Feed every device rows (graphpar.data.feed refuses empty batches); nothing "
+                             f"ran")
+
     def remember(self, blobs: Mapping[str, torch.Tensor]) -> None:
         """Note the tensors the run just read."""
         self.last = {blob: weakref.ref(blobs[blob]) for group in self.groups.values() for blob in group

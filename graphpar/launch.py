@@ -15,7 +15,9 @@ torch.distributed's default group, joined through env://). `dist_url="auto"` pic
 unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
 CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
 When one process fails, the others are stopped, its traceback is shown and the
-launcher exits non-zero; no process outlives it.
+launcher exits non-zero; no process outlives it. SIGTERM or SIGINT to the launcher is forwarded to
+every process, which gets a grace period to exit before it is killed (as torchrun); the launcher then
+exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import argparse
 import datetime
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -223,38 +227,84 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     command = [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
     per, world = options.nproc_per_node, options.nproc_per_node * options.nnodes
-    procs = [subprocess.Popen(command, env={**os.environ, **_environment(
-        options.node_rank * per + k, k, world, per, options.node_rank, addr, port)}) for k in range(per)]
-    return _supervise(procs)
+    procs: dict[int, subprocess.Popen] = {}
+    with _signals_raised():
+        try:
+            for k in range(per):
+                procs[options.node_rank * per + k] = subprocess.Popen(command, env={**os.environ, **_environment(
+                    options.node_rank * per + k, k, world, per, options.node_rank, addr, port)})
+        except _Signalled as sig:
+            _stop(list(procs.values()), sig.signum)
+            return 128 + sig.signum
+        return _supervise(procs)
 
 
-def _supervise(procs: list[subprocess.Popen], grace_sec: float = 5.0) -> int:
-    """Wait for every process; when one fails, stop the others (SIGTERM, then SIGKILL after `grace_sec`)
-    and return its exit code. 0 when all succeed."""
-    failed = 0
+class _Signalled(Exception):
+    """SIGTERM (or another forwarded signal) reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, _frame: Any) -> None:
+    raise _Signalled(signum)
+
+
+class _signals_raised:
+    """Within the block, SIGTERM raises `_Signalled` (SIGINT raises KeyboardInterrupt already); the
+    previous handler is put back after. Only the main thread can set handlers."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGTERM, _raise_signalled) if main else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> int:
+    """Wait for every process (by rank); when one fails, stop the others (SIGTERM, then SIGKILL after
+    `grace_sec`) and return its exit code; on SIGTERM/SIGINT, forward it the same way and return 128 +
+    its number. 0 when all succeed."""
+    failed, forward = 0, signal.SIGTERM
+    running = dict(procs)
     try:
-        while procs and not failed:
-            for p in list(procs):
+        while running and not failed:
+            for rank, p in list(running.items()):
                 code = p.poll()
                 if code is not None:
-                    procs.remove(p)
+                    del running[rank]
                     if code != 0:
                         failed = code
-                        print(f"graphpar.launch: process {p.pid} ({p.args[-1] if p.args else ''}) exited with "
-                              f"{code}; stopping the others", file=sys.stderr)
+                        print(f"graphpar.launch: rank {rank} (pid {p.pid}) exited with {code}; its command: "
+                              f"{shlex.join(str(a) for a in p.args)}; stopping the others", file=sys.stderr)
             time.sleep(0.05)
     except KeyboardInterrupt:
-        failed = 130
+        failed, forward = 130, signal.SIGINT
+    except _Signalled as sig:
+        failed, forward = 128 + sig.signum, sig.signum
+    _stop(list(running.values()), forward, grace_sec)
+    return failed if failed > 0 else (1 if failed else 0)
+
+
+def _stop(procs: list[subprocess.Popen], signum: int, grace_sec: float = 5.0) -> None:
+    """Send `signum` to each process, wait up to `grace_sec` for all, then kill those still running (at
+    once if a second signal comes)."""
     for p in procs:
-        p.send_signal(signal.SIGTERM)
+        if p.poll() is None:
+            p.send_signal(signum)
     deadline = time.monotonic() + grace_sec
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Signalled):
+        pass
+    for p in procs:
+        if p.poll() is None:
             p.kill()
             p.wait()
-    return failed if failed > 0 else (1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -259,3 +259,53 @@ def test_resumed_bmuf_equals_uninterrupted(tmp_path):
         dpm.RunNet(resumed, 2)
     for b, value in uninterrupted.items():
         np.testing.assert_array_equal(_fetch(b), value, err_msg=b)
+
+
+def _all_blobs():
+    return {name: workspace.FetchBlob(name).copy() for name in workspace.Blobs()}
+
+
+def _assert_blobs_equal(before, ignore=()):
+    after = _all_blobs()
+    for name, value in before.items():
+        if name not in ignore:
+            np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+def test_run_net_zero_iterations_moves_nothing():
+    """Issue 23 item 12: RunNet(model, 0) ran the global update with no local step, moving the params."""
+    model = model_helper.ModelHelper(name="bmuf_zero")
+    _feed([0, 1], "cpu")
+    dpm.Parallelize_CPU_BMUF(model, lambda m: None, _random_model, _momentum_update, devices=[0, 1],
+                             nesterov=True)
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)  # g, v and the params differ from their initial values now
+    before = _all_blobs()
+    dpm.RunNet(model, 0)
+    _assert_blobs_equal(before)
+    dpm.RunNet(model, 1)
+    assert not np.array_equal(_fetch("cpu_0/fc_w"), before["cpu_0/fc_w"])
+
+
+def test_check_finite_loss_keeps_a_nan_replica_from_poisoning_the_others_and_the_global_model():
+    """Issue 23 item 13: a NaN batch on one replica made every replica and the global model NaN."""
+    from graphpar.errors import OperatorError
+
+    model = model_helper.ModelHelper(name="bmuf_finite")
+    _feed([0, 1], "cpu")
+    dpm.Parallelize_CPU_BMUF(model, lambda m: None, _random_model, _momentum_update, devices=[0, 1],
+                             check_finite_loss=True)
+    dpm.RunInitNet(model)
+    dpm.RunNet(model, 1)
+    workspace.FeedBlob("cpu_1/data", np.full((32, 16), np.nan, np.float32))
+    workspace.FeedBlob("cpu_0/data", _fetch("cpu_0/data"))
+    before = _all_blobs()
+    with pytest.raises(OperatorError, match="cpu_1/scaled_loss"):
+        dpm.RunNet(model, 1)
+    transient = set(before) - set(workspace.Blobs())  # intermediates a failed run drops
+    _assert_blobs_equal(before, ignore=transient)
+    for name in ("cpu_0/fc_w", "cpu_1/fc_w", "cpu_0/fc_w_g", "cpu_0/fc_w_v"):
+        assert np.isfinite(_fetch(name)).all(), name
+    _feed([0, 1], "cpu", seed=3)
+    dpm.RunNet(model, 1)  # a good batch trains on
+    assert np.isfinite(_fetch("cpu_0/fc_w_g")).all()

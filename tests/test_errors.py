@@ -13,6 +13,7 @@ import torch
 
 from graphpar import brew, core, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.devices import cuda_on_cpu
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.models import mlp
 
@@ -156,13 +157,37 @@ def test_check_finite_loss_runs_before_every_gradient_op() -> None:
 
 
 def test_without_the_check_a_nan_loss_poisons_the_params() -> None:
-    """What the check prevents (and why the example trainer turns it on)."""
-    model = parallelize()
+    """What the check prevents (and why it is on by default on CPU replicas)."""
+    model = parallelize(check_finite_loss=False)
     feed(model)
     dpm.RunInitNet(model)
     workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
     dpm.RunNet(model, 1)
     assert np.isnan(workspace.FetchBlob("cpu_0/fc1_w")).any()
+
+
+def test_the_check_is_on_by_default_for_training_models_on_cpu_replicas_only() -> None:
+    """Issue 23 item 16: a NaN batch poisoned every param by default."""
+    model = parallelize()
+    feed(model)
+    dpm.RunInitNet(model)
+    workspace.FeedBlob("cpu_1/data", np.full((2, 6), np.inf, np.float32))
+    before = snapshot()
+    with pytest.raises(OperatorError, match="CheckFinite"):
+        dpm.RunNet(model, 1)
+    assert_unchanged(before)
+
+    def checks(cpu_device: bool, training: bool = True) -> int:
+        model = model_helper.ModelHelper(name="default_check", init_params=training)
+        sgd = (lambda m: optimizer.build_sgd(m, 0.1)) if training else None
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=MLP, devices=[0, 1],
+                        optimizer_builder_fun=sgd, cpu_device=cpu_device)
+        return sum(op.type == "CheckFinite" for op in model.net.Proto().ops)
+
+    with cuda_on_cpu():
+        assert checks(cpu_device=False) == 0  # a host sync per step on CUDA
+    assert checks(cpu_device=True, training=False) == 0  # an evaluation model reports its NaN loss
+    assert checks(cpu_device=True) == 2
 
 
 # ---- item 10: logging of what Parallelize built and what each init/sync did ---------------------

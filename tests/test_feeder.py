@@ -302,3 +302,33 @@ def test_a_feeder_dropped_without_close_stops_its_thread():
     while _feeder_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _feeder_threads() == []
+
+
+def test_dropping_the_epochs_iterator_stops_its_thread_while_the_feeder_lives():
+    """Issue 23 item 17: the feeder kept its epoch alive, so the thread loaded on until close()."""
+    import gc
+
+    pulled = []
+
+    class Endless:
+        def __iter__(self):
+            while True:
+                pulled.append(len(pulled))
+                yield {"x": np.full((2, 2), len(pulled), dtype=np.float32)}
+
+    model = _relu_model()
+    feeder = DeviceFeeder(Endless(), model, depth=2)
+    batches = iter(feeder)
+    next(batches)
+    del batches
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _feeder_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _feeder_threads() == []
+    count = len(pulled)
+    time.sleep(0.2)
+    assert len(pulled) == count <= 5
+    assert isinstance(next(iter(feeder)), Prepared)  # the feeder starts another epoch
+    feeder.close()
+    assert _feeder_threads() == []

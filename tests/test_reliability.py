@@ -414,3 +414,26 @@ def test_the_current_workspace_is_per_thread():
     assert seen == {"start": "default", "end": "thread_ws"}
     assert workspace.CurrentWorkspace() == "default" and not workspace.HasBlob("x")
     assert workspace.get_workspace("thread_ws").has_blob("x")
+
+
+# ---- issue 23 ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_run", [True, False])
+def test_a_replica_fed_a_zero_row_batch_is_refused_at_run_net(first_run):
+    """Issue 23 item 15: FeedBlob of an empty batch on one replica trained silently on half the gradient."""
+    model = build([0, 1], MLP)
+    feed(model, *MLP_DATA[0])
+    dpm.RunInitNet(model)
+    if not first_run:
+        dpm.RunNet(model, 1)
+    x, y = MLP_DATA[1]
+    feed(model, x, y)
+    workspace.FeedBlob("cpu_1/data", x[:0])
+    workspace.FeedBlob("cpu_1/label", y[:0])
+    before = snapshot()
+    with pytest.raises(ValueError, match=r"RunNet\('rel'\): replica\(s\) cpu_1 were fed an empty batch"):
+        dpm.RunNet(model, 1)
+    assert_same(before)
+    feed(model, x, y)
+    dpm.RunNet(model, 1)

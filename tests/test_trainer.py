@@ -25,6 +25,7 @@ from graphpar.engine import (
     Trainer,
     auto_scale_workers,
 )
+from graphpar.errors import OperatorError
 from graphpar.model_helper import ModelHelper
 
 _names = iter(range(10**6))
@@ -37,12 +38,12 @@ def _mlp(model: ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
 
 
-def _model(devices=(0, 1), **sgd) -> ModelHelper:
+def _model(devices=(0, 1), check_finite_loss=None, **sgd) -> ModelHelper:
     model = ModelHelper(name=f"trainer_{next(_names)}")
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
                     optimizer_builder_fun=lambda m: optimizer.build_sgd(
                         m, 0.2, policy="step", stepsize=3, gamma=0.5, momentum=0.9, **sgd),
-                    devices=list(devices), cpu_device=True)
+                    devices=list(devices), cpu_device=True, check_finite_loss=check_finite_loss)
     return model
 
 
@@ -167,8 +168,10 @@ def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
         Trainer(_model(), [], max_iter=1).train()
     bad = _batches(1)
     bad[0]["data"][0, 0] = np.inf
-    with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 0"):
+    with pytest.raises(OperatorError, match="CheckFinite"):  # CPU replicas check their losses by default
         Trainer(_model(), bad, max_iter=2).train()
+    with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 0"):
+        Trainer(_model(check_finite_loss=False), bad, max_iter=2).train()  # the Trainer's own check
 
 
 def test_set_epoch_is_called_on_the_data_each_epoch():
@@ -284,3 +287,57 @@ def test_periodic_writer_sends_scalars_to_tensorboard_when_installed(tmp_path, m
     with pytest.raises(ImportError):  # asked for explicitly, but not installed
         monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
         Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, tensorboard=True)], max_iter=1).train()
+
+
+@pytest.mark.parametrize("saved_on", [(1, 2), (5,)])
+def test_resume_false_maps_the_weights_onto_the_first_device_whatever_the_files(tmp_path, saved_on):
+    """Issue 23 item 8: weights saved on devices (1, 2) went to replica 1 only; saved on device 5 they
+    failed with 'no blob names given'."""
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    saver = Trainer(_model(saved_on), _batches(), max_iter=2)
+    saver.train()
+    path = tmp_path / "weights.safetensors"
+    dpm.save_checkpoint(saver.model, path)
+    first = saver.model._devices[0]
+    params = {name.split("/", 1)[1]: value for name, value in _params(saver.model).items()
+              if name.startswith(f"cpu_{first}/") and name.endswith(("_w", "_b"))}
+    workspace.ResetWorkspace()
+    trainer = Trainer(_model((0, 1)), _batches(), max_iter=1)
+    assert trainer.resume_or_load(resume=False, path=path) == 0
+    for name, value in params.items():
+        for d in (0, 1):
+            np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/{name}"), value, err_msg=f"cpu_{d}/{name}")
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 0
+    trainer.train()
+
+
+def test_a_hook_that_raises_does_not_make_train_repeat_the_iteration():
+    """Issue 23 item 6: after_step raised at iteration 5, train() again ran 11 updates for max_iter=10."""
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    full = Trainer(_model(), _batches(), max_iter=10)
+    full.train()
+    expected = _params(full.model)
+
+    class FailOnce(HookBase):
+        def __init__(self):
+            self.steps, self.failed = [], False
+
+        def after_step(self):
+            self.steps.append(self.trainer.iter)
+            if self.trainer.iter == 5 and not self.failed:
+                self.failed = True
+                raise RuntimeError("hook failed")
+
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    hook = FailOnce()
+    trainer = Trainer(_model(), _batches(), [hook], max_iter=10)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        trainer.train()
+    trainer.train()
+    assert hook.steps == list(range(10))
+    assert trainer.iter == 10 == int(workspace.FetchBlob("optimizer_iteration")[0])
+    for name, value in _params(trainer.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

@@ -19,6 +19,7 @@ the shard, the communicator and the collective when a peer dies or hangs.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 from collections.abc import Callable
@@ -72,10 +73,17 @@ def _file_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Te
 def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Tensor]:
     if not a.host or not 0 <= a.port < 65536:
         raise ValueError(f"{op_label(ctx.op)}: needs host= and a port in 0..65535, got {a.host!r}:{a.port}")
+    if a.timeout_ms < 1:
+        raise ValueError(f"{op_label(ctx.op)}: timeout_ms must be >= 1, got {a.timeout_ms}")
 
     def run() -> torch.Tensor:
-        store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
-                                           torch.distributed.constants.default_pg_timeout, False)
+        try:
+            store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
+                                               datetime.timedelta(milliseconds=a.timeout_ms), False)
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
+            role = "serve" if a.is_master else "reach"
+            raise RuntimeError(f"{op_label(ctx.op)}: could not {role} the TCPStore at {a.host}:{a.port} within "
+                               f"{a.timeout_ms} ms (is the shard with is_master=True running?): {exc}") from None
         if a.prefix:
             store = torch.distributed.PrefixStore(a.prefix, store)
         return _handle(distributed.register_store(store))
@@ -93,10 +101,13 @@ register_op(
         "which every shard must see, under `prefix` (Caffe2's FileStoreHandlerCreate).")
 register_op(
     "TCPStoreHandlerCreate", inputs=0, outputs=1, args={"host": Arg("str"), "port": Arg("int"), "prefix": "",
-                                                         "is_master": False},
+                                                         "is_master": False,
+                                                         "timeout_ms": int(distributed.DEFAULT_TIMEOUT_SEC * 1000)},
     kernel=_tcp_store, infer=_handle_rule, gradient=NOT_DIFFERENTIABLE,
     doc="A store handle for CreateCommonWorld: a torch.distributed.TCPStore at host:port, served by the "
-        "shard with is_master=True (Caffe2's RedisStoreHandlerCreate, without Redis).")
+        "shard with is_master=True (Caffe2's RedisStoreHandlerCreate, without Redis). Reaching the store, "
+        "and every store operation until a communicator sets its own timeout, waits at most `timeout_ms` "
+        "(default 30 s, Caffe2's store timeout).")
 
 
 def signature_digest(text: str) -> int:

@@ -252,7 +252,7 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext, into_grad: bool = Fal
         return nesterov
 
     def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-        step = torch.add(scaled(g, lr), m, alpha=mu, out=m)
+        step = m.mul_(mu).add_(scaled(g, lr))  # mu m rounded, then + lr g: torch.optim.SGD's order, no FMA
         return step, step, p.sub_(step)
 
     return plain
@@ -264,8 +264,8 @@ register_op(
     reuse=(0, functools.partial(_momentum_sgd, into_grad=True)),
     traits=(Trait.INPLACE_UPDATE,), check=same_shape((0, 1, 3)),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
-        "storage); lr is positive (the op subtracts). Plain: a = lr g + momentum m; mom = a; param -= a; "
-        "grad = a. Nesterov: m' = momentum m + lr g; a = (1 + momentum) m' - momentum m; param -= a; "
+        "storage); lr is positive (the op subtracts). Plain: a = (momentum m, rounded) + lr g; mom = a; "
+        "param -= a; grad = a (torch.optim.SGD's rounding order: bit-identical for a power-of-two lr). Nesterov: m' = momentum m + lr g; a = (1 + momentum) m' - momentum m; param -= a; "
         "grad = a. Equals torch.optim.SGD (dampening 0) with mom = lr * its buffer. Without nesterov, "
         "grad and mom share one tensor.")
 
@@ -366,12 +366,14 @@ def _multi_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[...,
         steps: list = [None] * k
         for idx in _by_dtype(list(gs)):
             g, m, p = [gs[i] for i in idx], [ms[i] for i in idx], [ps[i] for i in idx]
-            new = torch._foreach_mul(g, lr.reshape(()).to(g[0].dtype))
-            torch._foreach_add_(new, m, alpha=mu)  # m' = lr g + mu m, rounded as MomentumSGDUpdate's
+            scaled = torch._foreach_mul(g, lr.reshape(()).to(g[0].dtype))
             if a.nesterov:
+                new = torch._foreach_add(scaled, m, alpha=mu)  # m' = lr g + mu m, as MomentumSGDUpdate's
                 step = torch._foreach_mul(new, 1.0 + mu)
                 torch._foreach_add_(step, m, alpha=-mu)
             else:
+                new = torch._foreach_mul(m, mu)  # mu m rounded, then + lr g, as MomentumSGDUpdate's
+                torch._foreach_add_(new, scaled)
                 step = new
             torch._foreach_copy_(m, new)
             torch._foreach_sub_(p, step)

@@ -7,8 +7,9 @@ index (Caffe2's convention). Rows looked up twice appear twice; the sparse updat
 users who want a dense gradient.
 
 Segments (`LENGTHS`) are consecutive: segment s takes the next `LENGTHS[s]` indices, and the lengths
-must sum to the number of indices (a ValueError naming the op on CPU devices otherwise). Segment ids are built with the number of indices as the known
-output size, so no kernel but `LengthsToSegmentIds` and a `SparseToDense` without its third input
+must sum to the number of indices, checked before any kernel runs (a ValueError naming the op on CPU
+devices, an asynchronous device assert elsewhere). Segment ids are built with the number of indices as the
+known output size, so no kernel but `LengthsToSegmentIds` and a `SparseToDense` without its third input
 reads values on the host. Index tensors are int32 or int64, as in Caffe2.
 """
 
@@ -30,23 +31,43 @@ def _rows(data: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return data.index_select(0, flat).reshape(*indices.shape, *data.shape[1:])
 
 
-def segment_ids(lengths: torch.Tensor, count: int, where: str) -> torch.Tensor:
-    """The segment of each of `count` indices (int64), without reading `lengths` on the host.
+def check_lengths(lengths: torch.Tensor, count: int, where: str) -> None:
+    """Raise ValueError naming the op (`where`) unless `lengths` are non-negative and sum to `count`.
 
-    Raises ValueError naming the op (`where`) when torch finds that the lengths do not sum to
-    `count` (it checks on the CPU; CUDA does not report it).
+    Runs before any kernel reads them: torch's `repeat_interleave(output_size=...)` aborts the process
+    on a negative length. On the CPU the check reads the lengths; on other devices it is an
+    asynchronous device assert, so nothing waits on the host.
     """
+    flat = lengths.reshape(-1).long()
+    if flat.device.type != "cpu":
+        ok = (flat >= 0).all() & (flat.sum() == count)
+        torch._assert_async(ok, f"{where}: LENGTHS must be non-negative and sum to the {count} INDICES")
+        return
+    if flat.numel() and int(flat.min()) < 0:
+        raise ValueError(f"{where}: LENGTHS has a negative length ({int(flat.min())}); feed one non-negative "
+                         f"length per segment")
+    if int(flat.sum()) != count:
+        raise ValueError(f"{where}: LENGTHS sum to {int(flat.sum())} but there are {count} INDICES; "
+                         f"feed one length per segment, summing to the number of indices")
+
+
+def segment_ids(lengths: torch.Tensor, count: int, where: str) -> torch.Tensor:
+    """The segment of each of `count` indices (int64), after `check_lengths`."""
+    check_lengths(lengths, count, where)
     positions = torch.arange(lengths.numel(), device=lengths.device)
-    try:
-        return torch.repeat_interleave(positions, lengths.reshape(-1).long(), output_size=count)
-    except RuntimeError:
-        raise ValueError(f"{where}: LENGTHS sum to {int(lengths.sum())} but there are {count} INDICES; "
-                         f"feed one length per segment, summing to the number of indices") from None
+    return torch.repeat_interleave(positions, lengths.reshape(-1).long(), output_size=count)
 
 
 def _check_index(tensor: torch.Tensor, what: str, where: str) -> None:
     if tensor.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{where}: {what} must be int32 or int64, got {tensor.dtype}")
+
+
+def _check_weights(weights: torch.Tensor, indices: torch.Tensor, where: str) -> None:
+    """One weight per index: a single weight is not broadcast over the indices."""
+    if weights.shape != indices.shape:
+        raise ValueError(f"{where}: WEIGHTS has shape {list(weights.shape)} but INDICES {list(indices.shape)}; "
+                         f"feed one weight per index")
 
 
 # ------------------------------------------------------------------------------------------------- Gather
@@ -97,6 +118,9 @@ def _lengths_kernel(kind: str) -> Callable[[SimpleNamespace, KernelContext], Cal
             if indices.dim() != 1 or lengths.dim() != 1:
                 raise ValueError(f"{where}: INDICES and LENGTHS must be 1-D, got shapes {list(indices.shape)} "
                                  f"and {list(lengths.shape)}")
+            check_lengths(lengths, indices.shape[0], where)
+            if weights is not None:
+                _check_weights(weights, indices, where)
             rows = data.index_select(0, indices.long())
             if weights is not None:
                 rows = rows * weights.to(data.dtype).reshape(-1, *[1] * (data.dim() - 1))
@@ -141,6 +165,7 @@ def _weighted_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torc
 
     def run(weights: torch.Tensor, dy: torch.Tensor, data: torch.Tensor, indices: torch.Tensor,
             lengths: torch.Tensor) -> torch.Tensor | tuple:
+        _check_weights(weights, indices, where)
         spread = _spread(dy, lengths, indices, where)
         shape = (-1, *[1] * (dy.dim() - 1))
         values = spread * weights.to(dy.dtype).reshape(shape)

@@ -111,11 +111,28 @@ register_op(
         "(summed); W0 = 1 is the sparse SGD step.")
 
 
+def _check_rows(flat: torch.Tensor, count: int, where: str) -> None:
+    """Every index in [0, count) before anything is written (index_copy_ writes the rows before a bad one).
+
+    Reads the indices on the CPU; an asynchronous device assert elsewhere.
+    """
+    if not flat.numel():
+        return
+    if flat.device.type != "cpu":
+        torch._assert_async((flat >= 0).all() & (flat < count).all(), f"{where}: an index is out of range")
+        return
+    low, high = int(flat.min()), int(flat.max())
+    if low < 0 or high >= count:
+        bad = low if low < 0 else high
+        raise ValueError(f"{where}: index {bad} is out of range for DATA with {count} rows; nothing was written")
+
+
 def _scatter_assign(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
     where = op_label(ctx.op)
 
     def run(data: torch.Tensor, indices: torch.Tensor, slices: torch.Tensor) -> torch.Tensor:
         flat, rows = _flat(indices, slices, where)
+        _check_rows(flat, data.shape[0], where)
         return data.index_copy_(0, flat, rows.to(data.dtype))
 
     return run

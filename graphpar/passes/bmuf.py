@@ -28,6 +28,7 @@ from graphpar.errors import ParallelizeError
 from graphpar.passes import (
     analyze,
     builders,
+    check_losses,
     distributed,
     finish,
     group_by_device,
@@ -225,6 +226,7 @@ def bmuf_pipeline(bmuf: BmufOptions) -> tuple[Pass, ...]:
         Pass("build_replicas", builders.build_replicas),
         Pass("validate_params", analyze.validate_params),
         Pass("group_params", group_bmuf_params),
+        Pass("check_finite_losses", check_losses.check_finite_losses, lambda s: s.options.check_finite_loss),
         Pass("add_gradients", loss_gradients.add_gradients, training),
         Pass("build_updates", builders.build_updates, training),
         Pass("infer_devices", analyze.infer_devices),

@@ -27,8 +27,10 @@ SYNC_WORLD = "graphpar_sync_cw"  # Synchronize's barrier
 
 
 def model_signature(state: ParallelState) -> str:
-    """What every shard must agree on: device count, params and their shapes, and the cross-shard
-    collectives of the init and train nets in order (unscoped names, so device ids may differ)."""
+    """What every shard must agree on: device count, params and their shapes, the cross-shard
+    collectives of the init and train nets in order, and the first replica's learning-rate and update
+    ops with their arguments (lr, policy, momentum, ...: shards with other optimizer settings would
+    train apart). Unscoped names, so device ids may differ."""
     layout = state.layout
     lines = [f"{len(layout.devices)} {layout.prefix} devices"]
     for op in state.model.param_init_net.Proto().ops:
@@ -38,7 +40,19 @@ def model_signature(state: ParallelState) -> str:
     for label, net in (("init", state.model.param_init_net.Proto()), ("train", state.model.net.Proto())):
         lines.extend(f"{label} {op.type} {op.inputs[0]} {[stripBlobName(b) for b in op.inputs[1:]]}"
                      for op in net.ops if has_trait(op, Trait.DISTRIBUTED))
+    # types and arguments, not names: an optimizer's blob names count the optimizers a process built
+    lines.extend(f"update {op.type} {sorted(op.args.items())}" for op in state.model.net.Proto().ops
+                 if _first_replica_update(state, op))
     return "\n".join(lines)
+
+
+def _first_replica_update(state: ParallelState, op: OperatorDef) -> bool:
+    """A learning-rate or update op (or any op writing a param) of the first replica or outside replicas."""
+    layout, params = state.layout, set(state.param_names)
+    if has_trait(op, Trait.DISTRIBUTED) or any(layout.replica_of(b) not in (None, layout.master) for b in op.outputs):
+        return False
+    return (has_trait(op, Trait.LEARNING_RATE) or has_trait(op, Trait.INPLACE_UPDATE)
+            or any(layout.replica_of(b) == layout.master and stripBlobName(b) in params for b in op.outputs))
 
 
 def create_world_op(rendezvous: Rendezvous, name: str, timeout_sec: float, store: tuple[list[str], int],

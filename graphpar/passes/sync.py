@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.naming import parse_device_scope, stripBlobName
-from graphpar.passes.common import DeviceLayout, declare_external_inputs
+from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.group_by_device import group_by_device
-from graphpar.passes.reducers import Reducer
+from graphpar.passes.reducers import DistributedReducer, Reducer
 from graphpar.passes.state import ParallelState
 
 
@@ -117,10 +117,13 @@ def checkpoint_sync_names(blobs: Iterable[str], known: Collection[str], layout: 
     return list(dict.fromkeys(names))
 
 
-def checkpoint_sync_net(name: str, names: Sequence[str], reducer: Reducer) -> NetDef:
-    """A new net that broadcasts each name's first-device blob to every replica (sources are inputs)."""
+def checkpoint_sync_net(name: str, names: Sequence[str], reducer: Reducer, counters: Sequence[str] = ()) -> NetDef:
+    """A new net that broadcasts each name's first-device blob to every replica (sources are inputs),
+    and, across shards, each unscoped `counters` blob from shard 0 (on one process they have one copy)."""
     net = NetDef(name)
     sync_blobs(net, names, reducer)
+    if isinstance(reducer, DistributedReducer):
+        net.ops.extend(make_op("Broadcast", [reducer.world(), c], [c], DeviceOption(CPU, 0), root=0) for c in counters)
     chain_collectives(net.ops)
     declare_external_inputs(net)
     return net

@@ -72,6 +72,26 @@ def test_the_signature_tells_device_counts_and_shapes_apart(tmp_path: Path) -> N
     assert model_signature(a._parallel) == model_signature(c._parallel)
 
 
+@pytest.mark.parametrize("settings", [{"base_learning_rate": 0.2}, {"momentum": 0.5}, {"policy": "step", "stepsize": 3, "gamma": 0.5},
+                                      {"nesterov": True}])
+def test_the_signature_tells_optimizer_settings_apart(tmp_path: Path, settings: dict) -> None:
+    """Issue 23 item 5: shards with lr 0.1 and 0.2 passed the check and trained apart."""
+    from graphpar.passes.distributed import model_signature
+
+    def built(shard: int, **overrides):
+        model = model_helper.ModelHelper(name="build")
+        options = {"base_learning_rate": 0.1, "momentum": 0.9, **overrides}
+        rendezvous = {"shard_id": shard, "num_shards": 2, "kv_handler": torch.distributed.FileStore(
+            str(tmp_path / "store"), -1)}
+        dpm.Parallelize(model, lambda m: None, forward("mlp"),
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, **options), devices=[0, 1],
+                        cpu_device=True, rendezvous=rendezvous)
+        return model_signature(model._parallel)
+
+    assert built(0) == built(1)
+    assert built(0) != built(1, **settings)
+
+
 def test_one_device_per_shard_still_all_reduces_and_buckets_across_shards(tmp_path: Path) -> None:
     model, scales = _model(tmp_path, devices=(0,), gradient_bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
     assert scales == [0.5]

@@ -140,6 +140,18 @@ def test_a_shard_with_another_model_fails_at_init_on_every_shard(tmp_path: Path)
         assert "shard(s) [1] built a different model than shard 0" in error, error
 
 
+def test_a_shard_with_another_learning_rate_fails_at_init_on_every_shard(tmp_path: Path) -> None:
+    """Issue 23 item 5: lr 0.125 on shard 0 and 0.25 on shard 1 trained apart without an error."""
+    codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp", "lr": 0.125 * (1 + r)}])
+                                              for r in range(2)],
+                          [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path), steps=1, timeout_sec=10)
+                           for r in range(2)], limit=60)
+    assert codes == [0, 0]
+    for r in range(2):
+        error = (tmp_path / f"shard{r}_0.npz.error").read_text()
+        assert "shard(s) [1] built a different model than shard 0" in error and "'base_lr', 0.125" in error, error
+
+
 def test_a_shard_that_hangs_makes_the_other_raise_after_the_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp"}]) for r in range(2)],
@@ -162,4 +174,5 @@ def test_blob_syncs_checkpoint_sync_and_barriers_cross_shards(tmp_path: Path) ->
         assert got["total"][0] == 3.0  # AddDistributedBlobSync: 1 + 2, across shards only
         np.testing.assert_array_equal(got["fc1_w0"], np.zeros((8, 6), np.float32))  # FinalizeAfterCheckpoint
         np.testing.assert_array_equal(got["fc1_w1"], np.zeros((8, 6), np.float32))
+        assert got["iteration"].tolist() == [3]  # issue 23 item 2: the counter is shard 0's too
         assert "one timeout for every call" in str(got["timeout_change"])

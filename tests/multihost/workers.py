@@ -59,7 +59,7 @@ def local_sgd(model) -> None:  # noqa: ANN001
 
 
 def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 8, bmuf: bool = False,
-          **options: Any):  # noqa: ANN201
+          lr: float = LR, **options: Any):  # noqa: ANN201
     from graphpar import data_parallel_model as dpm
     from graphpar import optimizer
     from graphpar.model_helper import ModelHelper
@@ -70,7 +70,7 @@ def build(kind: str, devices: list[int], rendezvous: dict | None, hidden: int = 
                              cpu_device=True, rendezvous=rendezvous, block_learning_rate=0.5, **options)
         return model
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward(kind, hidden),
-                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, LR, momentum=MOMENTUM),
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, lr, momentum=MOMENTUM),
                     devices=devices, cpu_device=True, rendezvous=rendezvous, **options)
     return model
 
@@ -223,8 +223,10 @@ def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
         dpm.Synchronize(model, 10)
         # a "checkpoint" that differs per shard: FinalizeAfterCheckpoint makes shard 0's first device win
         workspace.FeedBlob("cpu_0/fc1_w", np.full((8, 6), float(shard), dtype=np.float32))
+        workspace.FeedBlob("optimizer_iteration", np.array([3 + 2 * shard], dtype=np.int64))  # another run's
         dpm.FinalizeAfterCheckpoint(model)
         saved.update({f"fc1_w{d}": workspace.FetchBlob(f"cpu_{d}/fc1_w") for d in (0, 1)})
+        saved["iteration"] = workspace.FetchBlob("optimizer_iteration")
         try:
             dpm.Synchronize(model, 11)
         except Exception as exc:  # noqa: BLE001
@@ -234,3 +236,65 @@ def sync_checks(out: str, shard: int, num_shards: int, store: str) -> None:
             f.write(f"{type(exc).__name__}: {exc}")
         return
     np.savez(out, **saved)
+
+
+def late_peer(out: str, shard: int, store: str, timeout_sec: float) -> None:
+    """Shard 1 comes to RunInitNet, and then to the first Synchronize, only after shard 0's call timed
+    out; shard 0 calls again (issue 23 item 7). Saves the failed calls' errors and the trained params."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    workspace.ResetWorkspace()
+    workspace.RunOperatorOnce(_op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": 2, "timeout_sec": timeout_sec}
+    failures: list[str] = []
+
+    def retried(call: Any, phase: int) -> None:
+        for _ in range(3):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - the retry is what is tested
+                failures.append(f"{type(exc).__name__}: {exc}")
+                open(os.path.join(store, f"failed{phase}"), "w").close()
+        raise RuntimeError(failures[-1])
+
+    def after_failure(phase: int) -> None:
+        deadline = time.monotonic() + 10 * timeout_sec
+        while not os.path.exists(os.path.join(store, f"failed{phase}")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside shard 0's second call
+
+    try:
+        model = build("mlp", [0], rendezvous)
+        feed("mlp", 0, shard, 2, [0])
+        if shard == 1:
+            after_failure(1)
+        retried(lambda: dpm.RunInitNet(model), 1)
+        dpm.RunNet(model, 1)
+        if shard == 1:
+            after_failure(2)
+        retried(lambda: dpm.Synchronize(model, timeout_sec), 2)
+        saved = {"failures": np.array(failures), **state(model)}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+
+
+def env_rendezvous_alone(out: str, port: int, timeout_sec: float) -> None:
+    """Rank 0 of 2 through env:// (kv_handler=None) with rank 1 never started: RunInitNet must raise
+    within the rendezvous' timeout (issue 23 item 3). Writes the seconds it took and the error."""
+    os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from graphpar import data_parallel_model as dpm
+
+    model = build("mlp", [0], {"kv_handler": None, "timeout_sec": timeout_sec})
+    feed("mlp", 0, 0, 2, [0])
+    start = time.monotonic()
+    try:
+        dpm.RunInitNet(model)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        message = f"{type(exc).__name__}: {exc}"
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{message}")

@@ -150,6 +150,22 @@ def test_momentum_sgd_matches_torch(nesterov: bool, shape: tuple, dtype: torch.d
     assert torch.equal(param, randn(shape, dtype, seed))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lr", [0.125, 2.0**-10])
+def test_momentum_sgd_is_bit_identical_to_torch_foreach_sgd(dtype: torch.dtype, lr: float) -> None:
+    """Issue 23 item 19: with a power-of-two lr, mom = lr * torch's buffer exactly, so the same roundings
+    (mu m rounded, then + lr g; no fused multiply-add) give torch's bits (7 of 35 were 1 ulp off)."""
+    param = randn((5, 7), dtype, 11)
+    grads = [randn((5, 7), dtype, 12 + k) for k in range(6)]
+    ours = momentum_sgd(param, grads, lr, 0.9, False)
+    p = param.clone().requires_grad_(True)
+    opt = torch.optim.SGD([p], lr=lr, momentum=0.9, foreach=True)
+    for g, mine in zip(grads, ours):
+        p.grad = g.clone()
+        opt.step()
+        assert torch.equal(mine, p.detach())
+
+
 def test_momentum_sgd_outputs_and_in_place_rule() -> None:
     g, m, p = randn((3,), seed=1), randn((3,), seed=2), randn((3,), seed=3)
     lr = torch.tensor([0.5], dtype=torch.float32)

@@ -100,3 +100,36 @@ def test_sparse_to_dense_sums_duplicates_and_its_gradient_gathers():
     grad_ops, grads = gradient_ops(make_op("SparseToDense", 3), ["dY"])
     (got,) = run_op(grad_ops[0], [dy, INDICES])
     assert grads[1] == grad_ops[0].outputs[0] and torch.equal(got, auto)
+
+
+NEGATIVE = torch.tensor([-1, 3], dtype=torch.int32)  # sums to the 2 indices: only the sign is wrong
+_BAD_LENGTHS = {
+    "SparseLengthsSum": lambda lengths: [randn((5, 3)), torch.tensor([0, 1]), lengths],
+    "SparseLengthsMean": lambda lengths: [randn((5, 3)), torch.tensor([0, 1]), lengths],
+    "SparseLengthsWeightedSum": lambda lengths: [randn((5, 3)), randn((2,)), torch.tensor([0, 1]), lengths],
+    "SparseLengthsSumGradient": lambda lengths: [randn((2, 3)), lengths, torch.tensor([0, 1])],
+    "SparseLengthsMeanGradient": lambda lengths: [randn((2, 3)), lengths, torch.tensor([0, 1])],
+    "SparseLengthsWeightedSumGradient": lambda lengths: [randn((2,)), randn((2, 3)), randn((5, 3)),
+                                                         torch.tensor([0, 1]), lengths],
+}
+
+
+@pytest.mark.parametrize("op_type", sorted(_BAD_LENGTHS))
+@pytest.mark.parametrize(("lengths", "message"), [(NEGATIVE, r"LENGTHS has a negative length \(-1\)"),
+                                                  (torch.tensor([1, 2]), "LENGTHS sum to 3 but there are 2")])
+def test_bad_lengths_raise_naming_the_op_before_any_kernel(op_type, lengths, message):
+    """Issue 23 item 1: a negative length aborted the process (SIGABRT in repeat_interleave)."""
+    inputs = _BAD_LENGTHS[op_type](lengths)
+    op = make_op(op_type, len(inputs))
+    with pytest.raises(ValueError, match=rf"^{op_type}\(.*\): {message}"):
+        run_op(op, inputs)
+
+
+@pytest.mark.parametrize("op_type", ["SparseLengthsWeightedSum", "SparseLengthsWeightedSumGradient"])
+def test_weighted_sum_refuses_one_weight_broadcast_over_the_indices(op_type):
+    """Issue 23 item 10: WEIGHTS=[2.0] with two indices was broadcast silently."""
+    inputs = _BAD_LENGTHS[op_type](torch.tensor([1, 1]))
+    inputs[0 if op_type.endswith("Gradient") else 1] = torch.tensor([2.0], dtype=torch.float64)
+    op = make_op(op_type, len(inputs))
+    with pytest.raises(ValueError, match=r"WEIGHTS has shape \[1\] but INDICES \[2\]; feed one weight per index"):
+        run_op(op, inputs)

@@ -130,3 +130,13 @@ def test_bad_inputs_raise():
         run_kernel("SparseAdagrad", [randn((6, 3)), randn((6, 3)), INDICES, randn((5, 3)), _lr(-0.1)])
     with pytest.raises(ValueError, match="epsilon > 0"):
         run_kernel("Adagrad", [randn((6, 3)), randn((6, 3)), randn((6, 3)), _lr(-0.1)], epsilon=0.0)
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_scatter_assign_checks_every_index_before_writing(bad):
+    """Issue 23 item 14: the rows before an out-of-range index were written, then it raised."""
+    data, slices = randn((6, 3)), randn((3, 3), seed=1)
+    target = data.clone()
+    with pytest.raises(ValueError, match=rf"ScatterAssign.*: index {bad} is out of range for DATA with 6 rows"):
+        run_kernel("ScatterAssign", [target, torch.tensor([0, 1, bad]), slices])
+    assert torch.equal(target, data)
