@@ -111,6 +111,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     check_finite_loss: bool = False,
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
+    cuda_graph: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -130,6 +131,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             CPU devices with `cpu_device`.
         net_type, num_threads_per_device: the train net's executor type and
             `num_workers = len(devices) * num_threads_per_device`.
+        cuda_graph: capture the whole train step in a CUDA graph after warm-up and replay it on every
+            RunNet (net type "cuda_graph", whatever net_type says; CUDA devices only; see docs/engine.md).
         broadcast_computed_params: copy computed params (BN running stats) from the first device to
             the others every iteration.
         average_computed_params: instead (whatever broadcast_computed_params says), replace every
@@ -217,6 +220,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     _check_no_device_scope("Parallelize")
     cpu_device = cpu_device or bool(ideep)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
+    if cuda_graph and cpu_device:
+        raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
+                               "cpu_device=True")
+    net_type = "cuda_graph" if cuda_graph else net_type
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)

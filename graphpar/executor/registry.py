@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from graphpar.executor.dag import DagExecutor
+from graphpar.executor.graphs import CudaGraphExecutor
 from graphpar.executor.simple import SimpleExecutor
 
 if TYPE_CHECKING:
@@ -56,3 +57,4 @@ def net_types() -> tuple[str, ...]:
 register_executor("simple", SimpleExecutor())
 register_executor("dag", DagExecutor())
 register_executor("async_scheduling", get_executor("dag"))  # Caffe2's name for its concurrent executor
+register_executor("cuda_graph", CudaGraphExecutor())  # a step captured once in a CUDA graph, then replayed
