@@ -122,7 +122,7 @@ class Split:
     prologue: tuple[int, ...]  # in plan order
     captured: tuple[int, ...]  # in plan order
     loads: tuple[int, ...]  # workspace blobs the captured steps read: their slots
-    staged: tuple[int, ...]  # prologue outputs the captured steps read: their slots
+    from_prologue: tuple[int, ...]  # prologue outputs the captured steps read: their slots
     devices: tuple[torch.device, ...]  # the devices of the captured steps, first the capturing one
 
 
@@ -149,7 +149,7 @@ def split(plan: Plan) -> Split:
                          f"CUDA graph; run it as 'simple' or 'dag'")
     written: set[int] = set()
     loads: dict[int, None] = {}
-    staged: dict[int, None] = {}
+    from_prologue: dict[int, None] = {}
     prologue_out = {slot for j in prologue for slot in plan.steps[j].outputs}
     for j in captured:
         step, op = plan.steps[j], netdef.ops[j]
@@ -162,14 +162,14 @@ def split(plan: Plan) -> Split:
             if devices[op.inputs[k]].device_type != CUDA:
                 _refuse(plan, j, f"it reads host blob {op.inputs[k]!r}, whose value a graph would replay unchanged")
             if slot in prologue_out:
-                staged[slot] = None
+                from_prologue[slot] = None
             else:
                 loads[slot] = None
         if any(slot in prologue_out for slot in step.outputs):
             _refuse(plan, j, "it rewrites a blob the host prologue writes")
         written.update(step.outputs)
     used = dict.fromkeys(plan.steps[j].device for j in captured)
-    return Split(tuple(prologue), captured, tuple(loads), tuple(staged), tuple(used))
+    return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used))
 
 
 def _refuse(plan: Plan, index: int, why: str) -> None:
@@ -184,7 +184,7 @@ class Captured:
     def __init__(self, plan: Plan, cut: Split, frame: list, backend: GraphBackend) -> None:
         self.plan, self.cut = plan, cut
         self.statics = {slot: frame[slot] for slot in cut.loads}
-        self.statics.update({slot: frame[slot].clone() for slot in cut.staged})
+        self.statics.update({slot: frame[slot].clone() for slot in cut.from_prologue})
         self.template: list = [None] * len(frame)
         for slot, value in self.statics.items():
             self.template[slot] = value

@@ -22,6 +22,7 @@ from graphpar import brew, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
+from graphpar.engine import Trainer
 from graphpar.executor import graphs
 from graphpar.executor.graphs import graph_backend
 from graphpar.model_helper import ModelHelper
@@ -261,3 +262,25 @@ def test_real_cuda_graph_equals_simple() -> None:
         got, _ = _train(forward, shape, [0], 6, cuda_graph=True)
         for name, value in expected.items():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_the_trainer_with_lean_memory_trains_a_captured_model_like_an_uncaptured_one() -> None:
+    """The recommended GPU path: Trainer (lean_memory on CUDA) over Parallelize(cuda_graph=True)."""
+    rng = np.random.default_rng(0)
+    data = [{"data": rng.standard_normal((4, 6)).astype(np.float32), "label": rng.integers(0, 3, 4).astype(np.int32)}
+            for _ in range(3)]
+    params = {}
+    for graphed in (False, True):
+        with _recording() as stand_in:
+            workspace.ResetWorkspace()
+            model = ModelHelper(name="graphs_trainer")
+            dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                            optimizer_builder_fun=_sgd, devices=[0, 1], cuda_graph=graphed)
+            trainer = Trainer(model, data, max_iter=6)
+            trainer.train()
+            params[graphed] = {re.sub(r"Optimizer_\d+", "Optimizer", str(name)): workspace.FetchBlob(name)
+                               for name in dpm.GetCheckpointParams(model)}
+            losses = trainer.storage.history["scaled_loss"]
+        assert stand_in.replays == (6 - graphs.DEFAULT_WARMUP if graphed else 0) and len(losses) == 6
+    for name, value in params[False].items():
+        np.testing.assert_array_equal(params[True][name], value, err_msg=name)
