@@ -3,7 +3,10 @@
 On one device (and on CUDA devices, whose kernels launch asynchronously) worker threads cannot
 overlap anything, so `"dag"` must be as fast as `"simple"` (issue 21, item 5). Each case creates one
 net twice, as a "simple" and as a "dag" net, and alternates their RunNet calls in one process, after
-warm-up; the table gives median wall-clock µs per run and their ratio. Cases:
+warm-up; the table gives median µs per run and their ratio. The default clock is this process's CPU
+time, all threads together (`--clock process`): a worker thread's hand-offs count, time the process
+spends descheduled on a busy machine does not; `--clock wall` for wall-clock time. Kernels run on
+`--threads` intra-op threads (default 1). Cases:
 
 - the 1,000 tiny ops of `benchmarks.op_overhead` (rebinding net) on the CPU;
 - the overhead-bound MLP and the CNN of `benchmarks.step_time` (SGD with momentum, `Parallelize` on
@@ -18,6 +21,7 @@ warm-up; the table gives median wall-clock µs per run and their ratio. Cases:
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -97,12 +101,12 @@ CASES: list[tuple[str, Callable[[], dict[str, str]], Callable[[], Any]]] = [
 
 
 def measure(build: Callable[[], dict[str, str]], context: Callable[[], Any], repeats: int,
-            warmup: int) -> dict[str, float]:
+            warmup: int, clock: Callable[[], float]) -> dict[str, float]:
     with ExitStack() as stack:
         stack.enter_context(context())
         names = build()
         times = compare({t: (lambda n=n: workspace.RunNet(n)) for t, n in names.items()},
-                        repeats=repeats, warmup=warmup)
+                        repeats=repeats, warmup=warmup, clock=clock)
     simple, dag = median(times["simple"]), median(times["dag"])
     return {"simple_us": 1e6 * simple, "dag_us": 1e6 * dag, "dag_over_simple": dag / simple}
 
@@ -111,16 +115,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--clock", choices=("process", "wall"), default="process")
+    parser.add_argument("--threads", type=int, default=1, help="the thread budget (GRAPHPAR_NUM_THREADS)")
     parser.add_argument("--save", action="store_true",
                         help="write benchmarks/results/ (tracked files: only when asked)")
     opts = parser.parse_args()
     torch.manual_seed(0)
-    results = {name: measure(build, context, opts.repeats, opts.warmup) for name, build, context in CASES}
+    torch.set_num_threads(opts.threads)
+    clock = time.process_time if opts.clock == "process" else time.perf_counter
+    results = {name: measure(build, context, opts.repeats, opts.warmup, clock) for name, build, context in CASES}
     rows = [(name, r["simple_us"], r["dag_us"], r["dag_over_simple"]) for name, r in results.items()]
     print(markdown_table(["case", "simple µs/run", "dag µs/run", "dag / simple"], rows))
     if opts.save:
-        path = write_json("executors", {"repeats": opts.repeats, "warmup": opts.warmup, "clock": "wall",
-                                        "results": results})
+        path = write_json("executors", {"repeats": opts.repeats, "warmup": opts.warmup, "clock": opts.clock,
+                                        "threads": opts.threads, "results": results})
         print(f"\nwrote {path}")
 
 
