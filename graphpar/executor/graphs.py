@@ -19,9 +19,11 @@ A step is split once, when the net first runs (`split`):
 A step that cannot be captured raises a ValueError naming the op when the net first runs, before
 anything changed: an op placed on the CPU that reads a value the captured steps compute, an op that
 draws random numbers (its per-run seeds would be replayed unchanged), a captured op that reads a
-host blob (Adam's iteration count, Reshape's sizes: values read on the host). A kernel that reads a
-device value on the host (`.item()`) fails the real capture (CUDA refuses the read while capturing);
-the error names the op like any failed op. A blob fed with another shape or dtype than at capture
+host blob (Adam's iteration count, Reshape's sizes) or reads tensor values on the host
+(Trait.HOST_SYNC, e.g. CheckFinite; fills are let through, since they read only their input's
+shape unless `input_as_shape`). A kernel that still reads a device value on the host (`.item()`)
+fails the real capture (CUDA refuses the read while capturing); the error names the op like any
+failed op. A blob fed with another shape or dtype than at capture
 raises a ValueError naming it (a graph replays fixed shapes: recreate the net). There is no silent fallback, with one
 exception: where no CUDA graph backend exists (no GPU, or logical CUDA devices placed on the CPU),
 the net runs as "simple" after logging why once.
@@ -156,6 +158,8 @@ def split(plan: Plan) -> Split:
         schema = get_schema(op.type)
         if schema.has(Trait.RANDOM):
             _refuse(plan, j, "it draws random numbers from per-run seeds, which a graph would replay unchanged")
+        if schema.has(Trait.HOST_SYNC) and not schema.has(Trait.FILL):  # a fill reads only shapes, but for input_as_shape
+            _refuse(plan, j, "it reads tensor values on the host (Trait.HOST_SYNC), which a capture cannot do")
         for k, slot in enumerate(step.inputs):
             if slot in written:
                 continue

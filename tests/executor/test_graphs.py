@@ -181,7 +181,7 @@ def test_an_op_that_cannot_be_captured_raises_naming_it_before_anything_runs(ops
         assert set(workspace.Blobs()) == before and stand_in.captures == []
 
 
-def test_adam_cannot_be_captured_it_reads_the_counter_on_the_host() -> None:
+def test_adam_cannot_be_captured_it_reads_the_iteration_count_on_the_host() -> None:
     with _recording():
         model = ModelHelper(name="graphs_adam")
         dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
@@ -189,7 +189,20 @@ def test_adam_cannot_be_captured_it_reads_the_counter_on_the_host() -> None:
         for name, value in _batches((6,), [0], 1)[0].items():
             workspace.FeedBlob(name, value)
         dpm.RunInitNet(model)
-        with pytest.raises(ValueError, match=r"Adam\) cannot be captured .*reads host blob 'optimizer_iteration'"):
+        with pytest.raises(ValueError, match=r"Adam\) cannot be captured in a CUDA graph: it reads tensor values on the host"):
+            dpm.RunNet(model, 1)
+
+
+def test_a_host_read_in_the_step_cannot_be_captured() -> None:
+    """Parallelize(check_finite_loss=True) adds CheckFinite, which reads the loss on the host."""
+    with _recording():
+        model = ModelHelper(name="graphs_check_finite")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                        optimizer_builder_fun=_sgd, devices=[0], cuda_graph=True, check_finite_loss=True)
+        for name, value in _batches((6,), [0], 1)[0].items():
+            workspace.FeedBlob(name, value)
+        dpm.RunInitNet(model)
+        with pytest.raises(ValueError, match=r"\(CheckFinite\) cannot be captured .*HOST_SYNC"):
             dpm.RunNet(model, 1)
 
 
