@@ -186,7 +186,8 @@ class Captured:
     """A captured step: static input buffers, the frame the graph writes, and its replay."""
 
     def __init__(self, plan: Plan, cut: Split, frame: list, backend: GraphBackend) -> None:
-        self.plan, self.cut = plan, cut
+        # no reference to the plan: the runtime holding this must not keep its plan alive (`runtime_of`)
+        self.net_name, self.names, self.cut = plan.name, plan.frame.names, cut
         self.statics = {slot: frame[slot] for slot in cut.loads}
         self.statics.update({slot: frame[slot].clone() for slot in cut.from_prologue})
         self.template: list = [None] * len(frame)
@@ -208,12 +209,12 @@ class Captured:
     def run(self, frame: list, blobs: dict[str, torch.Tensor]) -> None:
         """Refresh the static inputs from `frame` (a blob fed since becomes its static buffer again, in
         `blobs` too), replay, and put the captured frame's values in `frame`."""
-        names = self.plan.frame.names
+        names = self.names
         for slot, static in self.statics.items():
             value = frame[slot]
             if value is not static and (value.shape != static.shape or value.dtype != static.dtype):
                 raise ValueError(
-                    f"net {self.plan.name!r}: blob {names[slot]!r} is {list(value.shape)} "
+                    f"net {self.net_name!r}: blob {names[slot]!r} is {list(value.shape)} "
                     f"{str(value.dtype).removeprefix('torch.')} but was captured in the CUDA graph as "
                     f"{list(static.shape)} {str(static.dtype).removeprefix('torch.')}; a graph replays fixed "
                     f"shapes. Feed it with its captured shape, or recreate the net "

@@ -9,8 +9,10 @@ same on a GPU (it skips without one).
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
@@ -25,6 +27,7 @@ from graphpar.devices import cuda_on_cpu
 from graphpar.engine import Trainer
 from graphpar.executor import graphs
 from graphpar.executor.graphs import graph_backend
+from graphpar.executor.runtime import runtime_of
 from graphpar.model_helper import ModelHelper
 
 
@@ -297,3 +300,17 @@ def test_the_trainer_with_lean_memory_trains_a_captured_model_like_an_uncaptured
         assert stand_in.replays == (6 - graphs.DEFAULT_WARMUP if graphed else 0) and len(losses) == 6
     for name, value in params[False].items():
         np.testing.assert_array_equal(params[True][name], value, err_msg=name)
+
+
+def test_a_replaced_captured_net_is_freed_with_its_graph() -> None:
+    """The runtime holding a captured step must not keep its plan (and the graph's memory) alive."""
+    with _recording():
+        workspace.FeedBlob("gpu_0/x", np.ones(3, np.float32), GPU0)
+        net = _plain_net([OperatorDef("Relu", ["gpu_0/x"], ["gpu_0/r"], device_option=GPU0)])
+        workspace.CreateNet(net)
+        workspace.RunNet(net.name, 3)
+        plan = weakref.ref(workspace.get_workspace().nets[net.name])
+        assert runtime_of(plan()).graph is not None
+        workspace.CreateNet(net, overwrite=True)
+        gc.collect()
+    assert plan() is None
