@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -244,3 +246,17 @@ def test_run_time_state_lives_in_the_runtime_not_the_plan():
     assert runtime.programs is not None  # one launching thread: the straight-line programs ran
     copy = plan.with_steps(plan.steps)
     assert runtime_of(copy) is not runtime and runtime_of(copy).completed == 0
+
+
+@pytest.mark.parametrize("net_type", ["simple", "dag"])
+def test_a_replaced_net_is_freed_with_its_runtime(net_type: str):
+    """Runtimes are kept per plan weakly: what they cache (programs, schedules) keeps no plan alive."""
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    net = NetDef(f"freed_{net_type}", [OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0})], type=net_type)
+    workspace.CreateNet(net)
+    workspace.RunNet(net.name, 2)
+    plan = weakref.ref(workspace.get_workspace().nets[net.name])
+    assert runtime_of(plan()).completed == 2
+    workspace.CreateNet(net, overwrite=True)
+    gc.collect()
+    assert plan() is None
