@@ -54,6 +54,9 @@ class IdleStreams(NoStreams):
 class IdleGraphs:
     """A CUDA graph backend whose replay does nothing (the host side of a replayed step)."""
 
+    def check(self, net_name: str, devices: object) -> None:
+        return None
+
     def capture(self, body: Callable[[], None], devices: object) -> Callable[[], None]:
         return lambda: None
 

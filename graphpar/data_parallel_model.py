@@ -132,7 +132,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         net_type, num_threads_per_device: the train net's executor type and
             `num_workers = len(devices) * num_threads_per_device`.
         cuda_graph: capture the whole train step in a CUDA graph after warm-up and replay it on every
-            RunNet (net type "cuda_graph", whatever net_type says; CUDA devices only; see docs/engine.md).
+            RunNet (net type "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).
         broadcast_computed_params: copy computed params (BN running stats) from the first device to
             the others every iteration.
         average_computed_params: instead (whatever broadcast_computed_params says), replace every

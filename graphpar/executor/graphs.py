@@ -12,8 +12,8 @@ A step is split once, when the net first runs (`split`):
   iteration counter, and what such steps compute), e.g. `Iter` and `LearningRate`. They run eagerly
   before each replay, since a graph would replay their values unchanged; their outputs that the
   captured steps read are static device buffers the prologue's fresh values are copied into;
-- the *captured* steps: everything else (every replica's forward and backward, the all-reduce, the
-  updates). They read the workspace's blobs through static buffers: the tensors the workspace held
+- the *captured* steps: everything else (the forward and backward pass, the all-reduce of several
+  replicas, the updates). They read the workspace's blobs through static buffers: the tensors the workspace held
   at capture. A blob fed (`FeedBlob`) or loaded since is copied into its static buffer before the
   replay, and the workspace holds the static buffer again after the run.
 A step that cannot be captured raises a ValueError naming the op when the net first runs, before
@@ -26,7 +26,9 @@ fails the real capture (CUDA refuses the read while capturing); the error names 
 failed op. A blob fed with another shape or dtype than at capture
 raises a ValueError naming it (a graph replays fixed shapes: recreate the net). There is no silent fallback, with one
 exception: where no CUDA graph backend exists (no GPU, or logical CUDA devices placed on the CPU),
-the net runs as "simple" after logging why once.
+the net runs as "simple" after logging why once. torch.cuda graphs hold one device's work, so on
+real GPUs a step on several devices is refused at the first run (`TorchGraphs.check`); the split,
+the static buffers and the replay handle several devices, as the tests show with a stand-in.
 
 Results are bit-identical to "simple": the same kernels run in the same order on the same values
 (`program.straight_line` over the captured steps). After a run, the blobs the captured steps wrote
@@ -39,14 +41,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from graphpar.core.graph import blob_devices
-from graphpar.core.ir import CUDA
+from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.core.schema import Trait, get_schema
 from graphpar.devices import cuda_is_simulated
 from graphpar.executor.failure import op_location, recorded_at
@@ -66,32 +68,36 @@ DEFAULT_WARMUP = 2
 class GraphBackend(Protocol):
     """Captures a step's launches once and replays them (see the module docstring)."""
 
+    def check(self, net_name: str, devices: Sequence[torch.device]) -> None:
+        """Raise ValueError if a step launching on `devices` cannot be captured (at the net's first run)."""
+        ...
+
     def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
-        """Capture what `body` launches on `devices` (the first one captures); return the replay."""
+        """Capture what `body` launches on `devices`; return the replay."""
         ...
 
 
 class TorchGraphs:
-    """torch.cuda graphs: one graph per step, captured on the first device's capture stream.
+    """torch.cuda graphs: one graph per step, captured on a side stream of the step's one device.
 
-    Other devices join the capture through streams of their own that wait for the capture stream
-    (fork) and that it waits for at the end (join), so one graph holds every replica's kernels."""
+    PyTorch's graphs hold one device's work: memory that a capture allocates on another device does
+    not go to the graph's private pool, so the allocator could hand it out again while the graph still
+    uses it (pytorch/pytorch#153025). Steps on several devices are refused."""
+
+    def check(self, net_name: str, devices: Sequence[torch.device]) -> None:
+        if len(devices) > 1:
+            raise ValueError(
+                f"net {net_name!r} (type 'cuda_graph') launches on {len(devices)} devices "
+                f"({', '.join(map(str, devices))}); torch.cuda graphs capture one device's work "
+                f"(pytorch/pytorch#153025). Use one device per process, or net type 'dag'")
 
     def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
         graph = torch.cuda.CUDAGraph()
-        first, others = devices[0], devices[1:]
-        capture_stream = torch.cuda.Stream(first)
-        streams = [torch.cuda.Stream(device) for device in others]
+        (device,) = devices
         # thread_local: other threads (a DeviceFeeder's copies) may use CUDA while this one captures
-        with torch.cuda.device(first), torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
-            for stream in streams:
-                stream.wait_stream(capture_stream)
-            with ExitStack() as stack:
-                for stream in streams:
-                    stack.enter_context(torch.cuda.stream(stream))
-                body()
-            for stream in streams:
-                capture_stream.wait_stream(stream)
+        with torch.cuda.device(device), torch.cuda.graph(graph, stream=torch.cuda.Stream(device),
+                                                         capture_error_mode="thread_local"):
+            body()
         return graph.replay
 
 
@@ -125,7 +131,7 @@ class Split:
     captured: tuple[int, ...]  # in plan order
     loads: tuple[int, ...]  # workspace blobs the captured steps read: their slots
     from_prologue: tuple[int, ...]  # prologue outputs the captured steps read: their slots
-    devices: tuple[torch.device, ...]  # the devices of the captured steps, first the capturing one
+    devices: tuple[torch.device, ...]  # one per logical device of the captured steps, in order of first use
 
 
 def split(plan: Plan) -> Split:
@@ -172,8 +178,10 @@ def split(plan: Plan) -> Split:
         if any(slot in prologue_out for slot in step.outputs):
             _refuse(plan, j, "it rewrites a blob the host prologue writes")
         written.update(step.outputs)
-    used = dict.fromkeys(plan.steps[j].device for j in captured)
-    return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used))
+    used: dict[DeviceOption, torch.device] = {}
+    for j in captured:
+        used.setdefault(plan.steps[j].option, plan.steps[j].device)
+    return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used.values()))
 
 
 def _refuse(plan: Plan, index: int, why: str) -> None:
@@ -269,9 +277,12 @@ class CudaGraphExecutor:
 
     def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)
-        if runtime.graph_split is None:
-            runtime.graph_split = split(plan)  # raises before anything changed
         backend = current_graphs()
+        if runtime.graph_split is None:  # the first run: raise before anything changed
+            cut = split(plan)
+            if backend is not None:
+                backend.check(plan.name, cut.devices)
+            runtime.graph_split = cut
         warmup = plan.netdef.args.get(WARMUP_ARG, DEFAULT_WARMUP)
         if backend is None or runtime.completed < warmup:
             if backend is None and plan.name not in self._told:
