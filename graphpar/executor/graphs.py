@@ -13,22 +13,23 @@ A step is split once, when the net first runs (`split`):
   before each replay, since a graph would replay their values unchanged; their outputs that the
   captured steps read are static device buffers the prologue's fresh values are copied into;
 - the *captured* steps: everything else (the forward and backward pass, the all-reduce of several
-  replicas, the updates). They read the workspace's blobs through static buffers: the tensors the workspace held
-  at capture. A blob fed (`FeedBlob`) or loaded since is copied into its static buffer before the
-  replay, and the workspace holds the static buffer again after the run.
+  replicas, the updates). They read the workspace's blobs through static buffers: the tensors the
+  workspace held at capture. A blob fed (`FeedBlob`) or loaded since is copied into its static
+  buffer before the replay, and the workspace holds the static buffer again after the run.
+
 A step that cannot be captured raises a ValueError naming the op when the net first runs, before
 anything changed: an op placed on the CPU that reads a value the captured steps compute, an op that
 draws random numbers (its per-run seeds would be replayed unchanged), a captured op that reads a
 host blob (Adam's iteration count, Reshape's sizes) or reads tensor values on the host
-(Trait.HOST_SYNC, e.g. CheckFinite; fills are let through, since they read only their input's
-shape unless `input_as_shape`). A kernel that still reads a device value on the host (`.item()`)
-fails the real capture (CUDA refuses the read while capturing); the error names the op like any
-failed op. A blob fed with another shape or dtype than at capture
-raises a ValueError naming it (a graph replays fixed shapes: recreate the net). There is no silent fallback, with one
-exception: where no CUDA graph backend exists (no GPU, or logical CUDA devices placed on the CPU),
-the net runs as "simple" after logging why once. torch.cuda graphs hold one device's work, so on
-real GPUs a step on several devices is refused at the first run (`TorchGraphs.check`); the split,
-the static buffers and the replay handle several devices, as the tests show with a stand-in.
+(Trait.HOST_SYNC, e.g. CheckFinite; fills are let through, since they read only their input's shape
+unless `input_as_shape`). A kernel that still reads a device value on the host (`.item()`) fails
+the real capture (CUDA refuses the read while capturing); the error names the op like any failed
+op. A blob fed with another shape or dtype than at capture raises a ValueError naming it (a graph
+replays fixed shapes: recreate the net). There is no silent fallback, with one exception: where no
+CUDA graph backend exists (no GPU, or logical CUDA devices placed on the CPU), the net runs as
+"simple" after logging why once. torch.cuda graphs hold one device's work, so on real GPUs a step
+on several devices is refused at the first run (`TorchGraphs.check`); the split, the static buffers
+and the replay handle several devices, as the tests show with a stand-in.
 
 Results are bit-identical to "simple": the same kernels run in the same order on the same values
 (`program.straight_line` over the captured steps). After a run, the blobs the captured steps wrote
