@@ -20,9 +20,9 @@ A step is split once, when the net first runs (`split`):
 A step that cannot be captured raises a ValueError naming the op when the net first runs, before
 anything changed: an op placed on the CPU that reads a value the captured steps compute, an op that
 draws random numbers (its per-run seeds would be replayed unchanged), a captured op that reads a
-host blob (Adam's iteration count, Reshape's sizes) or reads tensor values on the host
-(Trait.HOST_SYNC, e.g. CheckFinite; fills are let through, since they read only their input's shape
-unless `input_as_shape`). A kernel that still reads a device value on the host (`.item()`) fails
+host blob (Adam's iteration count, Reshape's sizes input) or reads device tensors' values on the
+host (Trait.HOST_SYNC without a host-placed input, e.g. CheckFinite; fills are let through, since
+they read only their input's shape unless `input_as_shape`). A kernel that still reads a device value on the host (`.item()`) fails
 the real capture (CUDA refuses the read while capturing); the error names the op like any failed
 op. A blob fed with another shape or dtype than at capture raises a ValueError naming it (a graph
 replays fixed shapes: recreate the net). There is no silent fallback, with one exception: where no
@@ -41,6 +41,7 @@ whole path on the CPU with a stand-in that records the capture and runs the capt
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from graphpar.core.graph import blob_devices
-from graphpar.core.ir import CUDA, DeviceOption
+from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
 from graphpar.devices import cuda_is_simulated
 from graphpar.executor.failure import op_location, recorded_at
@@ -165,7 +166,7 @@ def split(plan: Plan) -> Split:
         schema = get_schema(op.type)
         if schema.has(Trait.RANDOM):
             _refuse(plan, j, "it draws random numbers from per-run seeds, which a graph would replay unchanged")
-        if schema.has(Trait.HOST_SYNC) and not schema.has(Trait.FILL):  # a fill reads only shapes, but for input_as_shape
+        if _reads_device_values(op):
             _refuse(plan, j, "it reads tensor values on the host (Trait.HOST_SYNC), which a capture cannot do")
         for k, slot in enumerate(step.inputs):
             if slot in written:
@@ -183,6 +184,26 @@ def split(plan: Plan) -> Split:
     for j in captured:
         used.setdefault(plan.steps[j].option, plan.steps[j].device)
     return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used.values()))
+
+
+def _reads_device_values(op: OperatorDef) -> bool:
+    """Whether a captured op reads device tensors' values on the host (Trait.HOST_SYNC, e.g. CheckFinite).
+
+    A HOST_SYNC op whose schema places an input on the host (device_inference, asked about the op with
+    every optional input: Reshape's and Split's sizes, Adam's counter) reads only that input, which
+    `split` refuses when present; a fill reads only its input's shape (but for `input_as_shape`)."""
+    schema = get_schema(op.type)
+    if not schema.has(Trait.HOST_SYNC) or schema.has(Trait.FILL):
+        return False
+    if schema.device_inference is None:
+        return True
+    most = schema.num_inputs[1]
+    probe = op.copy()
+    if most != math.inf:
+        probe.inputs = [*op.inputs, *(f"_probe_{k}" for k in range(len(op.inputs), int(most)))]
+    on_device = DeviceOption(CUDA, 0)
+    placed = schema.device_inference(probe, on_device)[0]
+    return all(option is None or option.device_type == CUDA for option in placed)
 
 
 def _refuse(plan: Plan, index: int, why: str) -> None:

@@ -119,6 +119,18 @@ def test_a_captured_step_equals_the_uncaptured_run_bit_for_bit(forward, shape, d
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+def test_gradient_buckets_are_captured_too() -> None:
+    """Buckets' Reshape and Split (HOST_SYNC ops reading no value without a sizes input) are captured."""
+    with cuda_on_cpu():
+        expected, model = _train(_mlp, (6,), [0, 1], 5, net_type="simple", gradient_bucket_bytes=1 << 20)
+    assert {"Concat", "Split", "Reshape"} <= {op.type for op in model.net.Proto().ops}
+    with _recording() as stand_in:
+        got, _ = _train(_mlp, (6,), [0, 1], 5, cuda_graph=True, gradient_bucket_bytes=1 << 20)
+    assert stand_in.replays == 5 - graphs.DEFAULT_WARMUP
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_feeding_a_captured_input_copies_into_its_static_buffer() -> None:
     with _recording():
         _train(_mlp, (6,), [0], 3, cuda_graph=True)
@@ -154,14 +166,16 @@ GPU0 = DeviceOption(CUDA, 0)
 
 
 def test_a_plain_net_of_type_cuda_graph_captures_once_and_replays() -> None:
+    """Reshape by its `shape` argument (a HOST_SYNC op that reads no value here) is captured too."""
     with _recording() as stand_in:
         workspace.FeedBlob("gpu_0/x", np.array([1.0, -2.0, 3.0], np.float32), GPU0)
-        workspace.FeedBlob("gpu_0/y", np.ones(3, np.float32), GPU0)
+        workspace.FeedBlob("gpu_0/y", np.ones((3, 1), np.float32), GPU0)
         net = _plain_net([OperatorDef("Relu", ["gpu_0/x"], ["gpu_0/r"], device_option=GPU0),
-                          OperatorDef("Add", ["gpu_0/r", "gpu_0/y"], ["gpu_0/y"], device_option=GPU0)])
+                          OperatorDef("Reshape", ["gpu_0/r"], ["gpu_0/r2", "gpu_0/old_shape"], {"shape": [3, 1]}, GPU0),
+                          OperatorDef("Add", ["gpu_0/r2", "gpu_0/y"], ["gpu_0/y"], device_option=GPU0)])
         workspace.CreateNet(net)
         workspace.RunNet(net.name, 5)
-    np.testing.assert_array_equal(workspace.FetchBlob("gpu_0/y"), [6.0, 1.0, 16.0])
+    np.testing.assert_array_equal(workspace.FetchBlob("gpu_0/y"), [[6.0], [1.0], [16.0]])
     assert len(stand_in.captures) == 1 and stand_in.replays == 3
 
 
@@ -195,7 +209,7 @@ def test_adam_cannot_be_captured_it_reads_the_iteration_count_on_the_host() -> N
         for name, value in _batches((6,), [0], 1)[0].items():
             workspace.FeedBlob(name, value)
         dpm.RunInitNet(model)
-        with pytest.raises(ValueError, match=r"Adam\) cannot be captured in a CUDA graph: it reads tensor values on the host"):
+        with pytest.raises(ValueError, match=r"Adam\) cannot be captured in a CUDA graph: it reads host blob 'optimizer_iteration'"):
             dpm.RunNet(model, 1)
 
 
