@@ -121,6 +121,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     check_finite_loss: bool | None = None,
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
+    cuda_graph: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -140,6 +141,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             CPU devices with `cpu_device`.
         net_type, num_threads_per_device: the train net's executor type and
             `num_workers = len(devices) * num_threads_per_device`.
+        cuda_graph: capture the whole train step in a CUDA graph after warm-up and replay it on every
+            RunNet (net type "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).
         broadcast_computed_params: copy computed params (BN running stats) from the first device to
             the others every iteration.
         average_computed_params: instead (whatever broadcast_computed_params says), replace every
@@ -229,14 +232,18 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
-            a bad rendezvous (unknown key, bad value) or one combined with an unsupported option.
-            The model is left as it was.
+            a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
+            cuda_graph with cpu_device. The model is left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes.
     """
     _check_no_device_scope("Parallelize")
     cpu_device = cpu_device or bool(ideep)
     model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
+    if cuda_graph and cpu_device:
+        raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
+                               "cpu_device=True")
+    net_type = "cuda_graph" if cuda_graph else net_type
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
     bucket_bytes, auto_buckets = _bucket_bytes(gradient_bucket_bytes, first_bucket_bytes, bucket_cap_mb,

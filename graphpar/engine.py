@@ -36,9 +36,11 @@ import torch
 
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.core.ir import CUDA
 from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
 from graphpar.naming import stripBlobName, unscoped_name
+from graphpar.passes import finish
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]
@@ -284,13 +286,18 @@ class Trainer:
         hooks: HookBase instances, run in order (after_* too, as in Detectron2).
         max_iter: iterations (updates) to train in all (a resumed run continues up to it); default one
             epoch of `data` (its length; over `accumulate_gradients` with accumulation).
+        lean_memory: free every intermediate after its last use and share gradient names (Parallelize's
+            `dynamic_memory_management` and `optimize_gradient_memory`, applied before the nets are
+            created) unless Parallelize was given them; losses, params and optimizer state stay
+            fetchable. Default (None): on for CUDA replicas, where it keeps resident + step peak memory
+            near eager PyTorch's instead of holding every intermediate between steps; off for CPU ones.
 
     Raises:
         ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
     """
 
     def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (),
-                 max_iter: int | None = None) -> None:
+                 max_iter: int | None = None, lean_memory: bool | None = None) -> None:
         if not getattr(getattr(model, "_parallel", None), "training", False):
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
@@ -301,6 +308,7 @@ class Trainer:
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
             raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
         self.model, self.data, self.max_iter = model, data, max_iter
+        self.lean_memory = model._parallel.layout.device_type == CUDA if lean_memory is None else bool(lean_memory)
         self.iter = 0
         self.start_iter = 0
         self.epoch = 0
@@ -359,8 +367,22 @@ class Trainer:
             return
         self._pending = self._next_batch()
         feed(self.model, self._pending)
+        if self.lean_memory:
+            self._free_memory()
         dpm.RunInitNet(self.model)
         self._initialized = True
+
+    def _free_memory(self) -> None:
+        """Turn on the memory options `lean_memory` asks for, before RunInitNet creates the nets."""
+        state = self.model._parallel
+        if self.model.net.Proto().name in workspace.get_workspace().nets:
+            log.warning("Trainer: lean_memory is ignored, the train net was created already (RunInitNet "
+                        "ran); pass the memory options to Parallelize instead")
+            return
+        if not state.options.optimize_gradient_memory:
+            dpm.OptimizeGradientMemory(self.model, {}, [], recycle_activations=False)
+        if not state.options.dynamic_memory_management:
+            finish.free_intermediates(state)
 
     def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
         """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the

@@ -13,7 +13,9 @@ import torch
 
 from graphpar import core, model_helper, optimizer, profiler, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.devices import cuda_on_cpu
 from graphpar.errors import OperatorError
+from graphpar.executor.graphs import graph_backend
 from graphpar.models import mlp
 
 
@@ -157,3 +159,22 @@ def test_profile_on_real_gpus_equals_run_net() -> None:
 
     prof = _check_profile_equals_run_net(_trained_model(list(range(min(2, num_cuda_devices()))), cpu_device=False))
     assert all(r.device.startswith("cuda:") or r.type in ("Iter", "LearningRate") for r in prof.records)
+
+
+def test_a_cuda_graph_net_is_profiled_op_by_op_without_capturing() -> None:
+    captures = []
+
+    class Recording:
+        def check(self, net_name, devices):  # noqa: ANN001, ANN202
+            return None
+
+        def capture(self, body, devices):  # noqa: ANN001, ANN202
+            captures.append(devices)
+            return body
+
+    with cuda_on_cpu(), graph_backend(Recording()):
+        model = _trained_model([0], cpu_device=False, net_type="cuda_graph")
+        workspace.RunNet(model.net, 3)  # two warm-up runs, then the capture
+        prof = profiler.profile_net(model.net.Proto().name, num_iter=4)
+    assert len(captures) == 1  # the profile captured nothing (its timed plan would capture after 2 runs)
+    assert len(prof.records) == len(model.net.Proto().ops) and all(r.total_ms > 0 for r in prof.records)

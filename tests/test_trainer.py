@@ -14,6 +14,7 @@ import pytest
 from graphpar import brew, optimizer, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.data import feed
+from graphpar.devices import cuda_on_cpu
 from graphpar.engine import (
     Config,
     EvalHook,
@@ -27,6 +28,7 @@ from graphpar.engine import (
 )
 from graphpar.errors import OperatorError
 from graphpar.model_helper import ModelHelper
+from graphpar.naming import DYNAMIC_MEMORY_ARG
 
 _names = iter(range(10**6))
 
@@ -341,3 +343,35 @@ def test_a_hook_that_raises_does_not_make_train_repeat_the_iteration():
     assert trainer.iter == 10 == int(workspace.FetchBlob("optimizer_iteration")[0])
     for name, value in _params(trainer.model).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def _gpu_model() -> ModelHelper:
+    model = ModelHelper(name=f"trainer_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, momentum=0.9), devices=[0, 1])
+    return model
+
+
+def test_on_cuda_replicas_the_trainer_frees_intermediates_and_trains_the_same():
+    """lean_memory's default on CUDA: Parallelize's two memory options, same params as keeping every blob."""
+    results = {}
+    for lean in (None, False):
+        with cuda_on_cpu():
+            workspace.ResetWorkspace()
+            trainer = Trainer(_gpu_model(), _batches(), max_iter=5, lean_memory=lean)
+            trainer.train()
+            results[lean] = (_params(trainer.model), set(workspace.Blobs()),
+                             trainer.model.net.Proto().args.get(DYNAMIC_MEMORY_ARG))
+    (lean_params, lean_blobs, freeing), (full_params, full_blobs, keeping) = results[None], results[False]
+    assert freeing == 1 and not keeping
+    assert "gpu_0/h" in full_blobs and "gpu_0/h" not in lean_blobs and lean_blobs < full_blobs
+    assert {"gpu_0/scaled_loss", "gpu_1/scaled_loss"} <= lean_blobs
+    for name, value in full_params.items():
+        np.testing.assert_array_equal(lean_params[name], value, err_msg=name)
+
+
+def test_on_cpu_replicas_the_trainer_keeps_every_blob_by_default():
+    workspace.ResetWorkspace()
+    trainer = Trainer(_model(), _batches(), max_iter=1)
+    trainer.train()
+    assert not trainer.lean_memory and workspace.HasBlob("cpu_0/h")

@@ -9,8 +9,11 @@ every kernel runs with the plan's intra-op thread count, so results are bit-iden
 
 Workers are a pool of daemon threads, shared by every run of the executor, that grows to the largest
 concurrency a plan has asked for (no threads are created per run); ready steps start in program
-order. A plan that may run only one step at a time (one CPU device, or a budget of one thread per
-kernel) runs in program order in the calling thread, as "simple" does. A plan runs at most
+order. A plan that may run only one step at a time (one CPU device, a budget of one thread per
+kernel, or CUDA devices only, whose kernels launch asynchronously) runs in program order in the
+calling thread, as "simple" does (`one_launching_thread`): threads would add hand-offs and GIL
+contention and overlap nothing. So does the first run of a net with Caffe2's
+`first_iter_only_one_worker` (Parallelize sets it). A plan runs at most
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
 `num_workers`. Collectives across processes (Trait.DISTRIBUTED) mostly wait for the network, so they
 take slots of their own, one per communicator they use, beyond that limit: communication overlaps
@@ -19,8 +22,9 @@ depend on them start only once every other step finished and the state check pas
 fails, no new step starts; the run waits for the steps already running, then raises the error
 "simple" would raise for that op, and the workspace is unchanged. Under
 dynamic memory management a value is freed once every step that uses it has finished, whatever
-their order (`executor.frame`). On GPUs each worker launches on CUDA streams of its own, ordered by
-events (`executor.streams`).
+their order (`executor.frame`). Where CUDA steps run on worker threads (beside CPU replicas), each
+worker launches on CUDA streams of its own, ordered by events (`executor.streams`). Every run goes
+through `executor.run.run_plan`, as every executor's does; only the launching differs.
 """
 
 from __future__ import annotations
@@ -28,21 +32,21 @@ from __future__ import annotations
 import heapq
 import queue
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphpar.core.schema import Trait, has_trait
-from graphpar.executor.failure import op_failure
-from graphpar.executor.frame import StateChanged, commit, open_frame
-from graphpar.executor.simple import SimpleExecutor
-from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams
+from graphpar.executor.program import StepFailed
+from graphpar.executor.run import run_plan, serial
+from graphpar.executor.runtime import Runtime, runtime_of
+from graphpar.executor.streams import NO_STREAMS, RunStreams, StreamBackend, current_streams
 from graphpar.executor.threads import thread_budget
+from graphpar.naming import FIRST_ITER_ARG
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import Phase, Plan
 
 
 @dataclass(frozen=True)
@@ -61,33 +65,43 @@ class Schedule:
 
 
 def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
-    """The schedules of `plan`'s phases (one, or two when it has updates): who waits for whom within
-    each phase (`plan.dependencies`; a dependency on the earlier phase is met when it starts), and how
-    many steps may run at once."""
+    """The schedules of `plan`'s phases (`Plan.phases`): who waits for whom within each phase
+    (`plan.dependencies`; a dependency on the earlier phase is met when it starts), and how many steps
+    may run at once."""
     def concurrency(threads: int) -> int:
         return max(1, min(plan.netdef.num_workers, thread_budget() // threads, len(plan.steps)))
 
     ops = plan.netdef.ops
     waits = frozenset(j for j, step in enumerate(plan.steps) if has_trait(ops[step.index], Trait.DISTRIBUTED))
     channels = len({ops[plan.steps[j].index].inputs[0] for j in waits})
-    phases = [plan.order[:plan.staged_from], plan.order[plan.staged_from:]]
     schedules = []
-    for staged, phase in enumerate(phases):
-        if not phase:
-            continue
-        threads = plan.staged_threads if staged else plan.intra_op_threads
-        members = set(phase)
+    for phase in plan.phases:
+        members = set(phase.steps)
         successors: list[list[int]] = [[] for _ in plan.steps]
         indegree = [0] * len(plan.steps)
-        for j in phase:
+        for j in phase.steps:
             for i in plan.dependencies[j]:
                 if i in members:
                     successors[i].append(j)
                     indegree[j] += 1
         schedules.append(Schedule(tuple(map(tuple, successors)), tuple(indegree),
-                                  tuple(j for j in phase if indegree[j] == 0), len(phase),
-                                  concurrency(threads), bool(staged), waits, channels, threads))
+                                  tuple(j for j in phase.steps if indegree[j] == 0), len(phase.steps),
+                                  concurrency(phase.threads), phase.staged, waits, channels, phase.threads))
     return tuple(schedules)
+
+
+def one_launching_thread(plan: Plan, runtime: Runtime, schedules: tuple[Schedule, ...]) -> bool:
+    """Whether a run of `plan` launches every step from the calling thread, in program order.
+
+    Worker threads win only where steps compute side by side on CPU cores (`Schedule.concurrency`
+    above 1) or wait for other processes (`Schedule.wait_slots`). Otherwise they add thread hand-offs
+    and GIL contention and nothing else: one CPU device, or CUDA devices, whose kernels launch
+    asynchronously (one thread in program order keeps every GPU busy). The first run also goes
+    serially when the net asks for it (Caffe2's `first_iter_only_one_worker`, set by Parallelize).
+    """
+    if plan.netdef.args.get(FIRST_ITER_ARG) and runtime.completed == 0:
+        return True
+    return all(schedule.concurrency == 1 for schedule in schedules) and not any(s.wait_slots for s in schedules)
 
 
 class _Run:
@@ -111,8 +125,26 @@ class _Run:
         self.finished = threading.Event()
 
 
-class _PhaseFailed(Exception):
-    """A step of the phase failed (`_Run.failure` says which): the next phase must not start."""
+class _Threaded:
+    """The Launch of a run on the worker threads (`executor.run.Launch`)."""
+
+    def __init__(self, executor: DagExecutor, plan: Plan, frame: list, schedules: tuple[Schedule, ...],
+                 backend: StreamBackend) -> None:
+        self.executor, self.schedules = executor, schedules
+        self.streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
+        self.state = _Run(plan, frame, self.streams)
+        executor._ensure_workers(max(s.concurrency for s in schedules) + schedules[0].wait_slots)
+
+    def __call__(self, phase: Phase) -> None:
+        state = self.state
+        self.executor._run_phase(state, self.schedules[phase.index])
+        if state.failure is not None:
+            index, exc = state.failure
+            raise StepFailed(index) from exc
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams.finish()
 
 
 class DagExecutor:
@@ -122,40 +154,17 @@ class DagExecutor:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
-        self._schedules: weakref.WeakKeyDictionary[Plan, tuple[Schedule, ...]] = weakref.WeakKeyDictionary()
-        self._serial = SimpleExecutor()
 
     def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
-        schedules = self._schedules.get(plan)
+        runtime = runtime_of(plan)
+        schedules = runtime.schedules
         if schedules is None:
-            schedules = self._schedules[plan] = make_schedules(plan)
-        backend = current_streams()
-        concurrency = max((schedule.concurrency for schedule in schedules), default=1)
-        wait_slots = schedules[0].wait_slots if schedules else 0
-        if concurrency == 1 and not wait_slots and backend is NO_STREAMS:  # nothing to overlap: the plan's order
-            self._serial.run(plan, blobs)
+            schedules = runtime.schedules = make_schedules(plan)
+        if one_launching_thread(plan, runtime, schedules):
+            run_plan(plan, blobs, serial)
             return
-        frame = open_frame(plan, blobs)
-        if plan.steps:
-            self._ensure_workers(concurrency + wait_slots)
-            streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
-            state = _Run(plan, frame, streams)
-            try:
-                for schedule in schedules:
-                    if schedule.staged:
-                        plan.state_guard.check(frame)
-                    self._run_phase(state, schedule)
-            except StateChanged as exc:
-                state.failure = (exc.step, exc)
-            except _PhaseFailed:
-                pass
-            finally:
-                if streams is not None:
-                    streams.finish()
-            if state.failure is not None:
-                index, exc = state.failure
-                raise op_failure(plan, frame, index, exc) from exc
-        commit(plan, frame, blobs)
+        backend = current_streams()
+        run_plan(plan, blobs, lambda plan, _runtime, frame: _Threaded(self, plan, frame, schedules, backend))
 
     def _run_phase(self, state: _Run, schedule: Schedule) -> None:
         """Run one phase of the plan; return when every step of it finished (or after a failure)."""
@@ -163,8 +172,6 @@ class DagExecutor:
         with state.lock:
             self._release(state, list(schedule.roots))
         state.finished.wait()
-        if state.failure is not None:
-            raise _PhaseFailed
 
     def worker_count(self) -> int:
         """How many worker threads exist (they are shared by every run and never shrink)."""

@@ -27,6 +27,7 @@ import torch
 
 from graphpar.core.ir import NetDef
 from graphpar.executor.failure import missing_at_run
+from graphpar.executor.runtime import runtime_of
 from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 
 if TYPE_CHECKING:
@@ -136,9 +137,6 @@ def _transient_versions(netdef: NetDef, persistent: frozenset[str]) -> list[tupl
     return [version for v, version in enumerate(versions) if v not in replaced_in_place]
 
 
-_committed: weakref.WeakSet[Plan] = weakref.WeakSet()  # plans that have run to completion
-
-
 def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
     """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace (whose stale
     transient blobs it removes).
@@ -153,7 +151,7 @@ def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
             frame[load.slot] = blobs[load.name]
     except KeyError as exc:
         raise missing_at_run(plan, exc.args[0]) from None
-    if plan in _committed:  # the previous values move into the frame: each dies when its op rewrites it
+    if runtime_of(plan).committed:  # the previous values move into the frame: each dies when its op rewrites it
         for slot, name in layout.stale:
             frame[slot] = blobs.pop(name, None)
     return frame
@@ -174,18 +172,17 @@ class StateGuard:
     in place must still have the shape and dtype it had at CreateNet (not fed or loaded anew since with
     others), so that no update runs on it and the state stays as it was.
 
-    The tensors last found good are remembered (weakly: the guard must not count as a holder, see
-    `executor.program.claim`): a blob whose tensor is the same object as then (in-place updates keep
-    their tensors) costs one identity test.
+    The tensors last found good are remembered in the plan's runtime (`verified`, weakly: the guard
+    must not count as a holder, see `executor.program.claim`): a blob whose tensor is the same object
+    as then (in-place updates keep their tensors) costs one identity test.
     """
 
     def __init__(self, checks: tuple[StateCheck, ...]) -> None:
         self.checks = checks
-        self._verified: list = [None] * len(checks)
 
-    def check(self, frame: list) -> None:
-        """Raise StateChanged, naming the update and the blob, if a state blob's shape or dtype changed."""
-        verified = self._verified
+    def check(self, frame: list, verified: list) -> None:
+        """Raise StateChanged, naming the update and the blob, if a state blob's shape or dtype changed
+        (`verified`: the runtime's list of the tensors last found good, one per check, updated)."""
         for k, check in enumerate(self.checks):
             value = frame[check.slot]
             if verified[k] is not None and verified[k]() is value:
@@ -214,4 +211,4 @@ def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:
     blobs.update(zip(layout.store_names, map(frame.__getitem__, layout.store_slots)))  # a loop in C
     for name in layout.drops:
         blobs.pop(name, None)
-    _committed.add(plan)
+    runtime_of(plan).committed = True

@@ -58,6 +58,16 @@ class Step(NamedTuple):
                              run=make_run(kernel, self.inputs, self.outputs, self.claims, reuse))
 
 
+class Phase(NamedTuple):
+    """One phase of a plan (see `Plan`): its steps in program order, whether it is the second one
+    (it starts with the state check) and its CPU kernels' intra-op threads."""
+
+    index: int
+    steps: tuple[int, ...]
+    staged: bool
+    threads: int
+
+
 class BlobStore(Protocol):
     """What compile_net needs of a workspace."""
 
@@ -101,9 +111,14 @@ class Plan:
     state_guard: StateGuard
     staged_threads: int
     runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
+    phases: tuple[Phase, ...] = field(init=False, repr=False)  # the non-empty phases, in order
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs", tuple(step.run for step in self.steps))
+        split = ((self.order[:self.staged_from], False, self.intra_op_threads),
+                 (self.order[self.staged_from:], True, self.staged_threads))
+        object.__setattr__(self, "phases", tuple(Phase(k, *phase)
+                                                 for k, phase in enumerate(p for p in split if p[0])))
 
     @property
     def name(self) -> str:

@@ -1,11 +1,11 @@
 """How steps call their kernels on a frame: one step at a time (`make_run`), or a whole plan as one
 straight-line Python function (`straight_line`), the "simple" executor's loop unrolled.
 
-`straight_line(plan)` generates, compiles and returns `program(frame)`, which calls every step's
-kernel in the plan's order (program order within each of its two phases, with the state check
-between them: `executor.plan.Plan`) on frame slots (`frame[3] = k2(frame[1], frame[0])`), frees what
-the plan frees after each step (`plan.frame.frees`, in that order), and on an exception raises
-`StepFailed` carrying the failing step's index.
+`straight_line(plan, phase)` generates, compiles and returns `program(frame)`, which calls the kernel
+of every step of one of the plan's phases (`executor.plan.Plan`) in program order on frame slots
+(`frame[3] = k2(frame[1], frame[0])`), frees what the plan frees after each step (`plan.frame.frees`,
+in that order), and on an exception raises `StepFailed` carrying the failing step's index.
+`executor.run.run_plan` runs the phases one after the other.
 With no per-op loop, tuple unpacking or dispatch left, RunNet's per-op cost is that of the kernel
 call itself (torch.fx generates Python code from its graphs the same way). Generating costs about
 20 µs per op, once per plan, on its first run.
@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from graphpar.executor.frame import StateChanged
-
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import Phase, Plan
 
 
 class StepFailed(Exception):
@@ -40,15 +38,11 @@ class StepFailed(Exception):
         self.index = index
 
 
-def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
-    """`program(frame)` running `plan`'s steps in `plan.order` (freeing `plan.frame.frees` if `frees`)."""
+def straight_line(plan: Plan, phase: Phase, frees: bool) -> Callable[[list], None]:
+    """`program(frame)` running the steps of `phase` in its order (freeing `plan.frame.frees` if `frees`)."""
     lines = []
-    for position, j in enumerate(plan.order):
+    for j in phase.steps:
         step = plan.steps[j]
-        if position == plan.staged_from and plan.state_guard.checks:
-            lines.append("check(frame)")
-        if position == plan.staged_from and plan.staged_threads != plan.intra_op_threads:
-            lines.append(f"threads({plan.staged_threads})")
         claims = dict(step.claims)
         args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
         reuse = step.reuse
@@ -63,22 +57,20 @@ def straight_line(plan: Plan, frees: bool) -> Callable[[list], None]:
         if frees:
             lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
     body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    reusing = [step for step in plan.steps if step.reuse]
-    params = ", ".join(["store", "claim", "owns", "StepFailed", "check", "StateChanged", "threads",
-                        *(f"k{step.index}" for step in plan.steps), *(f"r{step.index}" for step in reusing)])
+    used = [plan.steps[j] for j in phase.steps]
+    reusing = [step for step in used if step.reuse]
+    params = ", ".join(["store", "claim", "owns", "StepFailed", *(f"k{step.index}" for step in used),
+                        *(f"r{step.index}" for step in reusing)])
     source = (f"def make({params}):\n"
               f"    def program(frame):\n"
               f"        i = 0\n"
               f"        try:\n{body}\n"
-              f"        except StateChanged as exc:\n"
-              f"            raise StepFailed(exc.step) from exc\n"
               f"        except Exception as exc:\n"
               f"            raise StepFailed(i) from exc\n"
               f"    return program\n")
     namespace: dict = {}
-    exec(compile(source, f"<plan {plan.name}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, claim, owns, StepFailed, plan.state_guard.check, StateChanged,
-                             torch.set_num_threads, *(step.kernel for step in plan.steps),
+    exec(compile(source, f"<plan {plan.name} phase {phase.index}>", "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace["make"](store_all, claim, owns, StepFailed, *(step.kernel for step in used),
                              *(step.reuse.kernel for step in reusing))
 
 

@@ -1,11 +1,12 @@
 """Executors, keyed by net type: `NetDef.type` names the executor that runs a net's plan.
 
-An executor runs a compiled `Plan` once against a workspace's blobs: it opens a frame
-(`frame.open_frame`), calls each step's `run(frame)` in an order that respects `plan.dependencies`
-and the plan's two phases (the updates and what depends on them last, after `frame.StateGuard`),
-frees each freeable value after its last use when the plan frees memory, turns a step's exception
-into `failure.op_failure(...)`, and commits the frame (`frame.commit`) only after every step succeeded.
-Adding one is a new module plus one `register_executor` line here.
+An executor runs a compiled `Plan` once against a workspace's blobs, through
+`executor.run.run_plan`: the one routine that opens the frame, runs the plan's phases (the updates
+and what depends on them last, after `frame.StateGuard`), turns a step's exception into
+`failure.op_failure(...)` and commits the frame only after every step succeeded. An executor says
+only how the steps of a phase are launched (in an order that respects `plan.dependencies`, freeing
+each freeable value after its last use when the plan frees memory). Adding one is a new module plus
+one `register_executor` line here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from graphpar.executor.dag import DagExecutor
+from graphpar.executor.graphs import CudaGraphExecutor
 from graphpar.executor.simple import SimpleExecutor
 
 if TYPE_CHECKING:
@@ -55,3 +57,4 @@ def net_types() -> tuple[str, ...]:
 register_executor("simple", SimpleExecutor())
 register_executor("dag", DagExecutor())
 register_executor("async_scheduling", get_executor("dag"))  # Caffe2's name for its concurrent executor
+register_executor("cuda_graph", CudaGraphExecutor())  # a step captured once in a CUDA graph, then replayed

@@ -19,8 +19,6 @@ replaces it when set.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -46,15 +44,3 @@ def intra_op_threads(cpu_replicas: int) -> int:
     """The intra-op threads of each kernel of a plan whose ops run on `cpu_replicas` CPU devices."""
     return max(1, thread_budget() // max(1, cpu_replicas))
 
-
-@contextmanager
-def intra_op_threads_of(count: int) -> Iterator[None]:
-    """Run the block with `count` intra-op threads in this thread (PyTorch's setting is per thread)."""
-    old = torch.get_num_threads()
-    if old != count:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        if old != count:
-            torch.set_num_threads(old)

@@ -207,7 +207,9 @@ def learning_rate_schedule(a: SimpleNamespace, where: str) -> Schedule:
 def _learning_rate(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
     schedule = learning_rate_schedule(a, op_label(ctx.op))
     base_lr, device = a.base_lr, ctx.device
-    return lambda it: torch.tensor([base_lr * schedule(int(it.item()))], dtype=torch.float32, device=device)
+    # A fill on the device: the host value travels as a kernel argument (no copy from pageable memory,
+    # which would make a CUDA stream synchronize); float64 rounds to float32 as torch.tensor does.
+    return lambda it: torch.full((1,), base_lr * schedule(int(it.item())), dtype=torch.float32, device=device)
 
 
 def _learning_rate_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
@@ -224,7 +226,7 @@ register_op(
     kernel=_learning_rate, gradient=NOT_DIFFERENTIABLE, device_inference=lambda op, d: ([_HOST], [d]),
     traits=(Trait.LEARNING_RATE, Trait.HOST_SYNC), infer=_learning_rate_infer, check=counter_at(0),
     doc="lr = base_lr * factor(iter), from the CPU int64 counter, computed in float64 on the host and "
-        "written as a float32 [1] tensor on the op's device. Policies (Caffe2's args): fixed 1; step "
+        "written as a float32 [1] tensor on the op's device by a fill (no host-to-device copy, no sync). Policies (Caffe2's args): fixed 1; step "
         "gamma^(iter // stepsize); multistep gamma^(#stepsizes <= iter); exp gamma^iter; inv "
         "(1 + gamma iter)^-power; poly (1 - min(iter, max_iter)/max_iter)^power (clamped at max_iter, "
         "where Caffe2 went negative); linearWarmup start_multiplier + (1 - start_multiplier) "

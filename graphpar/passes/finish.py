@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import Trait, has_trait
-from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
+from graphpar.naming import DYNAMIC_MEMORY_ARG, FIRST_ITER_ARG, KEEP_ARG
 from graphpar.passes.common import declare_external_inputs
 from graphpar.passes.state import ParallelState
 
@@ -23,7 +23,7 @@ def configure_train_net(state: ParallelState) -> None:
 
 def mark_first_iteration_serial(state: ParallelState) -> None:
     """Caffe2's hint `first_iter_only_one_worker=1` on the train net (a serial first iteration)."""
-    state.model.net.Proto().args["first_iter_only_one_worker"] = 1
+    state.model.net.Proto().args[FIRST_ITER_ARG] = 1
 
 
 def chain_collectives(ops: Sequence[OperatorDef]) -> None:

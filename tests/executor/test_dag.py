@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ import torch
 from graphpar import workspace
 from graphpar.core import CPU, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import register_op, scoped_registry
-from graphpar.errors import OperatorError
+from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor import get_executor
+from graphpar.executor.runtime import runtime_of
 
 CPU0, CPU1 = DeviceOption(CPU, 0), DeviceOption(CPU, 1)  # two CPU replicas: one intra-op thread each
 
@@ -179,3 +182,81 @@ def test_freeing_in_any_order_waits_for_every_user_of_a_value():
         results[net_type] = workspace.FetchBlob("y")
         assert workspace.Blobs() == ["x", "y"]
     np.testing.assert_array_equal(results["dag"], results["simple"])
+
+
+def _thread_recording_net(name: str, seen: list, first_iter_serial: bool) -> NetDef:
+    def kernel(a, ctx):  # noqa: ANN001, ANN202
+        def run(x: torch.Tensor) -> torch.Tensor:
+            seen.append(threading.current_thread().name)
+            return x + 1
+        return run
+
+    register_op("_TestWhichThread", kernel=kernel, infer=lambda a, ctx, inputs: [inputs[0]],
+                doc="Test op: records the thread that runs it.")
+    args = {"first_iter_only_one_worker": 1} if first_iter_serial else {}
+    return NetDef(name, [OperatorDef("_TestWhichThread", ["x"], ["a"], device_option=CPU0),
+                         OperatorDef("_TestWhichThread", ["x"], ["b"], device_option=CPU1)],
+                  args=args, type="dag", num_workers=2)
+
+
+@pytest.mark.parametrize("first_iter_serial", [True, False])
+def test_first_iter_only_one_worker_runs_the_first_run_in_the_calling_thread(first_iter_serial: bool):
+    """Caffe2's hint (Parallelize sets it on the train net): the first run is serial, later ones are not."""
+    seen: list = []
+    with scoped_registry():
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        net = _thread_recording_net(f"first_iter_{first_iter_serial}", seen, first_iter_serial)
+        workspace.CreateNet(net)
+        workspace.RunNet(net.name)
+        first = list(seen)
+        seen.clear()
+        workspace.RunNet(net.name, 2)
+    on_workers = all(name.startswith("graphpar-dag-") for name in first)
+    assert (set(first) == {"MainThread"}) if first_iter_serial else on_workers
+    assert len(seen) == 4 and all(name.startswith("graphpar-dag-") for name in seen)
+
+
+def test_a_failed_first_run_stays_serial_until_one_completes():
+    """`first_iter_only_one_worker` counts completed runs: a first run that failed does not count."""
+    seen: list = []
+    with scoped_registry():
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        net = _thread_recording_net("first_iter_failing", seen, True)
+        plan = workspace.get_workspace().create_net(net)
+        workspace.get_workspace().remove_blob("x")
+        with pytest.raises(MissingBlobError, match="no longer in workspace"):
+            workspace.RunNet(net.name)
+        assert runtime_of(plan).completed == 0
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        workspace.RunNet(net.name)
+        assert set(seen) == {"MainThread"} and runtime_of(plan).completed == 1
+
+
+def test_run_time_state_lives_in_the_runtime_not_the_plan():
+    """The Plan is never changed by a run: programs, schedules, verified state and run counts are its
+    Runtime's, and a copy of the plan (`with_steps`) starts with a fresh runtime."""
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    net = NetDef("runtime_state", [OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0})], type="dag")
+    plan = workspace.get_workspace().create_net(net)
+    before = dict(vars(plan)), dict(vars(plan.state_guard))
+    workspace.RunNet(net.name, 3)
+    assert (dict(vars(plan)), dict(vars(plan.state_guard))) == before
+    runtime = runtime_of(plan)
+    assert runtime.completed == 3 and runtime.committed and runtime.schedules is not None
+    assert runtime.programs is not None  # one launching thread: the straight-line programs ran
+    copy = plan.with_steps(plan.steps)
+    assert runtime_of(copy) is not runtime and runtime_of(copy).completed == 0
+
+
+@pytest.mark.parametrize("net_type", ["simple", "dag"])
+def test_a_replaced_net_is_freed_with_its_runtime(net_type: str):
+    """Runtimes are kept per plan weakly: what they cache (programs, schedules) keeps no plan alive."""
+    workspace.FeedBlob("x", np.ones(2, np.float32))
+    net = NetDef(f"freed_{net_type}", [OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0})], type=net_type)
+    workspace.CreateNet(net)
+    workspace.RunNet(net.name, 2)
+    plan = weakref.ref(workspace.get_workspace().nets[net.name])
+    assert runtime_of(plan()).completed == 2
+    workspace.CreateNet(net, overwrite=True)
+    gc.collect()
+    assert plan() is None

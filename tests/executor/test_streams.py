@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from graphpar import workspace
 from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
+from graphpar.executor import get_executor
 from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams, stream_backend
 
 
@@ -57,8 +59,11 @@ class FakeStreams:
         self.log.append(("host waits", event))
 
 
-def _net(net_type: str = "dag") -> NetDef:
+def _net(net_type: str = "dag", cpu_replica: bool = True) -> NetDef:
+    """Steps on two CUDA devices; with `cpu_replica`, a last step on a second CPU device, so that two
+    CPU devices compute and the dag runs on worker threads (without it, one launching thread)."""
     gpu0, gpu1 = DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
+    extra = [OperatorDef("Relu", ["c_host"], ["e_host"], device_option=DeviceOption(CPU, 1))] if cpu_replica else []
     return NetDef(f"streams_{net_type}", [
         OperatorDef("Relu", ["gpu_0/x"], ["gpu_0/a"], device_option=gpu0),               # 0
         OperatorDef("Relu", ["gpu_1/x"], ["gpu_1/b"], device_option=gpu1),               # 1
@@ -66,6 +71,7 @@ def _net(net_type: str = "dag") -> NetDef:
         OperatorDef("Add", ["gpu_1/a", "gpu_1/b"], ["gpu_1/c"], device_option=gpu1),     # 3: after 1, 2
         OperatorDef("CopyGPUToCPU", ["gpu_1/c"], ["c_host"], device_option=gpu1),        # 4: after 3
         OperatorDef("Relu", ["c_host"], ["d_host"], device_option=DeviceOption(CPU, 0)),  # 5: host step
+        *extra,
     ], type=net_type, num_workers=4)
 
 
@@ -128,6 +134,28 @@ def test_the_dag_executor_runs_through_the_injected_backend(monkeypatch: pytest.
         assert current_streams() is NO_STREAMS  # logical CUDA placed on the CPU: no streams, GPU or not
     np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
     actions = [entry[0] for entry in fake.log]
-    assert actions.count("run on") == 5 and actions.count("host waits") == 1
+    assert actions.count("run on") == 5 and 1 <= actions.count("host waits") <= 2  # one per host step's worker
     streams_used = sum(1 for entry in fake.log if entry[0] == "wait" and entry[2].startswith("start"))
     assert actions.count("join") == streams_used >= 2  # every stream used is joined back at the end
+
+
+def test_one_launching_thread_when_workers_cannot_win(monkeypatch: pytest.MonkeyPatch):
+    """CUDA steps and one CPU device: the dag launches everything from the calling thread, in program
+    order, on the default streams (no stream or event work, no worker hand-offs)."""
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    fake = FakeStreams()
+    with cuda_on_cpu(), stream_backend(fake):
+        _feed()
+        threads = set()
+        workspace.RunNetOnce(_net("dag", cpu_replica=False))
+        plan = workspace.get_workspace().create_net(_net("dag", cpu_replica=False))
+        original = plan.steps[0].kernel
+
+        def spy(*args):  # noqa: ANN202
+            threads.add(threading.current_thread().name)
+            return original(*args)
+
+        timed = plan.with_steps((plan.steps[0].with_kernel(spy), *plan.steps[1:]))
+        get_executor("dag").run(timed, workspace.get_workspace().blobs)
+    assert fake.log == [] and threads == {"MainThread"}
+    np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
