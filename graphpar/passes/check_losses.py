@@ -7,7 +7,8 @@ from graphpar.passes.state import ParallelState
 
 
 def check_finite_losses(state: ParallelState) -> None:
-    """Append `CheckFinite(losses)` per replica, on its device.
+    """Append `CheckFinite(losses)` per replica that has losses, on its device (a forward builder that
+    returns no loss, e.g. a barrier-only net, gets no check).
 
     Needs: `build_replicas` (each replica's losses), and no gradient or update op yet.
     Guarantees: one check op per device, in device order, before every gradient and update op; since
@@ -18,4 +19,4 @@ def check_finite_losses(state: ParallelState) -> None:
     layout = state.layout
     state.model.net.Proto().ops.extend(
         make_op("CheckFinite", [str(b) for b in state.losses_by_device[device]], [], layout.option(device))
-        for device in layout.devices)
+        for device in layout.devices if state.losses_by_device[device])
