@@ -15,18 +15,22 @@ torch.distributed's default group, joined through env://). `dist_url="auto"` pic
 unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
 CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
 When one process fails, the others are stopped, its traceback is shown and the
-launcher exits non-zero; no process outlives it.
+launcher exits non-zero; no process outlives it. On Ctrl-C every process gets one SIGINT (to stop
+after its step in flight) and up to `INTERRUPT_GRACE_SEC` to finish; the launcher then exits with
+status 130 and prints nothing itself (rank 0 says where it stopped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -34,6 +38,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+INTERRUPT_GRACE_SEC = 30.0  # after Ctrl-C, how long the processes get to stop before they are killed
 
 __all__ = ["DEFAULT_TIMEOUT", "get_local_rank", "get_rank", "get_world_size", "is_main_process", "launch",
            "main", "rendezvous"]
@@ -112,6 +117,8 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
         ValueError: bad counts or dist_url.
         torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a process failed (its
             traceback in the message); the others were stopped.
+        KeyboardInterrupt: Ctrl-C; every process got a SIGINT and has ended (killed after
+            `INTERRUPT_GRACE_SEC`).
     """
     if num_processes_per_machine < 1 or num_machines < 1 or not 0 <= machine_rank < num_machines:
         raise ValueError(f"launch: needs num_processes_per_machine >= 1, num_machines >= 1 and 0 <= machine_rank < "
@@ -124,10 +131,11 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
 
     addr, port = _master(dist_url, num_machines)
     errors = mp.get_context("spawn").SimpleQueue()  # tracebacks in the order the processes failed
+    context = mp.start_processes(_worker, nprocs=num_processes_per_machine, join=False, start_method="spawn",
+                                 args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr,
+                                       port, tuple(args), timeout, errors))
     try:
-        mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
-                           args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
-                                 tuple(args), timeout, errors))
+        _join(context)
     except mp.ProcessRaisedException as exc:
         if errors.empty():
             raise
@@ -135,6 +143,52 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
         rank, trace = errors.get()
         raise mp.ProcessRaisedException(f"\n\n-- Process {rank} failed first, with:\n{trace}", rank,
                                         exc.error_pid) from None
+
+
+def _join(context: Any) -> None:
+    """Wait for the processes (torch's join, which raises when one fails and stops the others). On
+    Ctrl-C: SIGINT to each live process, wait for them (Ctrl-C ignored meanwhile), kill the ones left
+    after INTERRUPT_GRACE_SEC, and re-raise."""
+    try:
+        while not context.join(timeout=0.1):
+            pass
+    except KeyboardInterrupt:
+        with _ignoring_sigint():
+            _stop(context.processes, INTERRUPT_GRACE_SEC)
+        raise
+
+
+class _ignoring_sigint:  # noqa: N801 - used as a context manager
+    """SIGINT ignored inside (main thread only), the previous handler back on leaving."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _stop(processes: Sequence[Any], grace_sec: float) -> None:
+    """SIGINT to each live process (`multiprocessing` or `subprocess` ones), then wait up to `grace_sec`
+    for all of them; kill the ones left."""
+    alive = [p for p in processes if _alive(p)]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_sec
+    while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in alive:
+        if _alive(p):
+            p.kill()
+        p.join() if hasattr(p, "join") else p.wait()
+
+
+def _alive(p: Any) -> bool:
+    return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
 
 
 def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
@@ -158,14 +212,16 @@ def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, nu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m graphpar.launch`: run a script once per process with torchrun's variables set."""
-    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\nEvery")[0],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        help="processes (shards) to start on this machine")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index, 0 to --nnodes - 1")
     parser.add_argument("--dist-url", default="auto", help="'auto' (a free local port) or tcp://HOST:PORT")
     parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
     parser.add_argument("script", help="the training script, or a module with -m")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own options")
     options = parser.parse_args(argv)
     if options.nproc_per_node < 1 or options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
         parser.error("needs --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
@@ -180,9 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _supervise(procs)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default and the description's line breaks."""
+
+
 def _supervise(procs: list[subprocess.Popen], grace_sec: float = 5.0) -> int:
     """Wait for every process; when one fails, stop the others (SIGTERM, then SIGKILL after `grace_sec`)
-    and return its exit code. 0 when all succeed."""
+    and return its exit code. 0 when all succeed. Ctrl-C: each process gets a SIGINT and
+    INTERRUPT_GRACE_SEC to stop (they print; the launcher does not), then 130."""
     failed = 0
     try:
         while procs and not failed:
@@ -196,7 +257,9 @@ def _supervise(procs: list[subprocess.Popen], grace_sec: float = 5.0) -> int:
                               f"{code}; stopping the others", file=sys.stderr)
             time.sleep(0.05)
     except KeyboardInterrupt:
-        failed = 130
+        with _ignoring_sigint():
+            _stop(procs, INTERRUPT_GRACE_SEC)
+        return 130
     for p in procs:
         p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_sec

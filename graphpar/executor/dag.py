@@ -162,9 +162,25 @@ class DagExecutor:
         state.start(schedule)
         with state.lock:
             self._release(state, list(schedule.roots))
-        state.finished.wait()
+        try:
+            state.finished.wait()
+        except KeyboardInterrupt:
+            self._drain(state)
+            raise
         if state.failure is not None:
             raise _PhaseFailed
+
+    @staticmethod
+    def _drain(state: _Run) -> None:
+        """After a Ctrl-C in the caller: start no more steps and wait for the running ones, so that no
+        worker is still inside a kernel when the caller goes on, or the interpreter exits (which aborts
+        the process: `terminate called without an active exception`). Nothing is committed."""
+        with state.lock:
+            if state.failure is None:
+                state.failure = (-1, KeyboardInterrupt())
+            if state.running == 0 and state.waiting == 0:
+                state.finished.set()
+        state.finished.wait()
 
     def worker_count(self) -> int:
         """How many worker threads exist (they are shared by every run and never shrink)."""
