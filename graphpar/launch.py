@@ -237,7 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows each option's default and the description's line breaks."""
+    """--help shows each option's default (not a flag's False) and the description's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help or "" if action.default is False else super()._get_help_string(action)
 
 
 def _supervise(procs: list[subprocess.Popen], grace_sec: float = 5.0) -> int:

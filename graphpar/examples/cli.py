@@ -11,8 +11,8 @@ it imports torch.
   Lines go through `tqdm.write` while a progress bar is open, so the bar stays whole.
 - `guard(main, argv)`: runs a tool's main; a Ctrl-C ends it with one line and exit status 130 (the
   first Ctrl-C only: the others are ignored while it stops, so the clean-up cannot be interrupted),
-  an error with one line, its hint and exit status 1 (`--verbose`: the traceback too). Under a launcher
-  only rank 0 reports an interrupt; every rank reports its error.
+  an error with one line (the message and its hint) and exit status 1 (`--verbose`: the traceback
+  too). Under a launcher only rank 0 reports an interrupt; every rank reports its error.
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ log = logging.getLogger("graphpar.examples")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default, and the description as written (line breaks kept)."""
+    """Shows each option's default (unless it is None or False, or the help says it), and the
+    description as written (line breaks kept)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
@@ -133,8 +140,7 @@ def one_interrupt() -> Iterator[None]:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
-def guard(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None,
-          hint: str = "") -> int:
+def guard(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """`main(argv)` with a clean Ctrl-C and one-line errors (see the module docstring); its exit status.
     `SystemExit` (argparse's errors, status 2) passes through."""
     verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
@@ -148,8 +154,8 @@ def guard(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | Non
         except Exception as exc:  # noqa: BLE001 - the tool's last word, one line unless --verbose
             if verbose:
                 traceback.print_exc()
-            print(f"error: {one_line(exc)}" + (f"\n{hint}" if hint else "")
-                  + ("" if verbose else "\n(--verbose shows the traceback)"), file=sys.stderr, flush=True)
+            print(f"error: {one_line(exc)}" + ("" if verbose else "\n(--verbose shows the traceback)"),
+                  file=sys.stderr, flush=True)
             return 1
 
 

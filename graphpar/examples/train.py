@@ -243,10 +243,7 @@ class ShardOf:
 def main(argv: list[str] | None = None) -> int:
     """The command: its exit status (0; 1 after an error, said in one line; 2 for a bad option; 130
     after Ctrl-C)."""
-    return cli.guard(_main, argv, hint=f"(--checkpoint keeps the last finished epoch; see {HELP})")
-
-
-HELP = "python -m graphpar.examples.train --help"
+    return cli.guard(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
