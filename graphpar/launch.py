@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 INTERRUPT_GRACE_SEC = 30.0  # after Ctrl-C, how long the processes get to stop before they are killed
+PEER_GRACE_SEC = 5.0  # ... and once one has stopped, how long the others get (one may wait on it in C++)
 
 __all__ = ["DEFAULT_TIMEOUT", "get_local_rank", "get_rank", "get_world_size", "is_main_process", "launch",
            "main", "rendezvous"]
@@ -173,13 +174,16 @@ class _ignoring_sigint:  # noqa: N801 - used as a context manager
 
 def _stop(processes: Sequence[Any], grace_sec: float) -> None:
     """SIGINT to each live process (`multiprocessing` or `subprocess` ones), then wait up to `grace_sec`
-    for all of them; kill the ones left."""
+    for all of them, or PEER_GRACE_SEC once one has ended (a process blocked in C++ on a peer that left,
+    e.g. joining the rendezvous, does not see a SIGINT); kill the ones left."""
     alive = [p for p in processes if _alive(p)]
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGINT)
     deadline = time.monotonic() + grace_sec
     while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+        if not all(_alive(p) for p in alive):
+            deadline = min(deadline, time.monotonic() + PEER_GRACE_SEC)
         time.sleep(0.05)
     for p in alive:
         if _alive(p):

@@ -213,3 +213,22 @@ def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
     assert re.search(r"^\[\d\d:\d\d:\d\d rank0\] epoch  1  loss \d\.\d{4}  test accuracy \d+\.\d\d%$", out, re.M)
     rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
     assert "loss" in rows[0] and "scaled_loss" not in rows[0]
+
+
+def test_launch_stops_a_process_that_ignores_the_interrupt_once_a_peer_has_stopped(monkeypatch):
+    """After Ctrl-C, a process blocked where SIGINT cannot reach it (C++ waiting on a peer that left) is
+    killed PEER_GRACE_SEC after the first process ended, not after the whole grace period."""
+    from graphpar import launch
+
+    code = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
+    stops = subprocess.Popen([sys.executable, "-c", code.format("pass")], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    stuck = subprocess.Popen([sys.executable, "-c", code.format("signal.signal(signal.SIGINT, signal.SIG_IGN)")],
+                             stdout=subprocess.PIPE)
+    for proc in (stops, stuck):
+        assert proc.stdout.readline().strip() == b"ready"
+    monkeypatch.setattr(launch, "PEER_GRACE_SEC", 0.5)
+    start = time.monotonic()
+    launch._stop([stops, stuck], grace_sec=30)
+    assert time.monotonic() - start < 10
+    assert stops.returncode != 0 and stuck.returncode == -signal.SIGKILL
