@@ -154,17 +154,21 @@ def guard(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | Non
         except Exception as exc:  # noqa: BLE001 - the tool's last word, one line unless --verbose
             if verbose:
                 traceback.print_exc()
-            print(f"error: {one_line(exc)}" + ("" if verbose else "\n(--verbose shows the traceback)"),
+            print(f"error: {one_line(exc)}" + ("" if verbose else "\n(--verbose shows the details and the traceback)"),
                   file=sys.stderr, flush=True)
             return 1
 
 
 def one_line(exc: BaseException) -> str:
-    """`Type: message` of an exception; for a failure in another process (whose message carries that
-    process's traceback), its last line."""
+    """`Type: message`, the message's first line (graphpar puts the fix there; the lines after it are
+    details). For a failure in another process, whose message carries that process's traceback, the
+    line of the exception that ended it."""
     text = str(exc).strip()
-    if "Traceback (most recent call last)" in text:
-        lines = [line for line in text.splitlines() if line.strip()]
-        return lines[-1].strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
+    header = "Traceback (most recent call last):"
+    if header in text:
+        after = text.rsplit(header, 1)[1].splitlines()
+        found = next((line for line in after if line.strip() and not line[0].isspace()), None)
+        if found is not None:
+            return found.strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -153,10 +153,25 @@ def test_a_runtime_error_is_one_line_and_verbose_shows_the_traceback(tmp_path, c
     assert "Traceback (most recent call last)" in err and "error: CheckpointError" in err
 
 
-def test_one_line_of_an_error_in_another_process():
-    trace = "\n\n-- Process 1 failed first, with:\nTraceback (most recent call last):\n  File ...\nValueError: bad\n"
-    assert cli.one_line(RuntimeError(trace)) == "ValueError: bad"
+def test_one_line_of_an_error_here_and_in_another_process():
+    trace = ("\n\n-- Process 1 failed first, with:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+             "    raise OperatorError(...)\ngraphpar.errors.OperatorError: op #3 failed: lower the LR\n  inputs:\n"
+             "    input 0 'cpu_0/loss'\n")
+    assert cli.one_line(RuntimeError(trace)) == "graphpar.errors.OperatorError: op #3 failed: lower the LR"
+    assert cli.one_line(ValueError("op #3 failed: lower the LR\n  inputs:\n    input 0")) == \
+        "ValueError: op #3 failed: lower the LR"
     assert cli.one_line(KeyError("x")) == "KeyError: 'x'"
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
+    for more in ([], ["--num-processes", "2"]):
+        argv = ["--devices", "2", "--epochs", "1", "--lr", "1e6", "--overwrite", "--checkpoint", str(tmp_path / "n")]
+        assert train.main([*argv, *more]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-2].startswith("error: ") and "OperatorError" in err[-2] and "is nan (not finite)" in err[-2]
+        assert "Lower the learning rate" in err[-2] and err[-1] == "(--verbose shows the details and the traceback)"
+        assert not any("Traceback" in line or "inputs:" in line for line in err)
 
 
 # ---- --help -------------------------------------------------------------------------------------------

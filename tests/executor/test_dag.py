@@ -179,3 +179,39 @@ def test_freeing_in_any_order_waits_for_every_user_of_a_value():
         results[net_type] = workspace.FetchBlob("y")
         assert workspace.Blobs() == ["x", "y"]
     np.testing.assert_array_equal(results["dag"], results["simple"])
+
+
+def test_ctrl_c_in_the_caller_waits_for_the_running_steps_and_commits_nothing():
+    """A KeyboardInterrupt while a run waits for its workers returns only once no worker is inside a
+    kernel (one still running at interpreter exit aborts the process) and writes no output."""
+    import signal
+    import time
+
+    started, finished = threading.Event(), threading.Event()
+
+    def kernel(a, ctx):  # noqa: ANN001, ANN202
+        def run(x: torch.Tensor) -> torch.Tensor:
+            started.set()
+            time.sleep(0.5)
+            finished.set()
+            return x + 1
+        return run
+
+    def interrupt() -> None:
+        started.wait(10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with scoped_registry():
+        register_op("_TestSlow", kernel=kernel, infer=lambda a, ctx, inputs: [inputs[0]], doc="Test op: sleeps.")
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        net = NetDef("interrupted", [OperatorDef("_TestSlow", ["x"], ["a"], device_option=CPU0),
+                                     OperatorDef("Relu", ["x"], ["b"], device_option=CPU1),
+                                     OperatorDef("Add", ["a", "b"], ["c"])], type="dag", num_workers=2)
+        workspace.CreateNet(net)
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            workspace.RunNet(net.name)
+        assert finished.is_set()
+        assert not workspace.HasBlob("c") and not workspace.HasBlob("a")
+        workspace.RunNet(net.name)  # the executor is still usable
+    np.testing.assert_array_equal(workspace.FetchBlob("c"), [1.0, 1.0])
