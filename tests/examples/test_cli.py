@@ -32,7 +32,13 @@ def _fresh(tmp_path: Path, name: str = "c.safetensors") -> Path:
 
 def _interrupt(command: list[str], trigger: str | None, delay: float, cwd: Path) -> tuple[int, str, float]:
     """Run `command`, send SIGINT to its process group `delay` s after stdout shows `trigger` (None: after
-    start), and return (exit status, stderr, seconds from the signal to the exit)."""
+    start), and return (exit status, stderr, seconds from the signal to the exit). Once more if the free
+    port the launcher picked was taken meanwhile (by another job on this machine)."""
+    found = _interrupt_once(command, trigger, delay, cwd)
+    return _interrupt_once(command, trigger, delay, cwd) if "EADDRINUSE" in found[1] else found
+
+
+def _interrupt_once(command: list[str], trigger: str | None, delay: float, cwd: Path) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
                             start_new_session=True)
