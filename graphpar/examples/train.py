@@ -174,6 +174,13 @@ def _progress(path: Path) -> str:
     return f"epoch {epoch}" if epoch is not None else f"iteration {found['iteration']}"
 
 
+def _kept(path: Path) -> str:
+    """What an interrupted run leaves: the checkpoint's last finished epoch, or nothing."""
+    if not path.exists():
+        return "no epoch finished, so nothing was saved"
+    return f"{path} holds the last finished epoch ({_progress(path)}): continue with --resume"
+
+
 class EpochEnd(HookBase):
     """After each epoch: test accuracy, the checkpoint (atomic; its metadata has the epoch and the batch
     size), and the epoch's line on the console."""
@@ -253,8 +260,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             launch.launch(run, args.num_processes, args=(args,))
         except KeyboardInterrupt:
-            print(f"\ninterrupted; {args.checkpoint} holds the last finished epoch: continue with --resume",
-                  file=sys.stderr, flush=True)
+            print(f"\ninterrupted; {_kept(args.checkpoint)}", file=sys.stderr, flush=True)
             return cli.INTERRUPTED
         return 0
     return run(args)
@@ -291,8 +297,9 @@ def _run(args: argparse.Namespace) -> int:
                  "CPU" if args.cpu else "CUDA", args.batch_size // (args.devices * shards))
 
     metrics = args.checkpoint.parent / "metrics.json"
-    if say and not args.resume:
+    if say and not args.resume:  # a fresh run (parse_args refused to overwrite without --overwrite)
         metrics.unlink(missing_ok=True)
+        args.checkpoint.unlink(missing_ok=True)
     loader = ShardOf(ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed), shard, shards)
     with DeviceFeeder(loader, train) as feeder:
         epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs,
@@ -311,8 +318,8 @@ def _run(args: argparse.Namespace) -> int:
             trainer.train()
         except KeyboardInterrupt:
             if say and getattr(args, "report_interrupt", True):
-                print(f"\ninterrupted at iteration {trainer.iter}; {args.checkpoint} holds the last finished epoch: "
-                      f"continue with --resume", file=sys.stderr, flush=True)
+                print(f"\ninterrupted at iteration {trainer.iter}; {_kept(args.checkpoint)}", file=sys.stderr,
+                      flush=True)
             return cli.INTERRUPTED
     dpm.Synchronize(train)  # the last checkpoint is written before any process returns
     if not say:

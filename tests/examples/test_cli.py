@@ -253,3 +253,22 @@ def test_launch_stops_a_process_that_ignores_the_interrupt_once_a_peer_has_stopp
     launch._stop([stops, stuck], grace_sec=30)
     assert time.monotonic() - start < 10
     assert stops.returncode != 0 and stuck.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
+    from graphpar import data_parallel_model as dpm
+
+    path = _fresh(tmp_path)  # --overwrite replaces it: the old run's checkpoint must not pass for this one's
+    run_net, calls = dpm.RunNet, []
+
+    def interrupted(model, n):
+        calls.append(model.name)
+        if calls.count("digits_train") == 5:
+            raise KeyboardInterrupt
+        return run_net(model, n)
+
+    monkeypatch.setattr(dpm, "RunNet", interrupted)
+    assert train.main([*EPOCH_1, "--checkpoint", str(path), "--overwrite"]) == 130
+    assert "interrupted at iteration 4; no epoch finished, so nothing was saved" in capsys.readouterr().err
+    assert not path.exists() and not (tmp_path / "metrics.json").exists()
