@@ -38,7 +38,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False) or "default" in text:
+        if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
 

@@ -185,7 +185,7 @@ def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
 
 @pytest.mark.parametrize("main, module, shows", [
     (train.main, "graphpar.examples.train", ["--lr LR", "learning rate", "(default: 0.05)", "(default: 12)",
-                                             "training.png beside --checkpoint", "--overwrite"]),
+                                             "training.png beside --checkpoint", "--overwrite", "the batch order (default: 0)"]),
     (resnet50_trainer.main, "graphpar.examples.resnet50_trainer", ["(default: 0.1)", "resnet<num_layers>_model"]),
     (dlrm.main, "graphpar.examples.dlrm", ["--lr LR", "(default: 0.1)", "(default: adagrad)"]),
 ])
