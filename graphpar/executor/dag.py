@@ -111,6 +111,9 @@ class _Run:
         self.finished = threading.Event()
 
 
+_START = -1  # the task that starts a phase: release its roots
+
+
 class _PhaseFailed(Exception):
     """A step of the phase failed (`_Run.failure` says which): the next phase must not start."""
 
@@ -160,9 +163,8 @@ class DagExecutor:
     def _run_phase(self, state: _Run, schedule: Schedule) -> None:
         """Run one phase of the plan; return when every step of it finished (or after a failure)."""
         state.start(schedule)
-        with state.lock:
-            self._release(state, list(schedule.roots))
-        try:
+        try:  # a worker releases the roots (_START): a Ctrl-C here cannot leave the counts half-updated
+            self._tasks.put((state, _START))
             state.finished.wait()
         except KeyboardInterrupt:
             self._drain(state)
@@ -220,6 +222,13 @@ class DagExecutor:
         worker_streams: dict[int, dict[Any, Any]] = {}  # per stream backend (by id): its streams by device
         while True:
             state, index = self._tasks.get()
+            if index == _START:
+                with state.lock:
+                    if state.failure is None:
+                        self._release(state, list(state.schedule.roots))
+                    elif state.running == 0 and state.waiting == 0:  # drained before it started
+                        state.finished.set()
+                continue
             plan = state.plan
             if threads != state.schedule.threads:
                 threads = state.schedule.threads
