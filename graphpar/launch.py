@@ -188,7 +188,10 @@ def _stop(processes: Sequence[Any], grace_sec: float) -> None:
     for p in alive:
         if _alive(p):
             p.kill()
-        p.join() if hasattr(p, "join") else p.wait()
+        if hasattr(p, "join"):
+            p.join()
+        else:
+            p.wait()
 
 
 def _alive(p: Any) -> bool:
