@@ -128,8 +128,10 @@ def one_interrupt() -> Iterator[None]:
         return
 
     def first(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if _interrupted.is_set():  # a second SIGINT that came before SIG_IGN was in place (a terminal's
+            return  # and a launcher's arrive together): the first one's clean-up must not be interrupted
         _interrupted.set()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, first)

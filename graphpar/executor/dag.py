@@ -176,13 +176,19 @@ class DagExecutor:
     def _drain(state: _Run) -> None:
         """After a Ctrl-C in the caller: start no more steps and wait for the running ones, so that no
         worker is still inside a kernel when the caller goes on, or the interpreter exits (which aborts
-        the process: `terminate called without an active exception`). Nothing is committed."""
+        the process: `terminate called without an active exception`). Nothing is committed. A Ctrl-C
+        meanwhile is swallowed: the wait lasts at most the running steps (a collective: its timeout)."""
         with state.lock:
             if state.failure is None:
                 state.failure = (-1, KeyboardInterrupt())
             if state.running == 0 and state.waiting == 0:
                 state.finished.set()
-        state.finished.wait()
+        while True:
+            try:
+                state.finished.wait()
+                return
+            except KeyboardInterrupt:  # another Ctrl-C (a terminal's and a launcher's): still wait
+                continue
 
     def worker_count(self) -> int:
         """How many worker threads exist (they are shared by every run and never shrink)."""

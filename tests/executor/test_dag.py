@@ -183,7 +183,8 @@ def test_freeing_in_any_order_waits_for_every_user_of_a_value():
 
 def test_ctrl_c_in_the_caller_waits_for_the_running_steps_and_commits_nothing():
     """A KeyboardInterrupt while a run waits for its workers returns only once no worker is inside a
-    kernel (one still running at interpreter exit aborts the process) and writes no output."""
+    kernel (one still running at interpreter exit aborts the process; a second Ctrl-C does not cut the
+    wait short) and writes no output."""
     import signal
     import time
 
@@ -197,8 +198,10 @@ def test_ctrl_c_in_the_caller_waits_for_the_running_steps_and_commits_nothing():
             return x + 1
         return run
 
-    def interrupt() -> None:
+    def interrupt() -> None:  # twice, as a terminal's and a launcher's SIGINT arrive: the second mid-drain
         started.wait(10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     with scoped_registry():
