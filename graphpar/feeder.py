@@ -228,4 +228,6 @@ class _Epoch(Iterator[Prepared]):
             self.thread.join(timeout=0.05)
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)  # None: __init__ was interrupted (Ctrl-C) before it was made
+        if stop is not None:
+            stop.set()

@@ -261,3 +261,12 @@ def test_a_feeder_dropped_without_close_stops_its_thread():
     while _feeder_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _feeder_threads() == []
+
+
+def test_an_epoch_whose_init_was_interrupted_is_dropped_quietly():
+    """Ctrl-C inside _Epoch.__init__ leaves an object without its stop event: dropping it must not print
+    'Exception ignored in ... __del__' (a traceback on the user's console)."""
+    from graphpar.feeder import _Epoch
+
+    half_made = _Epoch.__new__(_Epoch)
+    half_made.__del__()  # raised AttributeError before
