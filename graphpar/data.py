@@ -9,6 +9,8 @@ The rules (docs/feeding.md has the long form):
   first `n % N` devices one more), or the sizes passed. Every array leaf must have the same n.
 - *Feeding.* Blob names come from the keys: `{"img": x, "meta": {"boxes": b}}` feeds `img` and
   `meta_boxes`; list and tuple items add their index (`boxes_0`). `feed` writes `{prefix}_{id}/{name}`.
+  A batch is therefore a dict keyed by blob name: a bare tuple or list (a `TensorDataset`'s `(x, y)`)
+  names nothing and is refused, with the dict form in the message.
   Leaves that are not arrays are not fed; `feed` hands them back per device (`Fed.host`).
 - *Uneven chunks* are refused, naming the fix, unless the model was parallelized with
   `uneven_batches=True`; then each device's loss gradient is weighted by its real share.
@@ -296,6 +298,8 @@ def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = 
     Touches no workspace, so a `DeviceFeeder` runs it on its own thread. Raises as `feed`.
     """
     devices = model.GetDevices()
+    if isinstance(batch, (list, tuple)):
+        raise ValueError(_unnamed(model, batch))
     count = len(devices)
     allowed = bool(getattr(getattr(getattr(model, "_parallel", None), "options", None), "uneven_batches", False))
     n = _batch_size(batch, dim)
@@ -381,6 +385,31 @@ def feed(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = Non
             batch.copier.wait(d, event, per_device.values())
     _feed_all([item for per_device in batch.blobs for item in per_device.items()])
     return Fed(batch.names, batch.rows, batch.host, batch.device)
+
+
+def _unnamed(model: Any, batch: Sequence[Any]) -> str:
+    """The error for a batch that is a bare tuple or list: it shows the dict form with the model's inputs."""
+    names = _inputs_of(model)
+    keys = names if len(names) == len(batch) else [f"name{k}" for k in range(len(batch))]
+    example = ", ".join(f"{key!r}: batch[{k}]" for k, key in enumerate(keys))
+    reads = f" (the model reads {', '.join(map(repr, names))})" if names else ""
+    return (f"feed: the batch is a {type(batch).__name__} of {len(batch)} fields, which have no blob names; pass a "
+            f"dict keyed by blob name{reads}: feed(model, {{{example}}}), e.g. for a DataLoader over a "
+            f"TensorDataset: for x, y in loader: feed(model, {{'data': x, 'label': y}})")
+
+
+def _inputs_of(model: Any) -> list[str]:
+    """The unscoped names of what a batch feeds: the blobs the first replica reads that are not params
+    and that no init net or op of the net creates (best effort: [] when the model has no nets)."""
+    try:
+        scope = device_scoped(model._device_prefix, model.GetDevices()[0], "")
+        nets = [model.param_init_net.Proto(), model.net.Proto()]
+        created = {b for net in nets for op in net.ops for b in op.outputs}
+        params = {str(p) for p in model.GetParams()}
+        return [b[len(scope):] for b in model.net.Proto().external_inputs
+                if b.startswith(scope) and b not in created and b not in params and b[len(scope):] != BATCH_WEIGHT]
+    except Exception:  # noqa: BLE001 - only a hint for an error message
+        return []
 
 
 _EMPTY = ("feed: the batch {what}; an empty batch trains nothing, and on one replica it would bias the "

@@ -256,4 +256,6 @@ class _Epoch(Iterator[Prepared]):
         self.loader.close(timeout)
 
     def __del__(self) -> None:
-        self.loader.stop.set()
+        loader = getattr(self, "loader", None)  # None: __init__ was interrupted (Ctrl-C) before it was made
+        if loader is not None:
+            loader.stop.set()

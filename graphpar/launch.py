@@ -15,14 +15,17 @@ torch.distributed's default group, joined through env://). `dist_url="auto"` pic
 unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
 CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
 When one process fails, the others are stopped, its traceback is shown and the
-launcher exits non-zero; no process outlives it. SIGTERM or SIGINT to the launcher is forwarded to
-every process, which gets a grace period to exit before it is killed (as torchrun); the launcher then
-exits with 128 + the signal's number.
+launcher exits non-zero; no process outlives it. SIGTERM or SIGINT (Ctrl-C) to the launcher is
+forwarded to every process, which gets a grace period to exit before it is killed (as torchrun): 5 s
+after SIGTERM; after Ctrl-C (each process stops after its step in flight) `INTERRUPT_GRACE_SEC`, or
+`PEER_GRACE_SEC` once one has ended. The launcher then exits with 128 + the signal's number (130
+after Ctrl-C) and prints nothing itself (rank 0 says where it stopped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -40,6 +43,8 @@ from urllib.parse import urlparse
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 log = logging.getLogger(__name__)
+INTERRUPT_GRACE_SEC = 30.0  # after Ctrl-C, how long the processes get to stop before they are killed
+PEER_GRACE_SEC = 5.0  # ... and once one has stopped, how long the others get (one may wait on it in C++)
 
 __all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
            "init_process_group", "is_main_process", "launch", "main", "rendezvous"]
@@ -122,6 +127,8 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
         ValueError: bad counts or dist_url.
         torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a process failed (its
             traceback in the message); the others were stopped.
+        KeyboardInterrupt: Ctrl-C; every process got a SIGINT and has ended (killed after
+            `INTERRUPT_GRACE_SEC`).
     """
     if num_processes_per_machine < 1 or num_machines < 1 or not 0 <= machine_rank < num_machines:
         raise ValueError(f"launch: needs num_processes_per_machine >= 1, num_machines >= 1 and 0 <= machine_rank < "
@@ -134,11 +141,11 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
 
     addr, port = _master(dist_url, num_machines)
     errors = mp.get_context("spawn").SimpleQueue()  # tracebacks in the order the processes failed
+    context = mp.start_processes(_worker, nprocs=num_processes_per_machine, join=False, start_method="spawn",
+                                 args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr,
+                                       port, tuple(args), timeout, errors))
     try:
-        mp.start_processes(_worker, nprocs=num_processes_per_machine, join=True, start_method="spawn",
-                           args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr, port,
-                                 tuple(args), timeout, errors,
-                                 backend or default_backend(num_processes_per_machine)))
+        _join(context)
     except mp.ProcessRaisedException as exc:
         if errors.empty():
             raise
@@ -184,6 +191,36 @@ def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEO
                            f"and is {url} reachable from here? {exc}") from exc
 
 
+def _join(context: Any) -> None:
+    """Wait for the processes (torch's join, which raises when one fails and stops the others). On
+    Ctrl-C: SIGINT to each live process, wait for them (Ctrl-C ignored meanwhile), kill the ones left
+    after INTERRUPT_GRACE_SEC, and re-raise."""
+    try:
+        while not context.join(timeout=0.1):
+            pass
+    except KeyboardInterrupt:
+        with _ignoring_sigint():
+            _stop(context.processes, INTERRUPT_GRACE_SEC)
+        raise
+
+
+class _ignoring_sigint:  # noqa: N801 - used as a context manager
+    """SIGINT ignored inside (main thread only), the previous handler back on leaving."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _alive(p: Any) -> bool:
+    return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
+
+
 def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
             addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any,
             backend: str = "gloo") -> None:
@@ -210,14 +247,16 @@ def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, nu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m graphpar.launch`: run a script once per process with torchrun's variables set."""
-    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\nEvery")[0],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        help="processes (shards) to start on this machine")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index, 0 to --nnodes - 1")
     parser.add_argument("--dist-url", default="auto", help="'auto' (a free local port) or tcp://HOST:PORT")
     parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
     parser.add_argument("script", help="the training script, or a module with -m")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own options")
     options = parser.parse_args(argv)
     if options.nproc_per_node < 1 or options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
         parser.error("needs --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
@@ -234,9 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 procs[options.node_rank * per + k] = subprocess.Popen(command, env={**os.environ, **_environment(
                     options.node_rank * per + k, k, world, per, options.node_rank, addr, port)})
         except _Signalled as sig:
-            _stop(list(procs.values()), sig.signum)
+            _stop(list(procs.values()), 5.0, sig.signum)
             return 128 + sig.signum
         return _supervise(procs)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default (not a flag's False) and the description's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help or "" if action.default is False else super()._get_help_string(action)
 
 
 class _Signalled(Exception):
@@ -266,8 +312,9 @@ class _signals_raised:
 
 def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> int:
     """Wait for every process (by rank); when one fails, stop the others (SIGTERM, then SIGKILL after
-    `grace_sec`) and return its exit code; on SIGTERM/SIGINT, forward it the same way and return 128 +
-    its number. 0 when all succeed."""
+    `grace_sec`) and return its exit code; on SIGTERM, forward it the same way and return 128 + its
+    number; on Ctrl-C, each process gets a SIGINT and INTERRUPT_GRACE_SEC to stop (they print; the
+    launcher does not), then 130. 0 when all succeed."""
     failed, forward = 0, signal.SIGTERM
     running = dict(procs)
     try:
@@ -282,28 +329,36 @@ def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> in
                               f"{shlex.join(str(a) for a in p.args)}; stopping the others", file=sys.stderr)
             time.sleep(0.05)
     except KeyboardInterrupt:
-        failed, forward = 130, signal.SIGINT
+        failed, forward, grace_sec = 130, signal.SIGINT, INTERRUPT_GRACE_SEC
     except _Signalled as sig:
         failed, forward = 128 + sig.signum, sig.signum
-    _stop(list(running.values()), forward, grace_sec)
+    with _ignoring_sigint():
+        _stop(list(running.values()), grace_sec, forward)
     return failed if failed > 0 else (1 if failed else 0)
 
 
-def _stop(procs: list[subprocess.Popen], signum: int, grace_sec: float = 5.0) -> None:
-    """Send `signum` to each process, wait up to `grace_sec` for all, then kill those still running (at
-    once if a second signal comes)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signum)
+def _stop(processes: Sequence[Any], grace_sec: float, signum: int = signal.SIGINT) -> None:
+    """`signum` to each live process (`multiprocessing` or `subprocess` ones), then wait up to `grace_sec`
+    for all of them, or PEER_GRACE_SEC once one has ended (a process blocked in C++ on a peer that left,
+    e.g. joining the rendezvous, does not see a SIGINT); kill the ones left (at once after a second SIGTERM)."""
+    alive = [p for p in processes if _alive(p)]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signum)
     deadline = time.monotonic() + grace_sec
     try:
-        for p in procs:
-            p.wait(max(0.0, deadline - time.monotonic()))
-    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Signalled):
+        while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+            if not all(_alive(p) for p in alive):
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_SEC)
+            time.sleep(0.05)
+    except _Signalled:  # a second SIGTERM: kill at once
         pass
-    for p in procs:
-        if p.poll() is None:
+    for p in alive:
+        if _alive(p):
             p.kill()
+        if hasattr(p, "join"):
+            p.join()
+        else:
             p.wait()
 
 

@@ -114,3 +114,25 @@ def test_inference_sampler_gives_contiguous_shards_with_the_remainder_first() ->
     assert list(InferenceSampler(5)) == [0, 1, 2, 3, 4]  # one process: everything
     with pytest.raises(ValueError, match="0 <= rank < world"):
         InferenceSampler(5, rank=2, world=2)
+
+
+def test_a_bare_tuple_batch_is_refused_with_the_dict_form():
+    """A TensorDataset's (x, y) names no blob: refused before anything is fed, the message shows the dict."""
+    import re
+
+    from graphpar import optimizer
+    from graphpar.data import feed
+    from graphpar.examples.train import add_cnn
+
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name="tuple_batch")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1], cpu_device=True)
+    x, y = np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int32)
+    for batch in [(x, y), [x, y]]:
+        with pytest.raises(ValueError, match=re.escape("(the model reads 'data', 'label'): feed(model, "
+                                                       "{'data': batch[0], 'label': batch[1]})")):
+            feed(model, batch)
+    assert not workspace.HasBlob("cpu_0/0") and not workspace.HasBlob("cpu_0/data")
+    feed(model, {"data": x, "label": y})  # the dict form works
+    assert workspace.FetchBlob("cpu_1/label").shape == (2,)

@@ -332,3 +332,12 @@ def test_dropping_the_epochs_iterator_stops_its_thread_while_the_feeder_lives():
     assert isinstance(next(iter(feeder)), Prepared)  # the feeder starts another epoch
     feeder.close()
     assert _feeder_threads() == []
+
+
+def test_an_epoch_whose_init_was_interrupted_is_dropped_quietly():
+    """Ctrl-C inside _Epoch.__init__ leaves an object without its stop event: dropping it must not print
+    'Exception ignored in ... __del__' (a traceback on the user's console)."""
+    from graphpar.feeder import _Epoch
+
+    half_made = _Epoch.__new__(_Epoch)
+    half_made.__del__()  # raised AttributeError before

@@ -11,16 +11,21 @@ goes from 0.69 (chance) to a loss below 0.1 and over 95% held-out accuracy.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import logging
 
-import numpy as np
+from graphpar.examples import cli
 
-from graphpar import data_parallel_model as dpm
-from graphpar import model_helper, optimizer, workspace
-from graphpar.devices import num_cuda_devices
-from graphpar.models.dlrm import dlrm, split_clicks, synthetic_clicks
+if __name__ == "__main__":
+    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
+
+import numpy as np  # noqa: E402
+
+from graphpar import data_parallel_model as dpm  # noqa: E402
+from graphpar import model_helper, optimizer, workspace  # noqa: E402
+from graphpar.devices import num_cuda_devices  # noqa: E402
+from graphpar.models.dlrm import dlrm, split_clicks, synthetic_clicks  # noqa: E402
+
+log = cli.log
 
 TABLES = (1000, 500, 200)
 OPTIMIZERS = {
@@ -45,15 +50,22 @@ def _accuracy(model: model_helper.ModelHelper, feeds: dict[str, np.ndarray]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
+    return cli.guard(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = cli.parser("graphpar.examples.dlrm", __doc__)
     parser.add_argument("--devices", type=int, default=None, help="devices (default: all GPUs, else 4 CPUs)")
     parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad",
+                        help="the update of the dense and the embedding (sparse) params")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate of --optimizer")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--batch", type=int, default=256, help="global batch, split over the devices")
+    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built; show an error's traceback")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    cli.setup_logger(args.verbose)
     gpus = 0 if args.cpu else num_cuda_devices()
     count = args.devices or (gpus or 4)
     forward = functools.partial(dlrm, num_dense=4, table_rows=TABLES, dim=8, bottom=(16,), top=(32,))
@@ -75,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(sum(float(workspace.FetchBlob(f"{train._device_prefix}_{d}/scaled_loss"))
                           for d in train._devices))
         if (step + 1) % 100 == 0 or step + 1 == args.steps:
-            print(f"step {step + 1}: loss {np.mean(losses[-50:]):.4f}")
-    print(f"final loss {np.mean(losses[-50:]):.4f}, held-out accuracy {100 * _accuracy(test, held_out):.1f}%")
+            log.info("step %d: loss %.4f", step + 1, np.mean(losses[-50:]))
+    log.info("final loss %.4f, held-out accuracy %.1f%%", np.mean(losses[-50:]), 100 * _accuracy(test, held_out))
     return 0
 
 

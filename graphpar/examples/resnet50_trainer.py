@@ -7,8 +7,8 @@ Without `--train_data` it trains on synthetic images (seeded per epoch and step,
 sees the same batches as an uninterrupted one). The model, optimizer and schedule are Caffe2's:
 ResNet-50 (or 18, `--num_layers`), SGD with Nesterov momentum 0.9, weight decay on the weights, the
 learning rate scaled by the global batch / 256 and x0.1 every 30 epochs. A checkpoint
-`<save_model_name>_<epoch>.safetensors` is written after every epoch; `--load_model_path` resumes
-from one. Caffe2's flags for LMDB input, multi-host rendezvous and float16 are accepted and refused
+`<save_model_name>_<epoch>.safetensors` (default name `resnet<num_layers>_model`) is written after
+every epoch; `--load_model_path` resumes from one. Caffe2's flags for LMDB input, multi-host rendezvous and float16 are accepted and refused
 with a message when set; `--width` (the stem's channels, 64 in ResNet-50) is graphpar's, for tiny
 test runs.
 """
@@ -16,24 +16,28 @@ test runs.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from pathlib import Path
 
-import numpy as np
+from graphpar.examples import cli
 
-from graphpar import checkpoint, model_helper, optimizer, workspace
-from graphpar import data_parallel_model as dpm
-from graphpar.data import feed_batch
-from graphpar.devices import num_cuda_devices
-from graphpar.models import resnet
+if __name__ == "__main__":
+    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
 
-log = logging.getLogger(__name__)
+import numpy as np  # noqa: E402
+
+from graphpar import checkpoint, model_helper, optimizer, workspace  # noqa: E402
+from graphpar import data_parallel_model as dpm  # noqa: E402
+from graphpar.data import feed_batch  # noqa: E402
+from graphpar.devices import num_cuda_devices  # noqa: E402
+from graphpar.models import resnet  # noqa: E402
+
+log = cli.log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Caffe2's trainer flags (names and defaults), plus `--width`."""
-    parser = argparse.ArgumentParser(description="Train ResNet data-parallel (Caffe2's trainer on graphpar).")
+    parser = cli.parser("graphpar.examples.resnet50_trainer", __doc__)
     add = parser.add_argument
     add("--train_data", default=None, help="training data; only synthetic data (omit the flag) is supported")
     add("--test_data", default=None, help="test data; not supported (no evaluation pass)")
@@ -49,20 +53,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num_shards", type=int, default=1, help="hosts; only 1 (single-host) is supported")
     add("--shard_id", type=int, default=0)
     add("--run_id", default="")
-    add("--base_learning_rate", type=float, default=0.1, help="per 256 images")
+    add("--base_learning_rate", type=float, default=0.1,
+        help="SGD learning rate per 256 images (scaled by --batch_size / 256)")
     add("--weight_decay", type=float, default=1e-4)
     add("--num_layers", type=int, default=50, choices=(18, 50))
     add("--width", type=int, default=64, help="graphpar: channels of the stem (64 = ResNet-50)")
     add("--use_cpu", action="store_true", help="CPU devices instead of GPUs")
     add("--use_nccl", action="store_true", help="all-reduce with NCCL (GPUs)")
-    add("--save_model_name", default="resnet50_model")
+    add("--save_model_name", default=None, help="checkpoint name prefix (default: resnet<num_layers>_model)")
     add("--load_model_path", default=None, help="a checkpoint to resume from")
     add("--dtype", default="float", choices=("float", "float16"))
     add("--float16_compute", action="store_true")
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=int, default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=int, default=0, help="graphpar: seed of the synthetic data and the init")
+    add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
     args = parser.parse_args(argv)
+    if args.save_model_name is None:
+        args.save_model_name = f"resnet{args.num_layers}_model"
     refused = [flag for flag, used in (("--train_data", args.train_data), ("--test_data", args.test_data),
                                        ("--num_shards > 1", args.num_shards > 1),
                                        ("--dtype float16", args.dtype == "float16"),
@@ -115,8 +123,13 @@ def checkpoint_path(args: argparse.Namespace, epoch: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
+    return cli.guard(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli.setup_logger(args.verbose)
     devices, cpu = devices_of(args)
     if args.batch_size % len(devices):
         raise SystemExit(f"--batch_size {args.batch_size} must be divisible by the {len(devices)} devices")

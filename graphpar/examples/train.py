@@ -11,26 +11,35 @@ global batch split evenly over the devices; gradients are all-reduced, so N devi
 like one device on the whole batch. After every epoch it prints the mean loss and the test accuracy
 (over 95% after the default 12 epochs, on every test sample) and writes a checkpoint that
 `--resume` continues from, learning-rate schedule included, and `metrics.json` beside it (with
-`--plot`, a loss/accuracy PNG at the end when matplotlib is installed). Batches are loaded on a
+`--plot`, a loss/accuracy PNG beside them at the end). An existing checkpoint is never replaced
+silently: continue it with `--resume`, or start over with `--overwrite`. Batches are loaded on a
 background thread (`DeviceFeeder`) while the devices compute; the loop is `graphpar.engine.Trainer`
-with hooks. Ctrl-C stops cleanly, keeping the last checkpoint.
+with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
+(`--verbose`: with its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import logging
 import sys
 from pathlib import Path
 
-import numpy as np
+from graphpar.examples import cli
 
-from graphpar import brew, checkpoint, comm, launch, model_helper, optimizer, workspace
-from graphpar import data_parallel_model as dpm
-from graphpar.data import ArrayLoader, DeviceFeeder, feed, gather
-from graphpar.devices import num_cuda_devices
-from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer
+if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
+    cli.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # a Ctrl-C while torch loads: exit at once, 130
+
+import numpy as np  # noqa: E402
+
+from graphpar import brew, checkpoint, comm, launch, model_helper, optimizer, workspace  # noqa: E402
+from graphpar import data_parallel_model as dpm  # noqa: E402
+from graphpar.data import ArrayLoader, DeviceFeeder, feed, gather  # noqa: E402
+from graphpar.devices import num_cuda_devices  # noqa: E402
+from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer  # noqa: E402
+
+log = cli.log
 
 
 def load_digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -48,7 +57,9 @@ def load_digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
 
 
 def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
-    """conv(1->16) relu pool, conv(16->32) relu pool, fc(128->10), softmax loss."""
+    """conv(1->16) relu pool, conv(16->32) relu pool, fc(128->10), softmax loss. The loss returned,
+    `loss`, is the replica's cross-entropy times `loss_scale`: summed over the replicas (as the
+    trainer records it), the mean cross-entropy of the global batch."""
     h = brew.conv(model, "data", "conv1", dim_in=1, dim_out=16, kernel=3, pad=1)
     h = brew.relu(model, h, h)
     h = brew.max_pool(model, h, "pool1", kernel=2, stride=2)
@@ -56,8 +67,8 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     h = brew.relu(model, h, h)
     h = brew.max_pool(model, h, "pool2", kernel=2, stride=2)
     pred = brew.fc(model, h, "pred", dim_in=32 * 2 * 2, dim_out=10)
-    softmax, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
-    return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+    softmax, xent = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "xent"])
+    return [model.net.Scale(xent, "loss", scale=loss_scale)]
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
@@ -88,23 +99,29 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
 
 def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser("graphpar.examples.train", __doc__)
     parser.add_argument("--devices", type=int, default=None,
                         help="devices per process (default: this machine's GPUs shared out over its processes, "
                              "else 4 CPU devices)")
     parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
     parser.add_argument("--epochs", type=int, default=12, help="epochs in all (a resumed run continues to it)")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
     parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
     parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"),
                         help="checkpoint file, written every epoch; metrics.json goes beside it")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    parser.add_argument("--plot", action="store_true", help="write a loss/accuracy PNG at the end (matplotlib)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over, replacing an existing --checkpoint and its metrics.json")
+    parser.add_argument("--plot", action="store_true",
+                        help="at the end, draw loss and test accuracy per epoch into training.png beside "
+                             "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the init, the split and the batch order")
     parser.add_argument("--no-finite-check", action="store_true",
                         help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
-    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built and each init/sync")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=int, default=1,
                         help="processes (shards) on this machine, each with --devices devices (gloo)")
     args = parser.parse_args(argv)
@@ -137,15 +154,47 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     if args.resume and not args.checkpoint.exists():
         parser.error(f"--resume: there is no checkpoint at {args.checkpoint} (train once without --resume, or "
                      f"pass --checkpoint)")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the checkpoint and --overwrite replaces it: pass one of them")
+    if args.checkpoint.exists() and not (args.resume or args.overwrite):
+        parser.error(f"{args.checkpoint} exists ({_progress(args.checkpoint)}): continue it with --resume, start "
+                     f"over with --overwrite (replaces it and its metrics.json), or pass another --checkpoint")
+    if args.resume:
+        saved = checkpoint.read_metadata(args.checkpoint).get("metadata", {}).get("batch_size")
+        if saved is not None and int(saved) != args.batch_size:
+            parser.error(f"--batch-size {args.batch_size}: {args.checkpoint} was trained with --batch-size {saved}, "
+                         f"and its iterations, epochs and LR schedule count batches of that size; resume with "
+                         f"--batch-size {saved} (or start over with --overwrite)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'graphpar[examples]' (or pip install matplotlib)")
     return args
 
 
+def _progress(path: Path) -> str:
+    """'epoch N' of a checkpoint this job wrote, else its iteration (or 'unreadable')."""
+    try:
+        found = checkpoint.read_metadata(path)
+    except Exception:  # noqa: BLE001 - only a description for the message
+        return "unreadable"
+    epoch = found.get("metadata", {}).get("epoch")
+    return f"epoch {epoch}" if epoch is not None else f"iteration {found['iteration']}"
+
+
+def _kept(path: Path) -> str:
+    """What an interrupted run leaves: the checkpoint's last finished epoch, or nothing."""
+    if not path.exists():
+        return "no epoch finished, so nothing was saved"
+    return f"{path} holds the last finished epoch ({_progress(path)}): continue with --resume"
+
+
 class EpochEnd(HookBase):
-    """After each epoch: test accuracy, the checkpoint (atomic), and the epoch's line on the console."""
+    """After each epoch: test accuracy, the checkpoint (atomic; its metadata has the epoch and the batch
+    size), and the epoch's line on the console."""
 
     def __init__(self, test, x_test, y_test, path: Path, steps_per_epoch: int, epochs: int, progress,
-                 say: bool = True) -> None:
+                 say: bool = True, batch_size: int = 0) -> None:
         self.test, self.x_test, self.y_test, self.path, self.say = test, x_test, y_test, path, say
+        self.batch_size = batch_size
         self.steps, self.epochs, self.progress = steps_per_epoch, epochs, progress
         self.accuracy = float("nan")
         self._bar = None
@@ -163,18 +212,27 @@ class EpochEnd(HookBase):
         self._bar.close()
         self._bar = None
         storage = self.trainer.storage
-        losses = [v for it, v in storage.history["scaled_loss"] if it >= done - self.steps]
+        losses = [v for it, v in storage.history["loss"] if it >= done - self.steps]
         self.accuracy = evaluate(self.test, self.x_test, self.y_test)
         storage.put_scalar("test_accuracy", self.accuracy)
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
         if self.say:  # one process writes the checkpoint (atomically); every process can load it
             checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
-                            metadata={"epoch": done // self.steps})
-            print(f"epoch {done // self.steps:2d}  loss {np.mean(losses):.4f}  test accuracy {self.accuracy:.2%}")
+                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size})
+            log.info("epoch %2d  loss %.4f  test accuracy %.2f%%", done // self.steps, np.mean(losses),
+                     100 * self.accuracy)
 
     def after_train(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class EpochWriter(PeriodicWriter):
+    """PeriodicWriter at epoch ends only: an interrupted epoch leaves no partial row in metrics.json."""
+
+    def after_train(self) -> None:
+        if self._board is not None:
+            self._board.close()
 
 
 class ShardOf:
@@ -196,10 +254,20 @@ class ShardOf:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: its exit status (0; 1 after an error, said in one line; 2 for a bad option; 130
+    after Ctrl-C)."""
+    return cli.guard(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.num_processes > 1 and launch.get_world_size() == 1:
-        launch.launch(run, args.num_processes, args=(args,), backend="gloo" if args.cpu else None)
+        args.report_interrupt = False  # the processes stop quietly; this one says it, once
+        try:
+            launch.launch(run, args.num_processes, args=(args,), backend="gloo" if args.cpu else None)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted; {_kept(args.checkpoint)}", file=sys.stderr, flush=True)
+            return cli.INTERRUPTED
         return 0
     return run(args)
 
@@ -211,7 +279,14 @@ def process_devices(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train in this process: alone, or as one shard of launch.get_world_size()."""
+    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it after
+    the step in flight, with the loading thread stopped (status 130)."""
+    cli.setup_logger(args.verbose)  # here: a process that launch started has the logging of a fresh one
+    with cli.one_interrupt():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     shard, shards, say = launch.get_rank(), launch.get_world_size(), launch.is_main_process()
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     devices = process_devices(args)
@@ -220,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         done = checkpoint.read_metadata(args.checkpoint)["iteration"] or 0
         if done >= max_iter:
-            print(f"nothing to do: {args.checkpoint} is at epoch {done // steps_per_epoch} of {args.epochs}; "
-                  f"pass a larger --epochs (e.g. --epochs {args.epochs + 4}) to train longer")
+            if say:
+                log.info("nothing to do: %s is at epoch %d of %d; pass a larger --epochs (e.g. --epochs %d) to "
+                         "train longer", args.checkpoint, done // steps_per_epoch, args.epochs, args.epochs + 4)
             return 0
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
@@ -229,36 +305,39 @@ def run(args: argparse.Namespace) -> int:
                         not args.no_finite_check, launch.rendezvous())
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
-        print(f"graphpar: training a CNN on {len(y_train)} digits over {where} {'CPU' if args.cpu else 'CUDA'} "
-              f"devices ({args.batch_size // (args.devices * shards)} samples each per step)")
+        log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,
+                 "CPU" if args.cpu else "CUDA", args.batch_size // (args.devices * shards))
 
     metrics = args.checkpoint.parent / "metrics.json"
-    if say and not args.resume:
+    if say and not args.resume:  # a fresh run (parse_args refused to overwrite without --overwrite)
         metrics.unlink(missing_ok=True)
+        args.checkpoint.unlink(missing_ok=True)
     loader = ShardOf(ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed), shard, shards)
     with DeviceFeeder(loader, train) as feeder:
         epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs,
-                             _progress_bar(say), say)
+                             _progress_bar(say), say, args.batch_size)
         hooks = [IterationTimer(), LRScheduler(), epoch_end]
         if say:
-            hooks.append(PeriodicWriter(args.checkpoint.parent, steps_per_epoch, console=False))
+            hooks.append(EpochWriter(args.checkpoint.parent, steps_per_epoch, console=False))
         trainer = Trainer(train, feeder, hooks, max_iter=max_iter)
         trainer.initialize()
         dpm.RunInitNet(test)
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
             if say:
-                print(f"resumed from {args.checkpoint} at epoch {trainer.iter // steps_per_epoch}")
+                log.info("resumed from %s at epoch %d", args.checkpoint, trainer.iter // steps_per_epoch)
         try:
             trainer.train()
         except KeyboardInterrupt:
-            print(f"\ninterrupted at iteration {trainer.iter}; {args.checkpoint} holds the last finished epoch: "
-                  f"continue with --resume", file=sys.stderr)
-            return 130
+            if say and getattr(args, "report_interrupt", True):
+                print(f"\ninterrupted at iteration {trainer.iter}; {_kept(args.checkpoint)}", file=sys.stderr,
+                      flush=True)
+            return cli.INTERRUPTED
     dpm.Synchronize(train)  # the last checkpoint is written before any process returns
     if not say:
         return 0
-    print(f"final test accuracy {epoch_end.accuracy:.2%}; checkpoint: {args.checkpoint}; metrics: {metrics}")
+    log.info("final test accuracy %.2f%%; checkpoint: %s; metrics: %s", 100 * epoch_end.accuracy, args.checkpoint,
+             metrics)
     if args.plot:
         _plot(metrics, args.checkpoint.parent / "training.png")
     return 0
@@ -280,14 +359,11 @@ def _progress_bar(show: bool = True):
 
 
 def _plot(metrics: Path, out: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # checked by parse_args
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed (pip install matplotlib); metrics.json has the numbers")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     epochs = [r for r in rows if "test_accuracy" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -297,7 +373,7 @@ def _plot(metrics: Path, out: Path) -> None:
     right.set(xlabel="iteration", ylabel="test accuracy")
     fig.tight_layout()
     fig.savefig(out)
-    print(f"plot: {out}")
+    log.info("plot: %s", out)
 
 
 if __name__ == "__main__":

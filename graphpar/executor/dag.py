@@ -147,6 +147,9 @@ class _Threaded:
             self.streams.finish()
 
 
+_START = -1  # the task that starts a phase: release its roots
+
+
 class DagExecutor:
     """Runs a plan's steps concurrently as their dependencies complete (see the module docstring)."""
 
@@ -169,9 +172,30 @@ class DagExecutor:
     def _run_phase(self, state: _Run, schedule: Schedule) -> None:
         """Run one phase of the plan; return when every step of it finished (or after a failure)."""
         state.start(schedule)
+        try:  # a worker releases the roots (_START): a Ctrl-C here cannot leave the counts half-updated
+            self._tasks.put((state, _START))
+            state.finished.wait()
+        except KeyboardInterrupt:
+            self._drain(state)
+            raise
+
+    @staticmethod
+    def _drain(state: _Run) -> None:
+        """After a Ctrl-C in the caller: start no more steps and wait for the running ones, so that no
+        worker is still inside a kernel when the caller goes on, or the interpreter exits (which aborts
+        the process: `terminate called without an active exception`). Nothing is committed. A Ctrl-C
+        meanwhile is swallowed: the wait lasts at most the running steps (a collective: its timeout)."""
         with state.lock:
-            self._release(state, list(schedule.roots))
-        state.finished.wait()
+            if state.failure is None:
+                state.failure = (-1, KeyboardInterrupt())
+            if state.running == 0 and state.waiting == 0:
+                state.finished.set()
+        while True:
+            try:
+                state.finished.wait()
+                return
+            except KeyboardInterrupt:  # another Ctrl-C (a terminal's and a launcher's): still wait
+                continue
 
     def worker_count(self) -> int:
         """How many worker threads exist (they are shared by every run and never shrink)."""
@@ -211,6 +235,13 @@ class DagExecutor:
         worker_streams: dict[int, dict[Any, Any]] = {}  # per stream backend (by id): its streams by device
         while True:
             state, index = self._tasks.get()
+            if index == _START:
+                with state.lock:
+                    if state.failure is None:
+                        self._release(state, list(state.schedule.roots))
+                    elif state.running == 0 and state.waiting == 0:  # drained before it started
+                        state.finished.set()
+                continue
             plan = state.plan
             if threads != state.schedule.threads:
                 threads = state.schedule.threads

@@ -21,11 +21,11 @@ def _params() -> dict[str, np.ndarray]:
 def test_resumed_training_equals_uninterrupted(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.chdir(tmp_path)
     assert resnet50_trainer.main([*TINY, "--num_layers", "18", "--num_epochs", "2"]) == 0
-    assert (tmp_path / "resnet50_model_1.safetensors").exists()
-    assert (tmp_path / "resnet50_model_2.safetensors").exists()
+    assert (tmp_path / "resnet18_model_1.safetensors").exists()
+    assert (tmp_path / "resnet18_model_2.safetensors").exists()
     uninterrupted = _params()
     assert resnet50_trainer.main([*TINY, "--num_layers", "18", "--num_epochs", "2", "--save_model_name", "again",
-                                  "--load_model_path", "resnet50_model_1.safetensors"]) == 0
+                                  "--load_model_path", "resnet18_model_1.safetensors"]) == 0
     assert not (tmp_path / "again_1.safetensors").exists()  # epoch 1 was not run again
     resumed = _params()
     assert resumed.keys() == uninterrupted.keys() and len(resumed) > 10

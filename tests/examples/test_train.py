@@ -10,7 +10,7 @@ import pytest
 
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
-from graphpar.examples import train
+from graphpar.examples import cli, train
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "interrupted at iteration 29" in err and "--resume" in err and "Traceback" not in err
     assert checkpoint.read_metadata(ckpt)["iteration"] == 22  # the first epoch's, intact
+    rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [21]  # no partial row of the interrupted epoch
+    assert "loss" in rows[0] and "scaled_loss" not in rows[0] and 0 < rows[0]["epoch_loss"] < 2.4
     monkeypatch.setattr(dpm, "RunNet", run_net)
     assert train.main(["--cpu", "--devices", "2", "--epochs", "3", "--checkpoint", str(ckpt), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
@@ -142,6 +145,7 @@ def test_plot_draws_loss_and_accuracy_per_epoch(tmp_path, monkeypatch, capsys):
     metrics = tmp_path / "metrics.json"
     metrics.write_text('{"iteration": 21, "epoch_loss": 0.5, "test_accuracy": 0.9}\n{"iteration": 30, "lr": 0.1}\n'
                        '{"iteration": 43, "epoch_loss": 0.2, "test_accuracy": 0.95}\n')
+    cli.setup_logger()
     train._plot(metrics, tmp_path / "training.png")
     assert drawn == {"loss": ([22, 44], [0.5, 0.2]), "accuracy": ([22, 44], [0.9, 0.95]),
                      "file": tmp_path / "training.png"}

@@ -260,3 +260,42 @@ def test_a_replaced_net_is_freed_with_its_runtime(net_type: str):
     workspace.CreateNet(net, overwrite=True)
     gc.collect()
     assert plan() is None
+
+
+def test_ctrl_c_in_the_caller_waits_for_the_running_steps_and_commits_nothing():
+    """A KeyboardInterrupt while a run waits for its workers returns only once no worker is inside a
+    kernel (one still running at interpreter exit aborts the process; a second Ctrl-C does not cut the
+    wait short) and writes no output."""
+    import signal
+    import time
+
+    started, finished = threading.Event(), threading.Event()
+
+    def kernel(a, ctx):  # noqa: ANN001, ANN202
+        def run(x: torch.Tensor) -> torch.Tensor:
+            started.set()
+            time.sleep(0.5)
+            finished.set()
+            return x + 1
+        return run
+
+    def interrupt() -> None:  # twice, as a terminal's and a launcher's SIGINT arrive: the second mid-drain
+        started.wait(10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with scoped_registry():
+        register_op("_TestSlow", kernel=kernel, infer=lambda a, ctx, inputs: [inputs[0]], doc="Test op: sleeps.")
+        workspace.FeedBlob("x", np.zeros(2, np.float32))
+        net = NetDef("interrupted", [OperatorDef("_TestSlow", ["x"], ["a"], device_option=CPU0),
+                                     OperatorDef("Relu", ["x"], ["b"], device_option=CPU1),
+                                     OperatorDef("Add", ["a", "b"], ["c"])], type="dag", num_workers=2)
+        workspace.CreateNet(net)
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            workspace.RunNet(net.name)
+        assert finished.is_set()
+        assert not workspace.HasBlob("c") and not workspace.HasBlob("a")
+        workspace.RunNet(net.name)  # the executor is still usable
+    np.testing.assert_array_equal(workspace.FetchBlob("c"), [1.0, 1.0])

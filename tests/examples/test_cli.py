@@ -1,0 +1,274 @@
+"""The command-line tools' first hour: Ctrl-C, refusals at start, one-line errors, --help, logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from graphpar import checkpoint
+from graphpar.examples import cli, dlrm, resnet50_trainer, train
+
+ROOT = Path(__file__).resolve().parents[2]
+EPOCH_1 = ["--devices", "2", "--epochs", "1"]
+
+
+def _fresh(tmp_path: Path, name: str = "c.safetensors") -> Path:
+    path = tmp_path / name
+    assert train.main([*EPOCH_1, "--checkpoint", str(path)]) == 0
+    return path
+
+
+# ---- Ctrl-C in a real process: status 130, one line, no traceback, no abort ----------------------
+
+
+def _interrupt(command: list[str], trigger: str | None, delay: float, cwd: Path) -> tuple[int, str, float]:
+    """Run `command`, send SIGINT to its process group `delay` s after stdout shows `trigger` (None: after
+    start), and return (exit status, stderr, seconds from the signal to the exit). Once more if the free
+    port the launcher picked was taken meanwhile (by another job on this machine)."""
+    found = _interrupt_once(command, trigger, delay, cwd)
+    return _interrupt_once(command, trigger, delay, cwd) if "EADDRINUSE" in found[1] else found
+
+
+def _interrupt_once(command: list[str], trigger: str | None, delay: float, cwd: Path) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                            start_new_session=True)
+    if trigger is not None:
+        for line in proc.stdout:
+            if trigger in line:
+                break
+    time.sleep(delay)
+    sent = time.monotonic()
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, time.monotonic() - sent
+
+
+TRAIN = [sys.executable, "-m", "graphpar.examples.train", "--devices", "2", "--epochs", "3", "--overwrite"]
+POINTS = [  # (where, stdout line to wait for, then seconds)
+    ("start-up, torch loading", None, 0.3),
+    ("building the nets", "training a CNN", 0.0),
+    ("first steps", "training a CNN", 0.4),
+    ("right after an epoch's checkpoint", "epoch  1", 0.0),
+    ("mid-epoch", "epoch  1", 0.15),
+    ("the last epoch", "epoch  2", 0.05),
+]
+
+
+def _check_one_clean_stop(code: int, err: str, where: str) -> None:
+    assert code == 130, f"{where}: exit status {code}\n{err}"
+    assert "Traceback" not in err and "terminate called" not in err, f"{where}:\n{err}"
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1, f"{where}: {lines}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, trigger, delay", POINTS, ids=[p[0] for p in POINTS])
+def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path, where, trigger, delay):
+    repeats = int(os.environ.get("GRAPHPAR_SIGINT_REPEATS", 1))  # more in a soak run
+    for _ in range(repeats):
+        code, err, _ = _interrupt([*TRAIN, "--checkpoint", str(tmp_path / "c.safetensors")], trigger, delay, tmp_path)
+        _check_one_clean_stop(code, err, where)
+    if trigger is not None and trigger.startswith("epoch"):  # the finished epoch's checkpoint survives
+        assert checkpoint.read_metadata(tmp_path / "c.safetensors")["metadata"]["epoch"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [
+    [*TRAIN, "--num-processes", "2", "--devices", "1"],
+    [sys.executable, "-m", "graphpar.launch", "--nproc-per-node", "2", "-m", "graphpar.examples.train",
+     "--devices", "1", "--epochs", "3", "--overwrite"],
+], ids=["--num-processes 2", "graphpar.launch"])
+@pytest.mark.parametrize("trigger, delay", [("training a CNN", 0.0), ("epoch  1", 0.1)])
+def test_ctrl_c_of_two_processes_says_it_once(tmp_path, command, trigger, delay):
+    code, err, seconds = _interrupt([*command, "--checkpoint", str(tmp_path / "c.safetensors")], trigger, delay,
+                                    tmp_path)
+    _check_one_clean_stop(code, err, " ".join(command[2:4]))
+    assert seconds < 25  # each process stopped after its step; none waited for the grace period to end
+
+
+# ---- refusals at start ------------------------------------------------------------------------------
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.slow
+def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path, capsys):
+    path = _fresh(tmp_path)
+    before, rows = path.read_bytes(), (tmp_path / "metrics.json").read_text()
+    err = _refused([*EPOCH_1, "--checkpoint", str(path)], capsys)
+    assert f"{path} exists (epoch 1)" in err and "--resume" in err and "--overwrite" in err
+    assert path.read_bytes() == before and (tmp_path / "metrics.json").read_text() == rows
+    assert "pass one of them" in _refused([*EPOCH_1, "--checkpoint", str(path), "--resume", "--overwrite"], capsys)
+    assert train.main([*EPOCH_1, "--checkpoint", str(path), "--overwrite"]) == 0
+    assert len((tmp_path / "metrics.json").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_resuming_with_another_batch_size_is_refused(tmp_path, capsys):
+    path = _fresh(tmp_path)
+    err = _refused(["--devices", "2", "--epochs", "3", "--batch-size", "32", "--checkpoint", str(path), "--resume"],
+                   capsys)
+    assert "--batch-size 32" in err and "trained with --batch-size 64" in err and "resume with --batch-size 64" in err
+    assert checkpoint.read_metadata(path)["metadata"] == {"epoch": 1, "batch_size": 64}
+
+
+def test_plot_without_matplotlib_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    err = _refused(["--plot", "--cpu", "--checkpoint", str(tmp_path / "c.safetensors")], capsys)
+    assert "--plot needs matplotlib: pip install 'graphpar[examples]'" in err
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+# ---- errors at run time: one line, the traceback with --verbose --------------------------------------
+
+
+@pytest.mark.slow
+def test_a_runtime_error_is_one_line_and_verbose_shows_the_traceback(tmp_path, capsys):
+    path = _fresh(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the tensor data: the header still reads
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    argv = ["--devices", "2", "--epochs", "2", "--checkpoint", str(path), "--resume"]
+    assert train.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(r"^error: CheckpointError: checkpoint .* is corrupt", err, re.M)
+    assert len(err.strip().splitlines()) <= 3  # the error, the hint, where the traceback is
+    assert train.main([*argv, "--verbose"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "error: CheckpointError" in err
+
+
+def test_one_line_of_an_error_here_and_in_another_process():
+    trace = ("\n\n-- Process 1 failed first, with:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+             "    raise OperatorError(...)\ngraphpar.errors.OperatorError: op #3 failed: lower the LR\n  inputs:\n"
+             "    input 0 'cpu_0/loss'\n")
+    assert cli.one_line(RuntimeError(trace)) == "graphpar.errors.OperatorError: op #3 failed: lower the LR"
+    assert cli.one_line(ValueError("op #3 failed: lower the LR\n  inputs:\n    input 0")) == \
+        "ValueError: op #3 failed: lower the LR"
+    assert cli.one_line(KeyError("x")) == "KeyError: 'x'"
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
+    for more in ([], ["--num-processes", "2"]):
+        argv = ["--devices", "2", "--epochs", "1", "--lr", "1e6", "--overwrite", "--checkpoint", str(tmp_path / "n")]
+        assert train.main([*argv, *more]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-2].startswith("error: ") and "OperatorError" in err[-2] and "is nan (not finite)" in err[-2]
+        assert "Lower the learning rate" in err[-2] and err[-1] == "(--verbose shows the details and the traceback)"
+        assert not any("Traceback" in line or "inputs:" in line for line in err)
+
+
+# ---- --help -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("main, module, shows", [
+    (train.main, "graphpar.examples.train", ["--lr LR", "learning rate", "(default: 0.05)", "(default: 12)",
+                                             "training.png beside --checkpoint", "--overwrite", "the batch order (default: 0)"]),
+    (resnet50_trainer.main, "graphpar.examples.resnet50_trainer", ["(default: 0.1)", "resnet<num_layers>_model"]),
+    (dlrm.main, "graphpar.examples.dlrm", ["--lr LR", "(default: 0.1)", "(default: adagrad)"]),
+])
+def test_help_shows_the_command_and_the_defaults(capsys, main, module, shows):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert out.startswith(f"usage: python -m {module} ")
+    for text in shows:
+        assert text in out, text
+    assert "(default: False)" not in out and "(default: None)" not in out
+
+
+def test_launch_help_shows_the_command_and_the_defaults(capsys):
+    from graphpar import launch
+
+    with pytest.raises(SystemExit):
+        launch.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: python -m graphpar.launch ") and "(default: auto)" in out and "(default: 1)" in out
+
+
+# ---- logging ------------------------------------------------------------------------------------------
+
+
+def test_log_lines_have_the_time_and_the_rank_and_other_ranks_only_warn(capsys):
+    log = cli.setup_logger()
+    log.info("epoch %d", 1)
+    logging.getLogger("graphpar.passes").info("not without --verbose")
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d rank0\] epoch 1\n", capsys.readouterr().out)
+    cli.setup_logger(verbose=True)
+    logging.getLogger("graphpar.passes").info("built")
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d rank0\] INFO graphpar.passes: built\n", capsys.readouterr().out)
+    cli.setup_logger(rank=1)
+    log.info("rank 1 says nothing")
+    log.warning("but warns")
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d rank1\] WARNING graphpar.examples: but warns\n", capsys.readouterr().out)
+    cli.setup_logger()
+
+
+@pytest.mark.slow
+def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
+    _fresh(tmp_path)
+    out = capsys.readouterr().out
+    assert re.search(r"^\[\d\d:\d\d:\d\d rank0\] epoch  1  loss \d\.\d{4}  test accuracy \d+\.\d\d%$", out, re.M)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert "loss" in rows[0] and "scaled_loss" not in rows[0]
+
+
+def test_launch_stops_a_process_that_ignores_the_interrupt_once_a_peer_has_stopped(monkeypatch):
+    """After Ctrl-C, a process blocked where SIGINT cannot reach it (C++ waiting on a peer that left) is
+    killed PEER_GRACE_SEC after the first process ended, not after the whole grace period."""
+    from graphpar import launch
+
+    code = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
+    stops = subprocess.Popen([sys.executable, "-c", code.format("pass")], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    stuck = subprocess.Popen([sys.executable, "-c", code.format("signal.signal(signal.SIGINT, signal.SIG_IGN)")],
+                             stdout=subprocess.PIPE)
+    for proc in (stops, stuck):
+        assert proc.stdout.readline().strip() == b"ready"
+    monkeypatch.setattr(launch, "PEER_GRACE_SEC", 0.5)
+    start = time.monotonic()
+    launch._stop([stops, stuck], grace_sec=30)
+    assert time.monotonic() - start < 10
+    assert stops.returncode != 0 and stuck.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
+    from graphpar import data_parallel_model as dpm
+
+    path = _fresh(tmp_path)  # --overwrite replaces it: the old run's checkpoint must not pass for this one's
+    run_net, calls = dpm.RunNet, []
+
+    def interrupted(model, n):
+        calls.append(model.name)
+        if calls.count("digits_train") == 5:
+            raise KeyboardInterrupt
+        return run_net(model, n)
+
+    monkeypatch.setattr(dpm, "RunNet", interrupted)
+    assert train.main([*EPOCH_1, "--checkpoint", str(path), "--overwrite"]) == 130
+    assert "interrupted at iteration 4; no epoch finished, so nothing was saved" in capsys.readouterr().err
+    assert not path.exists() and not (tmp_path / "metrics.json").exists()

@@ -1,0 +1,132 @@
+"""Every ```python block of README.md and docs/*.md runs as written (docs/extending.md#docs-whose-code-runs).
+
+The blocks of one file run in order, in one fresh interpreter (so an op a block registers, or the
+workspace it fills, cannot leak into other tests), sharing one namespace, in a temporary directory.
+A block whose first line is `# needs: N processes` runs on its own, as a script, under
+`python -m graphpar.launch --nproc-per-node N`; `# needs: a GPU` runs on its own when CUDA is
+available; any other `# needs: ...` is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+NEEDS = re.compile(r"#\s*needs:\s*(?P<what>.+?)\s*$")
+PROCESSES = re.compile(r"(?P<n>\d+) processes")
+TIMEOUT = 600
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    code: str
+    needs: str | None  # what the block's first line says it needs
+
+    @property
+    def doc(self) -> str:
+        return str(self.path.relative_to(ROOT)) if self.path.is_relative_to(ROOT) else self.path.name
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The ```python blocks of a Markdown file, dedented (a block may sit in a list item)."""
+    text = path.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        code = textwrap.dedent(match.group("code"))
+        first = code.lstrip().splitlines()[0] if code.strip() else ""
+        needs = NEEDS.fullmatch(first.strip())
+        found.append(Block(path, text.count("\n", 0, match.start()) + 1, code,
+                           needs.group("what") if needs else None))
+    return found
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "MPLBACKEND": "Agg"}
+
+
+def _script(blocks_: list[Block]) -> str:
+    """A program that runs the blocks in order in one namespace; a failure names the block's line."""
+    calls = "\n".join(f"run({b.code!r}, {b.doc!r}, {b.line})" for b in blocks_)
+    return ("namespace = {'__name__': '__main__'}\n"
+            "def run(code, doc, fence):  # a traceback names the doc's own line numbers\n"
+            "    exec(compile('\\n' * fence + code, doc, 'exec'), namespace)\n" + calls + "\n")
+
+
+def _run(command: list[str], cwd: Path, what: str) -> None:
+    done = subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, (f"{what} failed (exit status {done.returncode}):\n{done.stdout[-3000:]}\n"
+                                  f"{done.stderr[-6000:]}")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cases() -> list:
+    cases = []
+    for path in DOCS:
+        found = blocks(path)
+        plain = [b for b in found if b.needs is None]
+        if plain:
+            cases.append(pytest.param(plain, id=str(path.relative_to(ROOT))))
+        cases.extend(pytest.param([b], id=b.where, marks=pytest.mark.slow) for b in found if b.needs is not None)
+    return cases
+
+
+@pytest.mark.parametrize("docs_blocks", _cases())
+def test_python_blocks_run(docs_blocks: list[Block], tmp_path: Path) -> None:
+    run_blocks(docs_blocks, tmp_path)
+
+
+def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
+    """Run one file's plain blocks together, or one `# needs:` block (see the module docstring)."""
+    first = docs_blocks[0]
+    script = tmp_path / "blocks.py"
+    if first.needs is None:
+        script.write_text(_script(docs_blocks))
+        _run([sys.executable, str(script)], tmp_path, first.doc)
+        return
+    script.write_text(first.code)
+    processes = PROCESSES.fullmatch(first.needs)
+    if processes:
+        _run([sys.executable, "-m", "graphpar.launch", "--nproc-per-node", processes.group("n"), str(script)],
+             tmp_path, f"{first.where} under the launcher")
+    elif first.needs == "a GPU" and _cuda():
+        _run([sys.executable, str(script)], tmp_path, first.where)
+    else:
+        pytest.skip(f"{first.where} needs {first.needs}")
+
+
+def test_the_extractor_reads_indented_blocks_and_needs(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("text\n```python\nx = 1\n```\n- item:\n\n  ```python\n  # needs: 2 processes\n  y = 2\n  ```\n"
+                   "```\nnot python\n```\n")
+    found = blocks(doc)
+    assert [(b.line, b.code, b.needs) for b in found] == [
+        (2, "x = 1\n", None), (7, "# needs: 2 processes\ny = 2\n", "2 processes")]
+
+
+def test_a_failing_block_fails_the_test(tmp_path: Path) -> None:
+    doc = tmp_path / "bad.md"
+    doc.write_text("```python\nvalue = 1\n```\n\n```python\nprint(value)\nundefined_name\n```\n")
+    with pytest.raises(AssertionError, match=r"(?s)File \"bad.md\", line 7, .*NameError: name 'undefined_name' is not defined"):
+        run_blocks(blocks(doc), tmp_path)
