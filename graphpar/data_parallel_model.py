@@ -43,7 +43,7 @@ from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import check_balance, cuda_is_simulated, num_cuda_devices
 from graphpar.distributed import Rendezvous, parse_rendezvous
-from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
+from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.feeds import FeedTracker
@@ -53,8 +53,10 @@ from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
+from graphpar.passes.loss_scale import LossScale, check_loss_scale
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.pipeline import run_pipeline
+from graphpar.passes.precision import check_compute_dtype
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
 from graphpar.passes.state import ParallelizeOptions, ParallelState
@@ -111,6 +113,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     check_finite_loss: bool = False,
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
+    compute_dtype: str | None = None,
+    loss_scale: float | str | dict | LossScale | None = None,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -198,6 +202,16 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
+        compute_dtype: "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
+            docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
+            that dtype; params stay fp32 masters; losses, softmax, batch-norm statistics, reductions, the
+            gradient all-reduce and the updates stay fp32. None (default) or "float32": no rewrite.
+        loss_scale: scale the loss gradients for float16 (`graphpar.passes.loss_scale`): a number S > 0
+            (static, as Caffe2's trainer), "dynamic" (torch.amp.GradScaler's policy: start at 2**16,
+            double after 2000 good steps, halve on overflow) or a dict of `LossScale` fields. Gradients are
+            divided by S after the all-reduce; a step whose gradients hold an inf or a NaN on any replica
+            or shard is skipped everywhere (RunNet logs a warning; params, optimizer state and the
+            iteration counter unchanged) and, when dynamic, S shrinks. S is replica state (checkpointed).
 
     Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
     (`devices.check_balance`, as `DataParallel` does).
@@ -220,6 +234,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
+    precision = _check_precision(compute_dtype, loss_scale, shared_model)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
                             shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
@@ -232,7 +247,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once))
+        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision)
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -245,6 +260,17 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         run_pipeline(model._parallel)
     _log_built(model._parallel)
+
+
+def _check_precision(compute_dtype: Any, loss_scale: Any, shared_model: bool) -> tuple[str | None, LossScale | None]:
+    """compute_dtype and loss_scale checked and made canonical (ParallelizeError / TypeError otherwise)."""
+    try:
+        checked = check_compute_dtype(compute_dtype, "Parallelize: compute_dtype"), check_loss_scale(loss_scale)
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None
+    if checked[1] is not None and shared_model:
+        raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
+    return checked
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -523,8 +549,26 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
                                   state.param_names)
     state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
-        workspace.RunNet(net, count)
+        if state.options.loss_scale is None:
+            workspace.RunNet(net, count)
+        else:
+            for _ in range(count):
+                _run_loss_scaled(model, state, net)
     state.feeds.remember(ws.blobs)
+
+
+def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None:
+    """One run of a loss-scaled net: a gradient overflow skips the step (the failed run changed nothing),
+    logs a warning and, with a dynamic scale, shrinks it (`passes.loss_scale`)."""
+    try:
+        workspace.RunNet(net, 1)
+    except Exception as exc:
+        if not isinstance(exc.__cause__, GradientOverflowError):
+            raise
+        log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        backoff = getattr(model, "_loss_scale_backoff_net", None)
+        if backoff is not None:
+            workspace.RunNetOnce(backoff)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from graphpar.core.ir import DeviceOption, GradientSlice
 from graphpar.distributed import Rendezvous
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.loss_scale import LossScale
 from graphpar.passes.reducers import Reducer
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class ParallelizeOptions:
     barrier_net_timeout_sec: float = 300.0
     accumulate_gradients: int = 1
     cpu_update_once: bool = False  # Parallelize's default is True; BMUF never uses it
+    compute_dtype: str | None = None  # "bfloat16" | "float16": the mixed-precision pass (passes.precision)
+    loss_scale: LossScale | None = None  # passes.loss_scale
 
     @property
     def num_shards(self) -> int:
