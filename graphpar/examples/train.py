@@ -60,21 +60,23 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
-          rendezvous: dict | None = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
-    updates anything (RunNet raises, naming the loss)."""
+    updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
+    mixed precision (docs/precision.md)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
         optimizer_builder_fun=lambda m: optimizer.build_sgd(
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous)
+        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous,
+        compute_dtype=compute_dtype)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
-                    devices=devices, cpu_device=cpu, uneven_batches=True)
+                    devices=devices, cpu_device=cpu, uneven_batches=True, compute_dtype=compute_dtype)
     return train, test
 
 
@@ -100,6 +102,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--plot", action="store_true", help="write a loss/accuracy PNG at the end (matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
     parser.add_argument("--no-finite-check", action="store_true",
                         help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
     parser.add_argument("--verbose", action="store_true", help="log what Parallelize built and each init/sync")
@@ -214,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous())
+                        not args.no_finite_check, launch.rendezvous(), args.dtype)
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         print(f"graphpar: training a CNN on {len(y_train)} digits over {where} {'CPU' if args.cpu else 'CUDA'} "
