@@ -115,6 +115,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     cpu_update_once: bool = True,
     compute_dtype: str | None = None,
     loss_scale: float | str | dict | LossScale | None = None,
+    channels_last: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -212,6 +213,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             divided by S after the all-reduce; a step whose gradients hold an inf or a NaN on any replica
             or shard is skipped everywhere (RunNet logs a warning; params, optimizer state and the
             iteration counter unchanged) and, when dynamic, S shrinks. S is replica state (checkpointed).
+        channels_last: keep an NCHW model's activations in torch.channels_last memory format (cuDNN's
+            fast path): the input of the first Conv is converted once, and no conversion is left between
+            consecutive convs (`graphpar.passes.channels_last`). Same values and shapes.
 
     Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
     (`devices.check_balance`, as `DataParallel` does).
@@ -247,7 +251,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision)
+        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision, bool(channels_last))
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "

@@ -88,6 +88,8 @@ class _Rewriter:
 
     def __init__(self, net: NetDef, low: str, dtypes: dict[str, str], taken: set[str]) -> None:
         self.low = low
+        self.written = set(taken)  # blobs that exist before a fed input is read: the init net's, the ops'
+        self.input_casts: list[str] = []
         self.dtypes = dict(dtypes)
         self.taken = taken | {b for op in net.ops for b in (*op.inputs, *op.outputs)}
         self.casts: dict[tuple[str, str], str] = {}  # (blob, dtype) -> the blob holding it cast
@@ -109,6 +111,8 @@ class _Rewriter:
             self.taken.add(name)
             self.ops.append(make_op("Cast", [blob], [name], op.device_option, to=dtype))
             self.casts[key] = name
+            if blob not in self.written:
+                self.input_casts.append(name)
             self._set(name, dtype)
         return self.casts[key]
 
@@ -135,6 +139,7 @@ class _Rewriter:
         outputs = [self._output(op, o, new_inputs) for o in op.outputs]
         for k, out in enumerate(outputs):
             self._set(out, compute if rule.outputs is None or k in rule.outputs else None)
+        self.written.update(outputs)
         if new_inputs != list(op.inputs) or outputs != list(op.outputs):
             op = op.copy()
             op.inputs, op.outputs = new_inputs, outputs
@@ -165,22 +170,24 @@ class _Rewriter:
 
 
 def rewrite_net(net: NetDef, compute_dtype: str, dtypes: dict[str, str] | None = None,
-                taken: set[str] | None = None) -> NetDef:
-    """Rewrite `net`'s ops in place for `compute_dtype` (see the module docstring); returns `net`.
+                taken: set[str] | None = None) -> list[str]:
+    """Rewrite `net`'s ops in place for `compute_dtype` (see the module docstring).
 
     Input: a forward net (no gradient ops yet); `dtypes` gives the blobs that exist before it in a
-    low dtype (`init_dtypes`), every other blob is fp32 or not floating; `taken` are names the new
-    cast blobs must avoid. Guarantees: every op runs in the dtype its rule says, with one Cast per
-    (blob value, dtype) inserted before its first reader and no Cast of a Cast's output.
+    low dtype (`init_dtypes`), every other blob is fp32 or not floating; `taken` are the blobs the
+    init net makes (names the new casts avoid). Guarantees: every op runs in the dtype its rule says,
+    with one Cast per (blob value, dtype) inserted before its first reader and no Cast of a Cast's
+    output. Returns the casts of fed inputs (blobs neither `taken` nor written by an earlier op):
+    like the inputs themselves, they need no gradient.
     """
     low = check_compute_dtype(compute_dtype)
     if low is None:
-        return net
+        return []
     rewriter = _Rewriter(net, low, dtypes or {}, taken or set())
     for op in net.ops:
         rewriter.rewrite(op)
     net.ops[:] = rewriter.ops
-    return net
+    return rewriter.input_casts
 
 
 def convert_model(model: ModelHelper, compute_dtype: str) -> None:
@@ -196,16 +203,20 @@ def convert_model(model: ModelHelper, compute_dtype: str) -> None:
     if any(op.is_gradient_op for op in net.ops):
         raise ValueError(f"convert_model: net {net.name!r} already has gradient ops; call convert_model before "
                          f"AddGradientOperators")
-    rewrite_net(net, compute_dtype, init_dtypes(model.param_init_net.Proto()),
-                {b for op in model.param_init_net.Proto().ops for b in op.outputs})
+    _rewrite_model(model, compute_dtype)
+
+
+def _rewrite_model(model: ModelHelper, compute_dtype: str) -> None:
+    init = model.param_init_net.Proto()
+    casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), {b for op in init.ops for b in op.outputs})
+    model._input_casts.update(casts)
 
 
 def mixed_precision(state: ParallelState) -> None:
     """Parallelize's pass: rewrite the train net for `options.compute_dtype`.
 
     Needs: every replica's forward ops, no gradient op yet. Guarantees: as `rewrite_net`; casts are
-    on their reader's device, so each replica casts its own copies.
+    on their reader's device, so each replica casts its own copies; the casts of fed inputs get no
+    gradient (`ModelHelper.AddGradientOperators` treats them as the inputs).
     """
-    model = state.model
-    rewrite_net(model.net.Proto(), state.options.compute_dtype, init_dtypes(model.param_init_net.Proto()),
-                {b for op in model.param_init_net.Proto().ops for b in op.outputs})
+    _rewrite_model(state.model, state.options.compute_dtype)

@@ -57,6 +57,7 @@ class ParallelizeOptions:
     cpu_update_once: bool = False  # Parallelize's default is True; BMUF never uses it
     compute_dtype: str | None = None  # "bfloat16" | "float16": the mixed-precision pass (passes.precision)
     loss_scale: LossScale | None = None  # passes.loss_scale
+    channels_last: bool = False  # passes.channels_last
 
     @property
     def num_shards(self) -> int:

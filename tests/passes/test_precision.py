@@ -225,3 +225,16 @@ def test_convert_model_for_a_plain_model_helper_trains_and_refuses_a_net_with_gr
     assert np.isfinite(workspace.FetchBlob("loss"))
     with pytest.raises(ValueError, match="before AddGradientOperators"):
         convert_model(model, "bfloat16")
+
+
+def test_casts_of_fed_inputs_get_no_gradient_like_the_inputs():
+    """The cast of the data gets no gradient, so conv1's ConvGradient skips dX, as without the pass."""
+    model = model_helper.ModelHelper(name="fed")
+    dpm.Parallelize(model, lambda m: None, lenet, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                    devices=[0], cpu_device=True, compute_dtype="bfloat16")
+    assert model._input_casts == {"cpu_0/data_bf16"}
+    ops = model.net.Proto().ops
+    assert not [op for op in ops if any(b.startswith(("cpu_0/data", "cpu_0/label")) for b in op.outputs)
+                and op.is_gradient_op]
+    conv1_grad = next(op for op in ops if op.type == "ConvGradient" and op.inputs[0] == "cpu_0/data_bf16")
+    assert conv1_grad.args["no_gradient_to_input"] and len(conv1_grad.outputs) == 2
