@@ -108,7 +108,7 @@ def test_an_nhwc_model_trains_data_parallel_like_the_nchw_model(compute_dtype):
     rng = np.random.default_rng(1)
     batches = [(rng.standard_normal((2, 3, 8, 8), dtype=np.float32), rng.integers(0, 3, 2).astype(np.int32))
                for _ in range(4)]
-    results = {}
+    results, start = {}, {}
     for order in ("NCHW", "NHWC"):
         workspace.ResetWorkspace()
         model = model_helper.ModelHelper(name=f"m_{order}")
@@ -128,7 +128,7 @@ def test_an_nhwc_model_trains_data_parallel_like_the_nchw_model(compute_dtype):
                             value = value.transpose(0, 2, 3, 1) if value.ndim == 4 else value
                             workspace.FeedBlob(f"cpu_{d}/{name}", np.ascontiguousarray(value))
                 else:
-                    start = {p.split("/")[1]: workspace.FetchBlob(p) for p in model.GetParams("cpu_0/")}
+                    start.update({p.split("/")[1]: workspace.FetchBlob(p) for p in model.GetParams("cpu_0/")})
             dpm.RunNet(model, 1)
         results[order] = {p.split("/")[1]: workspace.FetchBlob(p) for p in model.GetParams("cpu_1/")}
     for name, value in results["NCHW"].items():
