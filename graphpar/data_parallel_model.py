@@ -553,7 +553,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
                                   state.param_names)
     state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
-        if state.options.loss_scale is None:
+        if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
             workspace.RunNet(net, count)
         else:
             for _ in range(count):
@@ -562,8 +562,9 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
 
 
 def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None:
-    """One run of a loss-scaled net: a gradient overflow skips the step (the failed run changed nothing),
-    logs a warning and, with a dynamic scale, shrinks it (`passes.loss_scale`)."""
+    """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
+    overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
+    shrinks it (`passes.loss_scale`)."""
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:

@@ -43,3 +43,34 @@ def test_caffe2_fp16_recipe_trains_fp16_params_through_fp32_masters():
     assert master.dtype == np.float32 and not np.array_equal(master, start)
     np.testing.assert_array_equal(workspace.FetchTensor("cpu_1/conv_w").numpy(), master.astype(np.float16))
     assert np.isfinite(workspace.FetchBlob("cpu_0/loss"))
+
+
+def test_a_static_multi_precision_loss_scale_that_overflows_skips_the_step_and_keeps_masters_finite(caplog):
+    """Issue 23 item 11 on Caffe2's path: build_multi_precision_sgd(loss_scale=2**20) with the loss scaled
+    by 2**20 and check_finite_loss: the loss is finite, the float16 gradients overflow; the step is skipped
+    with a warning and every fp32 master keeps its value (before: they all became inf or NaN)."""
+    import logging
+
+    scale = 2.0 ** 20
+
+    def forward(model, loss_scale):
+        return _forward(model, loss_scale * scale)
+
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name="c2fp16_scaled")
+    dpm.Parallelize(model, lambda m: None, forward, devices=[0, 1], cpu_device=True, check_finite_loss=True,
+                    optimizer_builder_fun=lambda m: optimizer.build_multi_precision_sgd(m, 0.1, momentum=0.9,
+                                                                                        loss_scale=scale))
+    rng = np.random.default_rng(0)
+    for d in (0, 1):
+        workspace.FeedBlob(f"cpu_{d}/data", 100 * rng.standard_normal((2, 1, 8, 8), dtype=np.float32))
+        workspace.FeedBlob(f"cpu_{d}/label", rng.integers(0, 10, 2).astype(np.int32))
+    dpm.RunInitNet(model)
+    masters = {b: workspace.FetchBlob(b) for b in workspace.Blobs() if b.endswith("_fp32") and "_grad" not in b}
+    with caplog.at_level(logging.WARNING, logger="graphpar.data_parallel_model"):
+        dpm.RunNet(model, 1)
+    assert "step skipped" in caplog.text and "loss scale 1.04858e+06" in caplog.text
+    assert len(masters) == 8
+    for name, value in masters.items():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), value, err_msg=name)
+    assert workspace.FetchBlob("optimizer_iteration") == 0

@@ -7,7 +7,8 @@ dtype, bfloat16 included.)
 Loss scaling (`Parallelize(loss_scale=...)`, see `graphpar.passes.loss_scale`): the loss gradients are
 seeded with the scale S, so low-precision gradients keep their small values; after the all-reduce,
 `UnscaleGradients` divides every gradient by S and raises `GradientOverflowError` if any is not finite
-(the run then changes nothing: the step is skipped); `UpdateLossScale` grows S after `growth_interval`
+(the run then changes nothing: the step is skipped; `CheckGradients` does the check alone, for Caffe2's
+static scale of `build_multi_precision_sgd`); `UpdateLossScale` grows S after `growth_interval`
 good steps; `BackoffLossScale` shrinks it after a skipped step.
 """
 
@@ -30,6 +31,17 @@ register_op("HalfToFloat", kernel=lambda _a, _ctx: lambda x: x.to(torch.float32)
             doc="Y = X as float32 (Caffe2's name). Gradient: FloatToHalf(dY).")
 
 
+def _check_finite(names: list[str], grads: tuple[torch.Tensor, ...], scale: float | torch.Tensor) -> None:
+    """Raise GradientOverflowError naming the gradients holding an inf or a NaN (one host sync)."""
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        return
+    bad = [name for name, g in zip(names, grads) if not bool(torch.isfinite(g).all())]
+    scale = scale.item() if isinstance(scale, torch.Tensor) else scale
+    raise GradientOverflowError(
+        f"gradients {bad[:4]}{' ...' if len(bad) > 4 else ''} are inf or NaN at loss scale {scale:g}: the step "
+        f"is skipped (params, optimizer state and counters unchanged)")
+
+
 def _unscale(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     names = ctx.op.inputs[:-1]
 
@@ -37,12 +49,7 @@ def _unscale(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         grads, scale = inputs[:-1], inputs[-1]
         inv = torch.reciprocal(scale.to(torch.float32))
         out = tuple((g.to(torch.float32) * inv).to(g.dtype) for g in grads)
-        finite = torch.stack([torch.isfinite(g).all() for g in out]).all() if out else torch.tensor(True)
-        if not bool(finite):  # one host sync per device and step, as torch.amp.GradScaler.step
-            bad = [name for name, g in zip(names, out) if not bool(torch.isfinite(g).all())]
-            raise GradientOverflowError(
-                f"gradients {bad[:4]}{' ...' if len(bad) > 4 else ''} are inf or NaN at loss scale "
-                f"{scale.item():g}: the step is skipped (params, optimizer state and counters unchanged)")
+        _check_finite(names, out, scale)  # one host sync per device and step, as torch.amp.GradScaler.step
         return out
 
     return run
@@ -54,6 +61,24 @@ register_op(
     doc="[G_1, ..., G_k, scale] -> [G_1, ..., G_k]: each G_i / scale (in place by name), after checking on "
         "the host that all are finite: raises GradientOverflowError otherwise (a failed run changes "
         "nothing, so the step is skipped). The loss scaler puts one per replica after the all-reduce.")
+
+
+def _check_gradients(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+    names = ctx.op.inputs
+
+    def run(*grads: torch.Tensor) -> tuple:
+        _check_finite(names, grads, a.loss_scale)
+        return ()
+
+    return run
+
+
+register_op(
+    "CheckGradients", inputs=(1, None), outputs=0, args={"loss_scale": 1.0}, kernel=_check_gradients,
+    gradient=NOT_DIFFERENTIABLE, traits=(Trait.HOST_SYNC,), infer=lambda _a, _ctx, _inputs: [],
+    doc="[G_1, ...] -> nothing: raises GradientOverflowError if a gradient holds an inf or a NaN (read on the "
+        "host; `loss_scale` is named in the message). build_multi_precision_sgd(loss_scale=S) checks each "
+        "unscaled gradient with it: the check depends on no update, so it runs before every update.")
 
 
 def _grow(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple]:

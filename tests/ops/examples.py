@@ -112,6 +112,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "Flatten": [ex(f(2, 3, 4), axis=2)],
     "FlattenToVec": [ex(f(2, 3))],
     "FloatToHalf": [ex(f(2, 3))],
+    "CheckGradients": [ex(f(2, 3), f(4, dtype=torch.float16), outputs=0, loss_scale=8.0)],
     "ChannelsLast": [ex(f(2, 3, 4, 5)), ex(f(2, 3))],
     "BackoffLossScale": [ex(pos(), ints(3, dtype=torch.int64).reshape(()), outputs=2, backoff_factor=0.25)],
     "UnscaleGradients": [ex(f(2, 3), f(4, dtype=torch.float16), pos(), outputs=2), ex(f(3), pos(), outputs=1)],
