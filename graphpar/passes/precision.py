@@ -88,7 +88,7 @@ class _Rewriter:
 
     def __init__(self, net: NetDef, low: str, dtypes: dict[str, str], taken: set[str]) -> None:
         self.low = low
-        self.written = set(taken)  # blobs that exist before a fed input is read: the init net's, the ops'
+        self.written = set(taken)  # the init net's blobs and earlier outputs: any other blob is fed
         self.input_casts: list[str] = []
         self.dtypes = dict(dtypes)
         self.taken = taken | {b for op in net.ops for b in (*op.inputs, *op.outputs)}
