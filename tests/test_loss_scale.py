@@ -179,3 +179,29 @@ def test_bad_loss_scales_raise_before_the_model_changes(value, error):
         dpm.Parallelize(model, lambda m: None, FORWARD, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
                         devices=[0], cpu_device=True, loss_scale=value)
     assert not model.net.Proto().ops
+
+
+def test_sparse_embedding_gradients_are_unscaled_through_their_values():
+    """DLRM (SparseLengthsSum tables: GradientSlice gradients) with a power-of-two scale trains bit for bit
+    like the unscaled model, dense and sparse params alike."""
+    from graphpar.models.dlrm import dlrm, split_clicks, synthetic_clicks
+
+    def train(**kwargs):
+        workspace.ResetWorkspace()
+        model = model_helper.ModelHelper(name="dlrm_ls")
+        dpm.Parallelize(model, lambda m: None, dlrm, devices=[0, 1], cpu_device=True,
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9), **kwargs)
+        for step in range(2):
+            for d, part in enumerate(split_clicks(synthetic_clicks(8, seed=step), 2)):
+                for name, value in part.items():
+                    workspace.FeedBlob(f"cpu_{d}/{name}", value)
+            if step == 0:
+                dpm.RunInitNet(model)
+            dpm.RunNet(model, 1)
+        assert any(op.type == "UnscaleGradients" for op in model.net.Proto().ops) == bool(kwargs)
+        return {p: workspace.FetchBlob(p) for p in model.GetParams()}
+
+    plain, scaled = train(), train(loss_scale=256.0)
+    assert any(name.endswith("emb_0") for name in plain)
+    for name, value in plain.items():
+        np.testing.assert_array_equal(scaled[name], value, err_msg=name)
