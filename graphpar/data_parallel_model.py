@@ -227,10 +227,12 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             blobs, duplicate params, replicas that differ (combine_spatial_bn), a param not created
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
-            a bad rendezvous (unknown key, bad value) or one combined with an unsupported option.
+            a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
+            a bad compute_dtype or loss_scale value, loss_scale with shared_model.
             The model is left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
-            non-int gradient_bucket_bytes or first_bucket_bytes.
+            non-int gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict
+            with unknown keys).
     """
     _check_no_device_scope("Parallelize")
     cpu_device = cpu_device or bool(ideep)
