@@ -174,7 +174,7 @@ def test_loss_scale_values(value, expected):
 @pytest.mark.parametrize("value, error", [(0.0, ValueError), ({"init": 2.0}, TypeError), ("auto", TypeError),
                                           ({"backoff_factor": 2.0}, ValueError), (True, TypeError)])
 def test_bad_loss_scales_raise_before_the_model_changes(value, error):
-    model = model_helper.ModelHelper(name="bad")
+    model = model_helper.ModelHelper(name="bad_loss_scale")
     with pytest.raises((error, ParallelizeError)):
         dpm.Parallelize(model, lambda m: None, FORWARD, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
                         devices=[0], cpu_device=True, loss_scale=value)

@@ -118,7 +118,7 @@ def test_compute_dtype_names(value, expected):
 
 
 def test_bad_compute_dtype_raises_before_the_model_changes():
-    model = model_helper.ModelHelper(name="bad")
+    model = model_helper.ModelHelper(name="bad_compute_dtype")
     with pytest.raises(ParallelizeError, match="compute_dtype='int8'"):
         dpm.Parallelize(model, lambda m: None, lenet, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
                         devices=[0], cpu_device=True, compute_dtype="int8")
