@@ -116,6 +116,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     compute_dtype: str | None = None,
     loss_scale: float | str | dict | LossScale | None = None,
     channels_last: bool = False,
+    allreduce_dtype: str | None = None,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -216,6 +217,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         channels_last: keep an NCHW model's activations in torch.channels_last memory format (cuDNN's
             fast path): the input of the first Conv is converted once, and no conversion is left between
             consecutive convs (`graphpar.passes.channels_last`). Same values and shapes.
+        allreduce_dtype: "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype
+            (half the bytes, as DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and
+            the sum cast back to fp32 before the update. None (default): gradients are all-reduced in
+            their own dtype (fp32 masters: fp32). One process only (not with a rendezvous).
 
     Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
     (`devices.check_balance`, as `DataParallel` does).
@@ -228,7 +233,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
-            a bad compute_dtype or loss_scale value, loss_scale with shared_model.
+            a bad compute_dtype, loss_scale or allreduce_dtype value, loss_scale with shared_model,
+            allreduce_dtype with a rendezvous.
             The model is left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict
@@ -241,6 +247,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                    num_threads_per_device)
     _check_bucket_options(gradient_bucket_bytes, first_bucket_bytes)
     precision = _check_precision(compute_dtype, loss_scale, shared_model)
+    low_allreduce = _check_allreduce_dtype(allreduce_dtype, rendezvous)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
                             shared_model=shared_model)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
@@ -253,7 +260,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision, bool(channels_last))
+        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision, bool(channels_last), low_allreduce)
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -277,6 +284,17 @@ def _check_precision(compute_dtype: Any, loss_scale: Any, shared_model: bool) ->
     if checked[1] is not None and shared_model:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
     return checked
+
+
+def _check_allreduce_dtype(value: Any, rendezvous: dict | None) -> str | None:
+    """allreduce_dtype made canonical; ParallelizeError for a bad value or with a rendezvous."""
+    try:
+        low = check_compute_dtype(value, "Parallelize: allreduce_dtype")
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None
+    if low is not None and rendezvous is not None:
+        raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+    return low
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802

@@ -96,3 +96,38 @@ def test_bf16_training_tracks_fp32_over_50_steps(forward, shape, classes, per_st
         assert np.abs(bf16 - fp32).max() <= per_step, np.abs(bf16 - fp32).max()
     assert abs(bf16[-10:].mean() - fp32[-10:].mean()) <= last10, (bf16[-10:].mean(), fp32[-10:].mean())
     assert bf16[-10:].mean() < learnt * bf16[0] and fp32[-10:].mean() < learnt * fp32[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"gradient_bucket_bytes": 4096}])
+def test_allreduce_dtype_sums_bf16_gradients_and_updates_fp32_masters(options):
+    """allreduce_dtype="bfloat16": every collective sums bf16 copies (half the bytes), the sums are cast
+    back, and training matches the fp32 all-reduce to bf16's rounding of the gradients (2^-8)."""
+    from graphpar.core.shapes import infer_specs
+
+    _, fp32 = _train(CNN, [0, 1], None, 2, (1, 16, 16), 10, **options)
+    _, low = _train(CNN, [0, 1], None, 2, (1, 16, 16), 10, allreduce_dtype="bfloat16", **options)
+    net = workspace.get_workspace().nets
+    model_net = next(plan.netdef for plan in net.values() if plan.netdef.name.startswith("mp"))
+    specs = infer_specs(model_net, workspace.get_workspace().blobs)
+    reduced = [op for op in model_net.ops if op.type == "Sum" and len({b.split("/")[0] for b in op.inputs}) > 1]
+    assert reduced and all(specs[b].dtype == torch.bfloat16 for op in reduced for b in op.inputs)
+    moved = max(float(np.abs(after - before).max()) for before, after in fp32.values())
+    for name, (_, after) in fp32.items():
+        assert low[name][1].dtype == np.float32
+        np.testing.assert_allclose(low[name][1], after, rtol=0, atol=2e-3, err_msg=name)
+    assert moved > 20 * 2e-3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"allreduce_dtype": "int8"}, "allreduce_dtype='int8'"),
+    ({"allreduce_dtype": "bfloat16", "rendezvous": {"shard_id": 0, "num_shards": 2, "engine": "GLOO",
+                                                     "kv_handler": None}}, "not supported with a rendezvous"),
+])
+def test_bad_allreduce_dtype_raises_before_the_model_changes(kwargs, message):
+    from graphpar.errors import ParallelizeError
+
+    model = model_helper.ModelHelper(name="bad_allreduce_dtype")
+    with pytest.raises(ParallelizeError, match=message):
+        dpm.Parallelize(model, lambda m: None, CNN, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                        devices=[0], cpu_device=True, **kwargs)
+    assert not model.net.Proto().ops

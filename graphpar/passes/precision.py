@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.core.schema import Precision, PrecisionRule, precision_rule
 from graphpar.naming import cast_name
 from graphpar.passes.common import make_op
@@ -220,3 +220,37 @@ def mixed_precision(state: ParallelState) -> None:
     gradient (`ModelHelper.AddGradientOperators` treats them as the inputs).
     """
     _rewrite_model(state.model, state.options.compute_dtype)
+
+
+def cast_gradients_down(state: ParallelState) -> None:
+    """`allreduce_dtype`: all-reduce the fp32 dense gradients in a low dtype (as DDP's bf16/fp16 compression).
+
+    Needs: grouped gradients, devices inferred, no gradient collective yet. Guarantees: each copy of an
+    fp32 data-parallel dense gradient `g` is cast to `g_<low>` on its device, and `state.grouped` names
+    the casts, so the all-reduce that follows sums those (half the bytes); `cast_gradients_up` casts the
+    sums back into `g` before anything reads the gradients. Sparse gradients and those of low-precision
+    params (already low) are left alone.
+    """
+    low, layout, net = state.options.allreduce_dtype, state.layout, state.model.net.Proto()
+    lows = init_dtypes(state.model.param_init_net.Proto())
+    params = {str(g): str(p) for p, g in state.model.param_to_grad.items()}
+    for name in state.grad_names:
+        group = state.grouped[name]
+        if len(group) < 2 or any(isinstance(g, GradientSlice) or params.get(str(g)) in lows for g in group.values()):
+            continue
+        state.lowered[name] = dict(group)
+        for device, grad in group.items():
+            option = layout.option(device)
+            net.ops.append(make_op("Cast", [str(grad)], [cast_name(str(grad), low)], option, to=low))
+            group[device] = cast_name(str(grad), low)
+            state.blob_to_device[group[device]] = option
+
+
+def cast_gradients_up(state: ParallelState) -> None:
+    """After the all-reduce: each low sum back into its fp32 gradient blob; `state.grouped` names those again."""
+    net = state.model.net.Proto()
+    for name, original in state.lowered.items():
+        for device, grad in original.items():
+            net.ops.append(make_op("Cast", [state.grouped[name][device]], [str(grad)], state.layout.option(device),
+                                   to=FP32))
+        state.grouped[name] = original

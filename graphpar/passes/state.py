@@ -58,6 +58,7 @@ class ParallelizeOptions:
     compute_dtype: str | None = None  # "bfloat16" | "float16": the mixed-precision pass (passes.precision)
     loss_scale: LossScale | None = None  # passes.loss_scale
     channels_last: bool = False  # passes.channels_last
+    allreduce_dtype: str | None = None  # all-reduce fp32 gradients in this low dtype (passes.precision)
 
     @property
     def num_shards(self) -> int:
@@ -99,6 +100,7 @@ class ParallelState:
     feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
     sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
+    lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
 
     @property
     def training(self) -> bool:
