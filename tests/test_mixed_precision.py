@@ -131,3 +131,34 @@ def test_bad_allreduce_dtype_raises_before_the_model_changes(kwargs, message):
         dpm.Parallelize(model, lambda m: None, CNN, optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
                         devices=[0], cpu_device=True, **kwargs)
     assert not model.net.Proto().ops
+
+
+def test_bf16_with_nccl_on_logical_gpus_all_reduces_bf16_and_trains_like_the_tree():
+    """The NCCL branch (through a CPU stand-in for torch.cuda.nccl) on logical CUDA devices: compute and
+    all-reduce in bf16, the same params as the Sum tree's to bf16 rounding."""
+    from graphpar.devices import cuda_on_cpu
+    from graphpar.ops.collective import nccl_backend
+    from tests.fake_nccl import FakeNccl
+
+    def train(**kwargs):
+        workspace.ResetWorkspace()
+        model = model_helper.ModelHelper(name="nccl_bf16")
+        dpm.Parallelize(model, lambda m: None, CNN, devices=[0, 1], cpu_device=False,
+                        optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1, momentum=0.9),
+                        compute_dtype="bfloat16", allreduce_dtype="bfloat16", **kwargs)
+        rng = np.random.default_rng(0)
+        for step in range(2):
+            for d in (0, 1):
+                workspace.FeedBlob(f"gpu_{d}/data", rng.standard_normal((4, 1, 16, 16), dtype=np.float32))
+                workspace.FeedBlob(f"gpu_{d}/label", rng.integers(0, 10, 4).astype(np.int32))
+            if step == 0:
+                dpm.RunInitNet(model)
+            dpm.RunNet(model, 1)
+        return {p: workspace.FetchBlob(p) for p in model.GetParams("gpu_1/")}
+
+    fake = FakeNccl()
+    with cuda_on_cpu(), nccl_backend(fake):
+        tree, nccl = train(), train(use_nccl=True)
+    assert fake.calls["all_reduce"] >= 2 * 8
+    for name, value in tree.items():
+        np.testing.assert_allclose(nccl[name], value, rtol=0, atol=1e-2, err_msg=name)
