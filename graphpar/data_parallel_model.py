@@ -591,6 +591,7 @@ def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
         log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        state.skipped_steps += 1
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)

@@ -134,6 +134,8 @@ class LRScheduler(HookBase):
 
     def after_step(self) -> None:
         name = dpm.GetLearningRateBlobNames(self.trainer.model)[0]
+        if not workspace.HasBlob(name):  # the first steps were skipped (loss scaling): no LR computed yet
+            return
         value = workspace.FetchBlob(name).reshape(-1)[0]
         if self.multiplier is not None:
             value *= self.multiplier(self.trainer.iter)
@@ -444,7 +446,10 @@ class Trainer:
             workspace.RunNet(micro)
             values.append(self.losses(fed.sizes))
         fed = self.last_fed = feed(self.model, self._next_batch())
+        skipped = state.skipped_steps
         dpm.RunNet(self.model, 1)
+        if state.skipped_steps != skipped:  # a loss-scaled step whose gradients overflowed: no loss to record
+            return
         values.append(self.losses(fed.sizes))
         for name in values[-1]:
             value = sum(v[name] for v in values) / len(values)

@@ -205,3 +205,22 @@ def test_sparse_embedding_gradients_are_unscaled_through_their_values():
     assert any(name.endswith("emb_0") for name in plain)
     for name, value in plain.items():
         np.testing.assert_array_equal(scaled[name], value, err_msg=name)
+
+
+def test_the_trainer_records_nothing_for_a_skipped_step():
+    """engine.Trainer over a loss-scaled model: the first step overflows (scale 3e38) and is skipped, so
+    no loss or LR is recorded for it; the scale backs off and the next steps train."""
+    from graphpar.engine import LRScheduler, Trainer
+
+    workspace.ResetWorkspace()
+    model = _build((0, 1), loss_scale={"init_scale": 3e38, "backoff_factor": 1e-20})
+    rng = np.random.default_rng(0)
+    data = [{"data": rng.standard_normal((4, 1, 16, 16), dtype=np.float32),
+             "label": rng.integers(0, 10, 4).astype(np.int32)} for _ in range(4)]
+    data[0]["data"] *= np.float32(1e4)  # its gradients, times 3e38, overflow
+    trainer = Trainer(model, data, [LRScheduler()], max_iter=4)
+    trainer.train()
+    assert model._parallel.skipped_steps == 1
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 3
+    assert [it for it, _ in trainer.storage.history["scaled_loss"]] == [1, 2, 3]
+    assert len(trainer.storage.history["lr"]) == 3

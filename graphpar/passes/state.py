@@ -101,6 +101,7 @@ class ParallelState:
     sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
+    skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
 
     @property
     def training(self) -> bool:
