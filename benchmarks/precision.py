@@ -104,8 +104,8 @@ def eager_step(module: nn.Module, x: np.ndarray, y: np.ndarray, device: torch.de
     return step
 
 
-def _peak_bytes(step: Callable[[], None], before: int) -> int | None:
-    if not torch.cuda.is_available():
+def _peak_bytes(step: Callable[[], None], before: int, cuda: bool) -> int | None:
+    if not cuda:
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -139,7 +139,7 @@ def run(quick: bool, batches: list[int], repeats: int, warmup: int) -> list[dict
                               eager_step(eager_model(), x, y, device, dtype))
                 for _ in range(warmup):
                     steps[key]()
-                peaks[key] = _peak_bytes(steps[key], before)
+                peaks[key] = _peak_bytes(steps[key], before, cuda)
         times = compare({f"{s} {p}": fn for (s, p), fn in steps.items()}, repeats=repeats, warmup=1)
         for (system, precision) in steps:
             seconds = median(times[f"{system} {precision}"])
