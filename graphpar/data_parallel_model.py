@@ -260,7 +260,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn, gradient_bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once), *precision, bool(channels_last), low_allreduce)
+        _accumulation(accumulate_gradients), bool(cpu_update_once), compute_dtype=precision[0],
+        loss_scale=precision[1], channels_last=bool(channels_last), allreduce_dtype=low_allreduce)
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
