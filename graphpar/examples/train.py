@@ -97,13 +97,13 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
     parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"),
                         help="checkpoint file, written every epoch; metrics.json goes beside it")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--plot", action="store_true", help="write a loss/accuracy PNG at the end (matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
     parser.add_argument("--no-finite-check", action="store_true",
                         help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
     parser.add_argument("--verbose", action="store_true", help="log what Parallelize built and each init/sync")
