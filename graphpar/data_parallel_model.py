@@ -52,7 +52,7 @@ from graphpar.devices import (
     shares_a_gpu,
 )
 from graphpar.distributed import Rendezvous, default_engine, parse_rendezvous
-from graphpar.errors import CheckpointError, DeviceScopeError, ParallelizeError
+from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.feeds import FeedTracker
@@ -62,8 +62,10 @@ from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
+from graphpar.passes.loss_scale import LossScale, check_loss_scale
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.pipeline import run_pipeline
+from graphpar.passes.precision import check_compute_dtype
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
 from graphpar.passes.state import ParallelizeOptions, ParallelState
@@ -122,6 +124,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
     cuda_graph: bool = False,
+    compute_dtype: str | None = None,
+    loss_scale: float | str | dict | LossScale | None = None,
+    channels_last: bool = False,
+    allreduce_dtype: str | None = None,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -220,6 +226,23 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
             take turns on: up to that many are in flight at once (an int >= 1).
         barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
+        compute_dtype: "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
+            docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
+            that dtype; params stay fp32 masters; losses, softmax, batch-norm statistics, reductions, the
+            gradient all-reduce and the updates stay fp32. None (default) or "float32": no rewrite.
+        loss_scale: scale the loss gradients for float16 (`graphpar.passes.loss_scale`): a number S > 0
+            (static, as Caffe2's trainer), "dynamic" (torch.amp.GradScaler's policy: start at 2**16,
+            double after 2000 good steps, halve on overflow) or a dict of `LossScale` fields. Gradients are
+            divided by S after the all-reduce; a step whose gradients hold an inf or a NaN on any replica
+            or shard is skipped everywhere (RunNet logs a warning; params, optimizer state and the
+            iteration counter unchanged) and, when dynamic, S shrinks. S is replica state (checkpointed).
+        channels_last: keep an NCHW model's activations in torch.channels_last memory format (cuDNN's
+            fast path): the input of the first Conv is converted once, and no conversion is left between
+            consecutive convs (`graphpar.passes.channels_last`). Same values and shapes.
+        allreduce_dtype: "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype
+            (half the bytes, as DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and
+            the sum cast back to fp32 before the update. None (default): gradients are all-reduced in
+            their own dtype (fp32 masters: fp32). One process only (not with a rendezvous).
 
     Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
     (`devices.check_balance`, as `DataParallel` does).
@@ -233,9 +256,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
-            cuda_graph with cpu_device. The model is left as it was.
+            cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
+            loss_scale with shared_model, allreduce_dtype with a rendezvous. The model is left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
-            non-int gradient_bucket_bytes or first_bucket_bytes.
+            non-int gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict
+            with unknown keys).
     """
     _check_no_device_scope("Parallelize")
     cpu_device = cpu_device or bool(ideep)
@@ -251,6 +276,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     if combine_spatial_bn not in (True, False, "shard"):
         raise ParallelizeError(f"Parallelize: combine_spatial_bn must be True, False or 'shard' (statistics over "
                                f"this shard's devices only), got {combine_spatial_bn!r}")
+    precision = _check_precision(compute_dtype, loss_scale, shared_model)
+    low_allreduce = _check_allreduce_dtype(allreduce_dtype, rendezvous)
     rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
                             shared_model=shared_model, default_engine=default_engine(not cpu_device))
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
@@ -270,7 +297,9 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         combine_spatial_bn, bucket_bytes, first_bucket_bytes, dynamic_memory_management,
         optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
         bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once), auto_buckets=auto_buckets)
+        _accumulation(accumulate_gradients), bool(cpu_update_once), auto_buckets=auto_buckets,
+        compute_dtype=precision[0], loss_scale=precision[1], channels_last=bool(channels_last),
+        allreduce_dtype=low_allreduce)
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
@@ -289,6 +318,28 @@ def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, trainin
     """check_finite_loss as given, else on for training CPU replicas (a host read of a CPU loss is free;
     an evaluation model keeps reporting a NaN loss instead of raising)."""
     return bool(cpu_device and training) if check_finite_loss is None else bool(check_finite_loss)
+
+
+def _check_precision(compute_dtype: Any, loss_scale: Any, shared_model: bool) -> tuple[str | None, LossScale | None]:
+    """compute_dtype and loss_scale checked and made canonical (ParallelizeError / TypeError otherwise)."""
+    try:
+        checked = check_compute_dtype(compute_dtype, "Parallelize: compute_dtype"), check_loss_scale(loss_scale)
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None
+    if checked[1] is not None and shared_model:
+        raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
+    return checked
+
+
+def _check_allreduce_dtype(value: Any, rendezvous: dict | None) -> str | None:
+    """allreduce_dtype made canonical; ParallelizeError for a bad value or with a rendezvous."""
+    try:
+        low = check_compute_dtype(value, "Parallelize: allreduce_dtype")
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None
+    if low is not None and rendezvous is not None:
+        raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+    return low
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -579,8 +630,28 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
     state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     state.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
-        workspace.RunNet(net, count)
+        if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
+            workspace.RunNet(net, count)
+        else:
+            for _ in range(count):
+                _run_loss_scaled(model, state, net)
     state.feeds.remember(ws.blobs)
+
+
+def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None:
+    """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
+    overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
+    shrinks it (`passes.loss_scale`)."""
+    try:
+        workspace.RunNet(net, 1)
+    except Exception as exc:
+        if not isinstance(exc.__cause__, GradientOverflowError):
+            raise
+        log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        state.skipped_steps += 1
+        backoff = getattr(model, "_loss_scale_backoff_net", None)
+        if backoff is not None:
+            workspace.RunNetOnce(backoff)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------

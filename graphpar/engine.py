@@ -140,6 +140,8 @@ class LRScheduler(HookBase):
 
     def after_step(self) -> None:
         name = dpm.GetLearningRateBlobNames(self.trainer.model)[0]
+        if not workspace.HasBlob(name):  # the first steps were skipped (loss scaling): no LR computed yet
+            return
         value = workspace.FetchBlob(name).reshape(-1)[0]
         if self.multiplier is not None:
             value *= self.multiplier(self.trainer.iter)
@@ -502,7 +504,10 @@ class Trainer:
             workspace.RunNet(micro)
             local.append(self._local_losses(fed.sizes))
         fed = self.last_fed = feed(self.model, self._next_batch())
+        skipped = state.skipped_steps
         dpm.RunNet(self.model, 1)
+        if state.skipped_steps != skipped:  # a loss-scaled step whose gradients overflowed: no loss to record
+            return
         local.append(self._local_losses(fed.sizes))
         values = self._global_losses(local)
         for name in values[-1]:

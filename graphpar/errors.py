@@ -48,3 +48,7 @@ class DeviceScopeError(ParallelizeError, AssertionError):
 
 class CheckpointError(ValueError, GraphparError):
     """A checkpoint file is corrupt or does not match the workspace or model."""
+
+
+class GradientOverflowError(FloatingPointError, GraphparError):
+    """A loss-scaled step's gradients hold an inf or a NaN: the step is skipped (`graphpar.passes.loss_scale`)."""

@@ -182,6 +182,7 @@ class ModelHelper:
         self.param_to_grad: dict[BlobReference, str | GradientSlice] = {}
         self.grad_map: dict[BlobReference, str | GradientSlice] = {}
         self.gradient_ops_added = False
+        self._input_casts: set[str] = set()  # casts of fed inputs (passes.precision): no gradient either
         self._parallel: ParallelState | None = None  # set by data_parallel_model.Parallelize
         self._arg_scope: dict[str, Any] = {"order": "NCHW", **(arg_scope or {})}
 
@@ -377,6 +378,7 @@ class ModelHelper:
         self.Validate()
         params = {str(p) for p in self.GetAllParams("")}
         fed = [] if input_gradients else [b for b in self.net.Proto().external_inputs if b not in params]
+        fed += [] if input_gradients else sorted(self._input_casts)
         self.grad_map = self.net.AddGradientOperators(ys, no_gradient_to=fed)
         self.gradient_ops_added = True
         self.param_to_grad = {p: self.grad_map[p] for p in self.params if p in self.grad_map}

@@ -114,3 +114,13 @@ FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the 
 # net argument: replica state that a run rebinds to the first device's tensors (passes.cpu_update_once):
 # written without being read, yet persistent, and its loaded value is in use (graphpar.resume)
 ALIASED_STATE_ARG = "aliased_state"
+
+
+LOSS_SCALE = "_loss_scale"  # per replica, with Parallelize(loss_scale=...): the scale S of the loss gradients
+LOSS_SCALE_GOOD_STEPS = "_loss_scale_good_steps"  # per replica, dynamic scaling: steps since S last changed
+_CAST_SUFFIX = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def cast_name(blob: str, dtype: str) -> str:
+    """The blob the mixed-precision pass casts `blob` into for `dtype` ("bfloat16", "float16", "float32")."""
+    return f"{blob}_{_CAST_SUFFIX[dtype]}"

@@ -291,7 +291,9 @@ class MultiPrecisionSgdOptimizer(SgdOptimizer):
     """Caffe2's SGD with float32 master copies: a param made by PseudoFP16Initializer (a float16 param
     with `<param>_fp32` in the init net) gets its float16 gradient cast to float32 (and divided by
     `loss_scale`, the factor the loss was multiplied by), the update applied to the master, and the
-    master cast back into the param. Other params get plain SGD, as in Caffe2."""
+    master cast back into the param. Other params get plain SGD, as in Caffe2. With a loss scale, a
+    float16 gradient holding an inf or a NaN (an overflow) fails the step before any update
+    (`CheckGradients`): `data_parallel_model.RunNet` skips it with a warning."""
 
     def __init__(self, base_learning_rate: float, policy: str = "fixed", momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, loss_scale: float = 1.0,
@@ -309,8 +311,9 @@ class MultiPrecisionSgdOptimizer(SgdOptimizer):
             super()._update(net, init_net, param, grad, device)
             return
         grad32 = net.HalfToFloat([grad], BlobReference(f"{grad}_fp32"))
-        if self.loss_scale != 1.0:
+        if self.loss_scale != 1.0:  # a scaled float16 gradient may overflow: skip the step, not poison the master
             net.Scale([grad32], grad32, scale=1.0 / self.loss_scale)
+            net.CheckGradients([grad32], [], loss_scale=self.loss_scale)
         super()._update(net, init_net, master, grad32, device)
         net.FloatToHalf([master], param)
 
@@ -944,7 +947,8 @@ def build_multi_precision_sgd(model: ModelHelper, base_learning_rate: float, mom
                               allow_lr_injection: bool = False, **policy_args: Any) -> MultiPrecisionSgdOptimizer:
     """SGD that keeps float32 master copies of float16 params (`MultiPrecisionSgdOptimizer`); float32
     params get plain SGD. `loss_scale`: the factor the loss was multiplied by (static loss scaling);
-    gradients are divided by it in float32 before the update. `max_gradient_norm` and
+    gradients are divided by it in float32 and checked before any update (an overflow skips the step,
+    see `MultiPrecisionSgdOptimizer`). `max_gradient_norm` and
     `allow_lr_injection` as in `build_sgd`."""
     _check_clip_norm(max_gradient_norm)
     optimizer = MultiPrecisionSgdOptimizer(base_learning_rate, policy, momentum, nesterov, weight_decay,

@@ -105,6 +105,63 @@ class Trait(str, Enum):
     HOST_SYNC = "host_sync"
 
 
+class Precision(str, Enum):
+    """How an op takes part in mixed precision (`passes.precision`); see `PrecisionRule`."""
+
+    LOW = "low"  # gains from the low dtype (matrix work): its inputs are cast down, its outputs are low
+    FP32 = "fp32"  # needs range or accuracy (losses, softmax, reductions, updates): low inputs are cast up
+    FOLLOW = "follow"  # runs in its inputs' dtype (element-wise, pooling, layout); mixed inputs promote to fp32
+    CONVERT = "convert"  # sets its output's dtype itself (Cast, FloatToHalf, HalfToFloat)
+
+
+@dataclass(frozen=True)
+class PrecisionRule:
+    """An op's mixed-precision rule: how it computes, on which inputs, and which outputs carry that dtype.
+
+    `inputs`: the inputs the rule governs (None: all); every other floating input is kept fp32 (e.g.
+    SpatialBN's scale, bias and running statistics). `outputs`: the outputs in the compute dtype (None:
+    all); the others are fp32 or not floating (saved statistics, masks, shapes). `dtype`: a CONVERT op's
+    output dtype (None: its `to` argument). Gradient ops need no rule: autodiff gives them the dtypes of
+    the forward op they differentiate.
+    """
+
+    compute: Precision
+    inputs: tuple[int, ...] | None = None
+    outputs: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+
+_LOW, _FP32, _FOLLOW = PrecisionRule(Precision.LOW), PrecisionRule(Precision.FP32), PrecisionRule(Precision.FOLLOW)
+_FIRST_ONLY = PrecisionRule(Precision.FOLLOW, inputs=(0,), outputs=(0,))
+
+# The mixed-precision rule of each built-in op type, next to its traits; `register_op(precision=...)`
+# declares (or overrides) one per op. An op in neither runs in fp32 (the safe default: its low inputs are
+# cast up). As torch.autocast's lists: matrix work low; softmax, losses, normalisation statistics,
+# reductions, exp/log and every update fp32; element-wise and layout ops in their inputs' dtype.
+PRECISION_TABLE: dict[str, PrecisionRule] = {
+    **dict.fromkeys(("Conv", "FC"), _LOW),
+    **dict.fromkeys(("Relu", "LeakyRelu", "Tanh", "Sigmoid", "Abs", "Negative", "Scale", "Clip", "Sum", "Add",
+                     "Sub", "Mul", "Div", "Max", "AveragePool", "Flatten", "FlattenToVec",
+                     "Split", "Transpose", "NHWC2NCHW", "NCHW2NHWC", "Alias", "StopGradient", "Copy",
+                     "CopyCPUToGPU", "CopyGPUToCPU", "ResizeLike"), _FOLLOW),
+    **dict.fromkeys(("Concat", "Dropout", "MaxPool"), PrecisionRule(Precision.FOLLOW, outputs=(0,))),
+    "Reshape": _FIRST_ONLY,
+    "Gather": PrecisionRule(Precision.FOLLOW, inputs=(0,)),
+    # batch norm: X and Y in X's dtype; scale, bias, running and saved statistics fp32 (torch's
+    # batch-norm kernels accumulate in fp32 and take fp32 statistics with low X)
+    "SpatialBN": _FIRST_ONLY,
+    "Cast": PrecisionRule(Precision.CONVERT),
+    "FloatToHalf": PrecisionRule(Precision.CONVERT, dtype="float16"),
+    "HalfToFloat": PrecisionRule(Precision.CONVERT, dtype="float32"),
+}
+
+
+def precision_rule(type_: str) -> PrecisionRule:
+    """The mixed-precision rule of an op type: its own declaration, else the table's, else FP32."""
+    schema = get_schema(type_)
+    return schema.precision or PRECISION_TABLE.get(type_, _FP32)
+
+
 @dataclass(frozen=True)
 class Arg:
     """An argument's kind (one of ARG_KINDS) and default (REQUIRED if it has none)."""
@@ -199,6 +256,7 @@ class OpSchema:
     infer: InferRule | None = None  # None: run the kernel on meta tensors (see the module docstring)
     check: InputCheck | None = None  # what the inputs must satisfy; kernel and infer already run it
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
+    precision: PrecisionRule | None = None  # mixed precision (None: PRECISION_TABLE's rule or FP32)
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -255,6 +313,7 @@ def register_op(
     infer: InferRule | None = None,
     check: InputCheck | None = None,
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
+    precision: PrecisionRule | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -270,6 +329,7 @@ def register_op(
     registered kernel and shape rule run it first, so it holds at CreateNet and on every run.
     `reuse=(input, kernel)` adds a kernel that may overwrite that input (see `InputReuse`); it is used
     only where a net writes the op in place on that input (so the op must allow that).
+    `precision` is the op's mixed-precision rule (`PrecisionRule`; default `PRECISION_TABLE`'s or FP32).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -285,7 +345,7 @@ def register_op(
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
-        reuse=reuse and InputReuse(*reuse))
+        reuse=reuse and InputReuse(*reuse), precision=precision)
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:

@@ -8,9 +8,15 @@ sees the same batches as an uninterrupted one). The model, optimizer and schedul
 ResNet-50 (or 18, `--num_layers`), SGD with Nesterov momentum 0.9, weight decay on the weights, the
 learning rate scaled by the global batch / 256 and x0.1 every 30 epochs. A checkpoint
 `<save_model_name>_<epoch>.safetensors` (default name `resnet<num_layers>_model`) is written after
-every epoch; `--load_model_path` resumes from one. Caffe2's flags for LMDB input, multi-host rendezvous and float16 are accepted and refused
-with a message when set; `--width` (the stem's channels, 64 in ResNet-50) is graphpar's, for tiny
-test runs.
+every epoch; `--load_model_path` resumes from one. Caffe2's flags for LMDB input and multi-host
+rendezvous are accepted and refused with a message when set; `--width` (the stem's channels, 64 in
+ResNet-50) is graphpar's, for tiny test runs.
+
+Precision (docs/precision.md): `--dtype float16` is Caffe2's recipe: float16 Conv/FC params made by
+`PseudoFP16Initializer` with float32 masters updated by `build_multi_precision_sgd` (`build_fp16_sgd`
+with `--float16_compute`, which brew passes to Conv/FC), the loss and batch-norm statistics in fp32
+(`Parallelize(compute_dtype="float16")` places the casts) and a dynamic loss scale (`--loss_scale S`
+for a static one). `--dtype bfloat16` keeps fp32 params and computes Conv/FC in bf16.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from graphpar import checkpoint, model_helper, optimizer, workspace  # noqa: E402
+from graphpar import brew, checkpoint, model_helper, optimizer, workspace  # noqa: E402
 from graphpar import data_parallel_model as dpm  # noqa: E402
 from graphpar.data import feed_batch  # noqa: E402
 from graphpar.devices import num_cuda_devices  # noqa: E402
@@ -62,8 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--use_nccl", action="store_true", help="all-reduce with NCCL (GPUs)")
     add("--save_model_name", default=None, help="checkpoint name prefix (default: resnet<num_layers>_model)")
     add("--load_model_path", default=None, help="a checkpoint to resume from")
-    add("--dtype", default="float", choices=("float", "float16"))
-    add("--float16_compute", action="store_true")
+    add("--dtype", default="float", choices=("float", "float16", "bfloat16"),
+        help="float16: Caffe2's fp16 params with fp32 masters; bfloat16 (graphpar): bf16 compute, fp32 params")
+    add("--float16_compute", action="store_true", help="with --dtype float16: Conv/FC compute in float16")
+    add("--loss_scale", type=float, default=None,
+        help="graphpar, with --dtype float16: a static loss scale (default: dynamic, as torch.amp.GradScaler)")
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=int, default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=int, default=0, help="graphpar: seed of the synthetic data and the init")
@@ -72,12 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.save_model_name is None:
         args.save_model_name = f"resnet{args.num_layers}_model"
     refused = [flag for flag, used in (("--train_data", args.train_data), ("--test_data", args.test_data),
-                                       ("--num_shards > 1", args.num_shards > 1),
-                                       ("--dtype float16", args.dtype == "float16"),
-                                       ("--float16_compute", args.float16_compute)) if used]
+                                       ("--num_shards > 1", args.num_shards > 1)) if used]
     if refused:
-        parser.error(f"not supported by graphpar's trainer: {', '.join(refused)} (synthetic data, one host, "
-                     f"float32)")
+        parser.error(f"not supported by graphpar's trainer: {', '.join(refused)} (synthetic data, one host)")
+    if args.float16_compute and args.dtype != "float16":
+        parser.error("--float16_compute needs --dtype float16 (float16 params and data)")
+    if args.loss_scale is not None and (args.dtype != "float16" or not args.loss_scale > 0):
+        parser.error(f"--loss_scale needs --dtype float16 and a value > 0, got {args.loss_scale}")
     return args
 
 
@@ -94,18 +104,29 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
     model = model_helper.ModelHelper(name="resnet", arg_scope={"order": "NCHW"})
     net = resnet.resnet50 if args.num_layers == 50 else resnet.resnet18
 
+    fp16 = args.dtype == "float16"
+    initializer = model_helper.PseudoFP16Initializer if fp16 else None
+    fp16_args = {"float16_compute": True} if args.float16_compute else {}
+
     def forward(model: model_helper.ModelHelper, loss_scale: float) -> list:
-        return net(model, loss_scale, num_classes=args.num_labels, in_channels=args.num_channels,
-                   width=args.width)
+        with brew.arg_scope([brew.conv, brew.fc], WeightInitializer=initializer, BiasInitializer=initializer,
+                            **fp16_args):
+            return net(model, loss_scale, num_classes=args.num_labels, in_channels=args.num_channels,
+                       width=args.width)
 
     def add_optimizer(model: model_helper.ModelHelper) -> optimizer.Optimizer:
+        schedule = {"base_learning_rate": args.base_learning_rate * args.batch_size / 256, "policy": "step",
+                    "stepsize": 30 * epoch_iters, "gamma": 0.1, "momentum": 0.9, "nesterov": True}
+        if args.float16_compute:  # Caffe2's choice: the fp16 optimizer applies the weight decay itself
+            return optimizer.build_fp16_sgd(model, weight_decay=args.weight_decay, **schedule)
         optimizer.add_weight_decay(model, args.weight_decay)
-        return optimizer.build_sgd(model, args.base_learning_rate * args.batch_size / 256, policy="step",
-                                   stepsize=30 * epoch_iters, gamma=0.1, momentum=0.9, nesterov=True)
+        return (optimizer.build_multi_precision_sgd if fp16 else optimizer.build_sgd)(model, **schedule)
 
+    precision = {"float": {}, "bfloat16": {"compute_dtype": "bfloat16"},
+                 "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
-                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False)
+                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision)
     return model
 
 
@@ -153,12 +174,13 @@ def _main(argv: list[str] | None) -> int:
         for step in range(epoch_iters):
             feed_batch(model, synthetic_batch(args, epoch, step))
             dpm.RunNet(model, 1)
-            losses.append(np.mean([float(workspace.FetchBlob(f"{prefix}_{d}/loss")) for d in devices]))
+            if workspace.HasBlob(f"{prefix}_{devices[0]}/loss"):  # not before a first step that was not skipped
+                losses.append(np.mean([float(workspace.FetchBlob(f"{prefix}_{d}/loss")) for d in devices]))
         images_per_s = epoch_iters * args.batch_size / (time.perf_counter() - start)
         path = checkpoint_path(args, epoch + 1)
         checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1})
         log.info("epoch %d/%d: loss %.4f, %.1f images/s, checkpoint %s", epoch + 1, args.num_epochs,
-                 float(np.mean(losses)), images_per_s, path)
+                 float(np.mean(losses)) if losses else float("nan"), images_per_s, path)
     return 0
 
 

@@ -72,21 +72,23 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
-          rendezvous: dict | None = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
-    updates anything (RunNet raises, naming the loss)."""
+    updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
+    mixed precision (docs/precision.md)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
         optimizer_builder_fun=lambda m: optimizer.build_sgd(
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous)
+        devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous,
+        compute_dtype=compute_dtype)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
-                    devices=devices, cpu_device=cpu, uneven_batches=True)
+                    devices=devices, cpu_device=cpu, uneven_batches=True, compute_dtype=compute_dtype)
     return train, test
 
 
@@ -109,6 +111,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     parser.add_argument("--lr", type=float, default=0.05,
                         help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
     parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
     parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"),
                         help="checkpoint file, written every epoch; metrics.json goes beside it")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
@@ -302,7 +306,7 @@ def _run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous())
+                        not args.no_finite_check, launch.rendezvous(), args.dtype)
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,

@@ -157,7 +157,7 @@ def _bn_global(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         var = (sumsq / count - mean * mean).clamp_min(0.0)  # biased; clamp rounding below zero
         inv_std = torch.rsqrt(var + a.epsilon)
         gain = scale * inv_std
-        y = torch.addcmul(_per_channel(bias - mean * gain, x), x, _per_channel(gain, x))
+        y = torch.addcmul(_per_channel(bias - mean * gain, x), x, _per_channel(gain, x)).to(x.dtype)
         return (y, rm * m + mean * (1.0 - m), rv * m + var * (count / (count - 1) * (1.0 - m)), mean, inv_std)
 
     return bn
@@ -240,7 +240,7 @@ def _bn_grad_global(a: SimpleNamespace) -> Callable[..., tuple]:
         cx = -k * inv_std * dscale
         c0 = -cx * mean - k * dbias
         dx = torch.addcmul(_per_channel(c0, x), x, _per_channel(cx, x))
-        return dx.addcmul_(dy, _per_channel(scale * inv_std, x)), dscale / nb, dbias / nb
+        return dx.addcmul_(dy, _per_channel(scale * inv_std, x)).to(x.dtype), dscale / nb, dbias / nb
 
     return bn_grad
 
@@ -288,16 +288,22 @@ register_gradient(
 # ----------------------------------------------------------------------------------------------------
 
 
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """Statistics of low-precision X accumulate and stay in fp32 (mixed precision keeps them there)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    dims = _reduce_dims(x)
-    return x.sum(dims), x.square().sum(dims), torch.full((), _count(x), dtype=torch.float32, device=x.device)
+    dims, dtype = _reduce_dims(x), _stats_dtype(x)
+    return (x.sum(dims, dtype=dtype), x.to(dtype).square().sum(dims),
+            torch.full((), _count(x), dtype=torch.float32, device=x.device))
 
 
 def _channel_backprop_stats(
     x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, dy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dims = _reduce_dims(x)
-    return ((x - _per_channel(mean, x)) * dy).sum(dims) * inv_std, dy.sum(dims)
+    return ((x - _per_channel(mean, x)) * dy).sum(dims) * inv_std, dy.sum(dims, dtype=_stats_dtype(x))
 
 
 register_op(
@@ -305,8 +311,8 @@ register_op(
     outputs=(2, 3),
     gradient=NOT_DIFFERENTIABLE,
     kernel=lambda a, ctx: lambda x: _channel_stats(x)[:len(ctx.op.outputs)],
-    doc="ChannelStats(X) -> sum[C] = Σx, sumsq[C] = Σx² over every axis but channels (axis 1)[, count: "
-    "the number of values per channel, a float32 scalar (summed over devices, SpatialBN's input 7)].",
+    doc="ChannelStats(X) -> sum[C] = Σx, sumsq[C] = Σx² over every axis but channels (axis 1; fp32 for a "
+    "low-precision X)[, count: the number of values per channel, a float32 scalar (summed over devices, SpatialBN's input 7)].",
 )
 
 register_op(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from graphpar.core.ir import DeviceOption, GradientSlice
 from graphpar.distributed import Rendezvous
 from graphpar.passes.common import DeviceLayout
+from graphpar.passes.loss_scale import LossScale
 from graphpar.passes.reducers import Reducer
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class ParallelizeOptions:
     accumulate_gradients: int = 1
     cpu_update_once: bool = False  # Parallelize's default is True; BMUF never uses it
     auto_buckets: bool = False  # gradient_bucket_bytes is the CUDA default: per gradient if sizes are unknown
+    compute_dtype: str | None = None  # "bfloat16" | "float16": the mixed-precision pass (passes.precision)
+    loss_scale: LossScale | None = None  # passes.loss_scale
+    channels_last: bool = False  # passes.channels_last
+    allreduce_dtype: str | None = None  # all-reduce fp32 gradients in this low dtype (passes.precision)
 
     @property
     def num_shards(self) -> int:
@@ -96,6 +101,8 @@ class ParallelState:
     feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
     sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
+    lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
+    skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
 
     @property
     def training(self) -> bool:

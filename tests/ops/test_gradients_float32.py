@@ -74,6 +74,7 @@ CASES: dict[str, tuple[list[torch.Tensor], Callable, dict]] = {
     "Cast": ([_x(3, 4)], lambda x: x.double(), {"to": "double"}),
     "Clip": ([_x(3, 4)], lambda x: x.clamp(-0.5, 0.7), {"min": -0.5, "max": 0.7}),
     "FloatToHalf": ([_x(3, 4)], lambda x: x.half(), {}),
+    "ChannelsLast": ([_x(2, 3, 4, 5)], lambda x: x.contiguous(memory_format=torch.channels_last), {}),
     "HalfToFloat": ([_x(3, 4).half()], lambda x: x.float(), {}),
     "Concat": ([_x(2, 3), _x(2, 2, seed=1)],
                lambda a, b: (torch.cat([a, b], 1), torch.tensor([3, 2], dtype=torch.int32)), {"wrt": (0, 1)}),
