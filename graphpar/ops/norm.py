@@ -117,8 +117,8 @@ def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     PyTorch's native fused kernel. cuDNN's reserve space rides on the saved mean (`_CUDNN_RESERVE`) to
     SpatialBNGradient, as autograd saves it for torch's backward.
 
-    Both kernels update the running stats in place, and no out-of-place form gives their bits (the
-    native CPU kernel accumulates the update in double; cuDNN's is its own). A run that fails must
+    Both kernels update the running stats in place, and no out-of-place form gives their bits (each
+    fuses the update with its own reduction; torch's functional form clones too). A run that fails must
     leave the workspace's running stats unchanged and SpatialBN runs in the forward pass, before
     the ops that may still fail, so the kernels get copies (two per layer and step), except in a
     CUDA-graph capture (`core.capture`), where they update the static buffers in place."""
