@@ -650,8 +650,9 @@ class Trainer:
 
 
 def _held(tensor: torch.Tensor, captured: bool) -> torch.Tensor:
-    """A loss tensor to read later: itself, or on a captured net's device a copy (no host sync)."""
-    return tensor.detach().clone() if captured and tensor.device.type != "cpu" else tensor
+    """A tensor to read later: itself (the next run makes a new one), or for a captured net a copy on
+    its device (no host sync), since the graph's next replay overwrites its tensors in place."""
+    return tensor.detach().clone() if captured else tensor
 
 
 # ---- configs and the linear scaling rule ---------------------------------------------------------
