@@ -413,3 +413,19 @@ def test_on_cuda_replicas_a_diverging_loss_is_reported_with_its_iteration_when_r
         with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 1"):
             trainer.train()
     assert [at for at, _ in trainer.storage.history["scaled_loss"]] == [0]
+
+
+def test_with_gradient_accumulation_the_held_micro_batch_losses_record_the_same_means():
+    histories = []
+    for period in (1, 4):
+        with cuda_on_cpu():
+            workspace.ResetWorkspace()
+            workspace.SetSeed(1)
+            model = ModelHelper(name=f"trainer_{next(_names)}")
+            dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                            optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, momentum=0.9),
+                            devices=[0, 1], accumulate_gradients=2)
+            trainer = Trainer(model, _batches(6), max_iter=3, record_period=period)
+            trainer.train()
+        histories.append(trainer.storage.history["scaled_loss"])
+    assert histories[0] == histories[1] and [at for at, _ in histories[0]] == [0, 1, 2]
