@@ -13,7 +13,8 @@ Per contender: median step ms (each sample times `--block` steps), images/s, res
 keeps allocated between steps) and the step peak above everything resident
 (`torch.cuda.max_memory_allocated`), and per step, from torch.profiler over 3 steps: host syncs
 (`cudaStreamSynchronize`/`cudaDeviceSynchronize`/`cudaEventSynchronize`), host-to-device copies
-(`Memcpy HtoD`, of which from pageable memory) and `aten::item` calls.
+(`Memcpy HtoD`, of which from pageable memory), device-to-device copies (`Memcpy DtoD`: SpatialBN's
+running statistics outside CUDA graphs, docs/engine.md) and `aten::item` calls.
 
     python -m benchmarks.gpu [--save] [--models resnet50,mlp] [--repeats 15]
     python -m benchmarks.gpu --device cpu --quick      # a seconds-long smoke run of the same code
@@ -162,7 +163,7 @@ def step_peak(step: Callable[[], None], device: torch.device) -> int | None:
 
 def host_traffic(step: Callable[[], None], device: torch.device) -> dict[str, float]:
     """Per step, from torch.profiler: host syncs, host-to-device copies (and from pageable memory),
-    `aten::item` calls."""
+    device-to-device copies, `aten::item` calls."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -170,13 +171,15 @@ def host_traffic(step: Callable[[], None], device: torch.device) -> dict[str, fl
         for _ in range(PROFILED_STEPS):
             step()
         synchronize()
-    counts = {"syncs": 0, "h2d": 0, "h2d_pageable": 0, "item": 0}
+    counts = {"syncs": 0, "h2d": 0, "h2d_pageable": 0, "d2d": 0, "item": 0}
     for event in prof.key_averages():
         if event.key in SYNCS:
             counts["syncs"] += event.count
         elif event.key.startswith("Memcpy HtoD"):
             counts["h2d"] += event.count
             counts["h2d_pageable"] += event.count if "Pageable" in event.key else 0
+        elif event.key.startswith("Memcpy DtoD"):
+            counts["d2d"] += event.count
         elif event.key == "aten::item":
             counts["item"] += event.count
     return {k: v / PROFILED_STEPS for k, v in counts.items()}
@@ -215,16 +218,17 @@ def table(results: dict[str, dict[str, dict]]) -> str:
         base_memory = _total(base)
         for name, r in per_contender.items():
             if "step_ms" not in r:
-                rows.append((model, name, "-", "-", "-", "-", "-", "-", "-", "-", r["note"]))
+                rows.append((model, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", r["note"]))
                 continue
             ratio = r["step_ms"] / base["step_ms"] if "step_ms" in base else "-"
             memory = _total(r)
             rows.append((model, name, r["step_ms"], r["images_per_s"], ratio,
                          "n/a" if memory is None else f"{r['resident_mib']:.0f} + {r['step_peak_mib']:.0f}",
                          memory / base_memory if memory is not None and base_memory else "-",
-                         r["syncs"], f"{r['h2d']:g} ({r['h2d_pageable']:g})", r["item"], r["note"]))
+                         r["syncs"], f"{r['h2d']:g} ({r['h2d_pageable']:g})", r["d2d"], r["item"], r["note"]))
     return markdown_table(["model", "contender", "step ms", "images/s", "vs eager", "resident + peak MiB",
-                           "memory vs eager", "syncs/step", "H2D/step (pageable)", "item/step", "note"], rows)
+                           "memory vs eager", "syncs/step", "H2D/step (pageable)", "D2D/step", "item/step", "note"],
+                          rows)
 
 
 def _total(r: dict) -> float | None:

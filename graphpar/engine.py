@@ -39,7 +39,7 @@ from graphpar import data_parallel_model as dpm
 from graphpar.core.ir import CUDA
 from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
-from graphpar.naming import stripBlobName, unscoped_name
+from graphpar.naming import KEEP_ARG, stripBlobName, unscoped_name
 from graphpar.passes import finish
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
@@ -47,19 +47,48 @@ __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "
 
 log = logging.getLogger(__name__)
 
+RECORD_PERIOD = 20  # iterations between host reads of the losses on CUDA replicas (Trainer's record_period)
+
 
 # ---- storage ---------------------------------------------------------------------------------------
 
 
 class EventStorage:
-    """Scalars per iteration: `put_scalar(name, value)` at the trainer's current iteration."""
+    """Scalars per iteration: `put_scalar(name, value)` at the trainer's current iteration.
+
+    A value may be a callable returning it (a value still on a device): it is called, and the host
+    waits for the device, only when the storage is read (`history`, `latest`, `median`). Reading
+    first calls `before_read` (the Trainer's: record the losses it holds on the devices)."""
 
     def __init__(self) -> None:
         self.iter = 0
-        self.history: dict[str, list[tuple[int, float]]] = {}
+        self._history: dict[str, list[tuple[int, float]]] = {}
+        self._unread: list[tuple[str, int, Callable[[], float]]] = []
+        self.before_read: Callable[[], None] | None = None
 
-    def put_scalar(self, name: str, value: float) -> None:
-        self.history.setdefault(name, []).append((self.iter, float(value)))
+    def put_scalar(self, name: str, value: float | Callable[[], float], iteration: int | None = None) -> None:
+        """Record `value` (or a callable giving it, read later) at `iteration` (default: `self.iter`)."""
+        at = self.iter if iteration is None else iteration
+        if callable(value):
+            self._unread.append((name, at, value))
+            return
+        if any(unread == name for unread, _, _ in self._unread):
+            self._read_all()  # keep each scalar's values in order
+        self._history.setdefault(name, []).append((at, float(value)))
+
+    def _read_all(self) -> None:
+        unread, self._unread = self._unread, []
+        for name, at, value in unread:
+            self._history.setdefault(name, []).append((at, float(value())))
+
+    @property
+    def history(self) -> dict[str, list[tuple[int, float]]]:
+        """{name: [(iteration, value), ...]}, every value read."""
+        if self.before_read is not None:
+            self.before_read()
+        if self._unread:
+            self._read_all()
+        return self._history
 
     def latest(self) -> dict[str, tuple[int, float]]:
         """{name: (iteration, value)} of the last value of every scalar."""
@@ -142,10 +171,21 @@ class LRScheduler(HookBase):
         name = dpm.GetLearningRateBlobNames(self.trainer.model)[0]
         if not workspace.HasBlob(name):  # the first steps were skipped (loss scaling): no LR computed yet
             return
-        value = workspace.FetchBlob(name).reshape(-1)[0]
-        if self.multiplier is not None:
-            value *= self.multiplier(self.trainer.iter)
-        self.trainer.storage.put_scalar("lr", abs(float(value)))  # the LearningRate op's value is -lr
+        tensor = workspace.FetchTensor(name)
+        factor = None if self.multiplier is None else self.multiplier(self.trainer.iter)
+
+        model = self.trainer.model
+        on_host = model._parallel.layout.device_type != CUDA
+        held = _held(tensor, model.net.Proto().type == "cuda_graph")
+
+        def lr() -> float:
+            value = held.detach().to("cpu", copy=True).numpy().reshape(-1)[0]
+            if factor is not None:
+                value *= factor
+            return abs(float(value))  # the LearningRate op's value is -lr
+
+        # on CUDA replicas the LR is read when the storage is (no host sync per step)
+        self.trainer.storage.put_scalar("lr", lr() if on_host else lr)
 
 
 _CHECKPOINT = re.compile(r"model_(\d+)\.safetensors$")
@@ -293,13 +333,20 @@ class Trainer:
             created) unless Parallelize was given them; losses, params and optimizer state stay
             fetchable. Default (None): on for CUDA replicas, where it keeps resident + step peak memory
             near eager PyTorch's instead of holding every intermediate between steps; off for CPU ones.
+        record_period: the losses stay on the devices and are read on the host (and, under a
+            rendezvous, gathered from every shard) every `record_period` iterations, at the end, and
+            (one shard) whenever a hook reads `trainer.storage`; so the host need not wait for the
+            devices each step. Default: 1 on CPU replicas, `RECORD_PERIOD` (20, a PeriodicWriter's
+            period) on CUDA ones. The values recorded do not depend on it; a non-finite loss raises
+            FloatingPointError naming its iteration when it is read.
 
     Raises:
         ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
     """
 
     def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (),
-                 max_iter: int | None = None, lean_memory: bool | None = None) -> None:
+                 max_iter: int | None = None, lean_memory: bool | None = None,
+                 record_period: int | None = None) -> None:
         if not getattr(getattr(model, "_parallel", None), "training", False):
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
@@ -309,12 +356,20 @@ class Trainer:
             max_iter = len(data) // model._parallel.options.accumulate_gradients
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
             raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
-        self.model, self.data, self.max_iter = model, data, max_iter
-        self.lean_memory = model._parallel.layout.device_type == CUDA if lean_memory is None else bool(lean_memory)
+        on_cuda = model._parallel.layout.device_type == CUDA
+        if record_period is None:
+            record_period = RECORD_PERIOD if on_cuda else 1
+        if isinstance(record_period, bool) or not isinstance(record_period, int) or record_period < 1:
+            raise ValueError(f"Trainer: record_period must be an int >= 1, got {record_period!r}")
+        self.model, self.data, self.max_iter, self.record_period = model, data, max_iter, record_period
+        self.lean_memory = on_cuda if lean_memory is None else bool(lean_memory)
         self.iter = 0
         self.start_iter = 0
         self.epoch = 0
         self.storage = EventStorage()
+        self._unrecorded: list[tuple[int, list[tuple[list[list[torch.Tensor]], list[int]]]]] = []
+        if not self._sharded():  # reading the storage records the losses (no collective to join)
+            self.storage.before_read = self.record_losses
         self.hooks: list[HookBase] = []
         self._iterator: Iterator[Any] | None = None
         self._in_epoch = 0
@@ -385,6 +440,8 @@ class Trainer:
             dpm.OptimizeGradientMemory(self.model, {}, [], recycle_activations=False)
         if not state.options.dynamic_memory_management:
             finish.free_intermediates(state)
+            args = self.model.net.Proto().args  # and the learning rate, which LRScheduler records
+            args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *dpm.GetLearningRateBlobNames(self.model)]))
 
     def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
         """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the
@@ -473,6 +530,10 @@ class Trainer:
                 self._done = iteration + 1
                 for hook in self.hooks:
                     hook.after_step()
+        except BaseException:
+            if not self._sharded():  # the other shards would not join a gather now
+                self._record_quietly()
+            raise
         finally:
             for hook in self.hooks:
                 hook.after_train()
@@ -487,49 +548,86 @@ class Trainer:
         return int(workspace.FetchBlob(counters[0]).reshape(-1)[0])
 
     def run_step(self) -> None:
-        """Feed the next batch, run the train net once, record each loss (the global batch's mean).
+        """Feed the next batch, run the train net once, keep each loss (the global batch's mean) to record.
 
         With `Parallelize(accumulate_gradients=k)`, first k - 1 micro-batches each through the
         accumulate net (no all-reduce, no update); the losses recorded are the micro-batches' mean.
-        Under a rendezvous the losses are every shard's (one all-gather per step), so every shard
-        records the same values, which equal one process's on the whole batch.
+        The loss tensors stay on their devices until `record_losses` (every `record_period` iterations
+        and at `max_iter`). Under a rendezvous the losses are every shard's (one all-gather per
+        recording), so every shard records the same values, which equal one process's on the whole batch.
         """
         state = self.model._parallel
         micro = state.accumulate_net
-        local: list[np.ndarray] = []
+        held: list[tuple[list[list[torch.Tensor]], list[int]]] = []
         for _ in range(state.options.accumulate_gradients - 1):
             fed = feed(self.model, self._next_batch())
             if micro.Proto().name not in workspace.get_workspace().nets:
                 workspace.CreateNet(micro)
             workspace.RunNet(micro)
-            local.append(self._local_losses(fed.sizes))
+            held.append((self._loss_tensors(), list(fed.sizes)))
         fed = self.last_fed = feed(self.model, self._next_batch())
         skipped = state.skipped_steps
         dpm.RunNet(self.model, 1)
-        if state.skipped_steps != skipped:  # a loss-scaled step whose gradients overflowed: no loss to record
+        if state.skipped_steps == skipped:  # else a loss-scaled step whose gradients overflowed: no loss
+            held.append((self._loss_tensors(), list(fed.sizes)))
+            self._unrecorded.append((self.iter, held))
+        done = self.iter + 1
+        if done % self.record_period == 0 or done >= self.max_iter:
+            self.record_losses()
+
+    def record_losses(self) -> None:
+        """Read the losses of the iterations run since the last call on the host (under a rendezvous,
+        gathered from every shard: every shard must call it together) and record their global means.
+
+        Raises:
+            FloatingPointError: a loss is not finite (the values of earlier iterations are recorded).
+        """
+        if not self._unrecorded:
             return
-        local.append(self._local_losses(fed.sizes))
-        values = self._global_losses(local)
-        for name in values[-1]:
-            value = sum(v[name] for v in values) / len(values)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss {name!r} became {value} at iteration {self.iter}")
-            self.storage.put_scalar(name, value)
+        unrecorded, self._unrecorded = self._unrecorded, []
+        local = [self._read_losses(tensors, sizes) for _, held in unrecorded for tensors, sizes in held]
+        values = iter(self._global_losses(local))
+        for iteration, held in unrecorded:
+            steps = [next(values) for _ in held]
+            for name in steps[-1]:
+                value = sum(v[name] for v in steps) / len(steps)
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"loss {name!r} became {value} at iteration {iteration}")
+                self.storage.put_scalar(name, value, iteration)
+
+    def _record_quietly(self) -> None:
+        """record_losses after a failed step: the losses of the iterations before it still count."""
+        try:
+            self.record_losses()
+        except FloatingPointError as exc:
+            log.warning("Trainer: %s", exc)
+
+    def _sharded(self) -> bool:
+        rendezvous = self.model._parallel.options.rendezvous
+        return rendezvous is not None and rendezvous.num_shards > 1
 
     def losses(self, sizes: Sequence[int]) -> dict[str, float]:
         """Each unscoped loss as the mean over the global batch (every shard's replicas, each weighted
         by its share of the rows); `sizes` are this shard's rows per device. Under a rendezvous every
         shard must call it together."""
-        return self._global_losses([self._local_losses(sizes)])[0]
+        return self._global_losses([self._read_losses(self._loss_tensors(), sizes)])[0]
 
-    def _local_losses(self, sizes: Sequence[int]) -> np.ndarray:
-        """[device, loss, (value summed over the blob, rows)] of this shard's replicas."""
+    def _loss_tensors(self) -> list[list[torch.Tensor]]:
+        """[device][loss] the loss tensors of this shard's replicas, left on their devices: the live
+        tensors (the next run makes new ones), copies where a CUDA graph's replay would overwrite them."""
         state = self.model._parallel
-        return np.array([[(float(workspace.FetchBlob(str(name)).reshape(-1).sum()), rows) for name in names]
-                         for names, rows in zip(state.losses_by_device.values(), sizes)], dtype=np.float64)
+        captured = self.model.net.Proto().type == "cuda_graph"
+        return [[_held(workspace.FetchTensor(str(name)), captured) for name in names]
+                for names in state.losses_by_device.values()]
+
+    @staticmethod
+    def _read_losses(tensors: list[list[torch.Tensor]], sizes: Sequence[int]) -> np.ndarray:
+        """[device, loss, (value summed over the blob, rows)] on the host, as FetchBlob reads them."""
+        return np.array([[(float(t.detach().to("cpu", copy=True).numpy().reshape(-1).sum()), rows) for t in losses]
+                         for losses, rows in zip(tensors, sizes)], dtype=np.float64)
 
     def _global_losses(self, local: list[np.ndarray]) -> list[dict[str, float]]:
-        """Per micro-batch {loss: global mean} from every shard's `_local_losses`, summed in global
+        """Per micro-batch {loss: global mean} from every shard's `_read_losses`, summed in global
         device order with the same float operations as one process with all the devices (so S shards
         x D devices give 1 x S*D devices' values bit for bit). The losses carry the 1/N loss scale
         (N devices in all), so equal chunks give plain sums."""
@@ -553,6 +651,12 @@ class Trainer:
                     values[name] = values.get(name, 0.0) + float(value) * count * int(rows) / total
             out.append(values)
         return out
+
+
+def _held(tensor: torch.Tensor, captured: bool) -> torch.Tensor:
+    """A tensor to read later: itself (the next run makes a new one), or for a captured net a copy on
+    its device (no host sync), since the graph's next replay overwrites its tensors in place."""
+    return tensor.detach().clone() if captured else tensor
 
 
 # ---- configs and the linear scaling rule ---------------------------------------------------------

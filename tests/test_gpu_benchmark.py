@@ -17,7 +17,7 @@ def test_a_quick_cpu_run_measures_every_contender_or_says_why_not(monkeypatch):
     for name in ("eager", "graphpar simple", "graphpar dag"):
         r = results[name]
         assert r["step_ms"] > 0 and r["images_per_s"] == pytest.approx(32e3 / r["step_ms"])
-        assert r["syncs"] == r["h2d"] == 0 and r["resident_mib"] is None  # CPU: no CUDA traffic or memory
+        assert r["syncs"] == r["h2d"] == r["d2d"] == 0 and r["resident_mib"] is None  # CPU: no CUDA traffic or memory
     assert results["eager + torch.compile"] == {"note": "skipped: --quick"}
     cuda_graph = results["graphpar cuda_graph"]
     assert "step_ms" in cuda_graph or cuda_graph["note"].startswith("not available: ")

@@ -189,3 +189,72 @@ def test_on_a_gpu_a_steady_step_has_no_sync_and_no_host_to_device_copy(net_type:
     names = [event.name for event in prof.events()]
     # (a host read of a device value is a DtoH copy and a synchronize; the counter's .item() is on the CPU)
     assert [n for n in names if "Synchronize" in n or "HtoD" in n] == []
+
+
+class DeviceReads(HostRoundTrips):
+    """HostRoundTrips, plus: what the CUDA-placed ops make is a device value (so is a copy or view of
+    one made outside the ops), and outside the ops, copying one to the host (`.to("cpu")`, FetchBlob)
+    or reading its value (`.item()`) is a host read, recorded with `when()` (the trainer's iteration)."""
+
+    def __init__(self, when: Callable[[], int]) -> None:
+        super().__init__()
+        self.device: dict[int, torch.Tensor] = {}
+        self.when = when
+        self.reads: list[tuple[int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if self.on_cuda:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not self.is_host(t):
+                    self.device[id(t)] = t
+            return out
+        from_device = any(isinstance(t, torch.Tensor) and id(t) in self.device for t in tree_leaves((args, kwargs)))
+        out = func(*args, **kwargs)
+        to_host = func is aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
+        if from_device and (to_host or func is aten._local_scalar_dense.default):
+            self.reads.append((self.when(), str(func)))
+        elif from_device:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.device[id(t)] = t
+        return out
+
+
+def _trainer_reads(record_period: int | None, max_iter: int = 8, period: int = 4):  # noqa: ANN202
+    """A Trainer on two logical CUDA devices (SGD momentum, a step LR) with an LRScheduler, an
+    IterationTimer and a PeriodicWriter every `period` iterations: (its host reads, its storage)."""
+    from graphpar.engine import IterationTimer, LRScheduler, PeriodicWriter, Trainer
+
+    rng = np.random.default_rng(0)
+    batches = [{"data": rng.standard_normal((4, 6)).astype(np.float32),
+                "label": rng.integers(0, 3, 4).astype(np.int32)} for _ in range(3)]
+    with cuda_on_cpu():
+        workspace.ResetWorkspace()
+        workspace.SetSeed(0)
+        model = ModelHelper(name="trainer_round_trips")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                        optimizer_builder_fun=_sgd, devices=[0, 1])
+        hooks = [IterationTimer(warmup=0), LRScheduler(), PeriodicWriter(period=period, console=False)]
+        trainer = Trainer(model, batches, hooks, max_iter=max_iter, record_period=record_period)
+        trainer.initialize()
+        mode = DeviceReads(lambda: trainer.iter)
+        watch(mode, model.net.Proto().name)
+        with mode:
+            trainer.train()
+    return mode, trainer.storage
+
+
+def test_a_trainer_on_cuda_reads_the_devices_only_when_it_writes():
+    """Issue 21: the Trainer used to read every loss on the host every iteration (a sync per step);
+    now the losses and the LR stay on the devices and are read at the writer's iterations (done = 4,
+    8) only, and the recorded values are bit-identical to reading them every iteration."""
+    lazy, lazy_storage = _trainer_reads(None)
+    assert lazy.found == []
+    assert sorted({at for at, _ in lazy.reads}) == [3, 7]
+    eager, eager_storage = _trainer_reads(1)
+    assert sorted({at for at, _ in eager.reads}) == list(range(8))  # the stand-in sees every read
+    for name in ("loss", "lr"):
+        assert lazy_storage.history[name] == eager_storage.history[name]
+        assert [at for at, _ in lazy_storage.history[name]] == list(range(8))

@@ -364,6 +364,8 @@ def test_on_cuda_replicas_the_trainer_frees_intermediates_and_trains_the_same():
                              trainer.model.net.Proto().args.get(DYNAMIC_MEMORY_ARG))
     (lean_params, lean_blobs, freeing), (full_params, full_blobs, keeping) = results[None], results[False]
     assert freeing == 1 and not keeping
+    assert {b for b in lean_blobs if b.startswith("SgdOptimizer")}  # the LR, which LRScheduler records
+    lean_blobs, full_blobs = ({b for b in blobs if not b.startswith("SgdOptimizer")} for blobs in (lean_blobs, full_blobs))
     assert "gpu_0/h" in full_blobs and "gpu_0/h" not in lean_blobs and lean_blobs < full_blobs
     assert {"gpu_0/scaled_loss", "gpu_1/scaled_loss"} <= lean_blobs
     for name, value in full_params.items():
@@ -375,3 +377,55 @@ def test_on_cpu_replicas_the_trainer_keeps_every_blob_by_default():
     trainer = Trainer(_model(), _batches(), max_iter=1)
     trainer.train()
     assert not trainer.lean_memory and workspace.HasBlob("cpu_0/h")
+
+
+def test_on_cuda_replicas_the_losses_are_read_every_record_period_with_the_same_values():
+    """The losses stay on the devices between recordings; a hook reading the storage reads them at
+    once (one shard); the values equal reading every iteration; a bad record_period is refused."""
+    seen = []
+
+    class Reader(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 2:
+                seen.append(list(self.trainer.storage.history["scaled_loss"]))
+
+    histories = []
+    for period, hooks in ((1, []), (None, [Reader()]), (4, [])):
+        with cuda_on_cpu():
+            workspace.ResetWorkspace()
+            workspace.SetSeed(1)
+            trainer = Trainer(_gpu_model(), _batches(), hooks, max_iter=6, record_period=period)
+            assert trainer.record_period == (20 if period is None else period)
+            trainer.train()
+        histories.append(trainer.storage.history["scaled_loss"])
+    assert histories[0] == histories[1] == histories[2] and [at for at, _ in histories[0]] == list(range(6))
+    assert seen == [histories[0][:3]]
+    with pytest.raises(ValueError, match="record_period must be an int >= 1"):
+        Trainer(_model(), _batches(), record_period=0)
+
+
+def test_on_cuda_replicas_a_diverging_loss_is_reported_with_its_iteration_when_read():
+    bad = _batches(3)
+    bad[1]["data"][0, 0] = np.inf  # iteration 1 (the loss check is off on CUDA: it reads the host)
+    with cuda_on_cpu():
+        workspace.ResetWorkspace()
+        trainer = Trainer(_gpu_model(), bad, max_iter=3, record_period=3)
+        with pytest.raises(FloatingPointError, match="loss 'scaled_loss' became nan at iteration 1"):
+            trainer.train()
+    assert [at for at, _ in trainer.storage.history["scaled_loss"]] == [0]
+
+
+def test_with_gradient_accumulation_the_held_micro_batch_losses_record_the_same_means():
+    histories = []
+    for period in (1, 4):
+        with cuda_on_cpu():
+            workspace.ResetWorkspace()
+            workspace.SetSeed(1)
+            model = ModelHelper(name=f"trainer_{next(_names)}")
+            dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                            optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, momentum=0.9),
+                            devices=[0, 1], accumulate_gradients=2)
+            trainer = Trainer(model, _batches(6), max_iter=3, record_period=period)
+            trainer.train()
+        histories.append(trainer.storage.history["scaled_loss"])
+    assert histories[0] == histories[1] and [at for at, _ in histories[0]] == [0, 1, 2]

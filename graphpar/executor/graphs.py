@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from graphpar.core.capture import capture
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
@@ -232,7 +233,8 @@ class Captured:
 
         def body() -> None:
             captured_frame[:] = template
-            program(captured_frame)
+            with capture():  # state may be updated in place on the static buffers (core.capture)
+                program(captured_frame)
 
         self.replay = backend.capture(body, cut.devices)
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphpar.core.capture import capturing
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, InputCheck, KernelContext, gradient_op, register_op
 from graphpar.errors import GradientError
@@ -113,8 +114,14 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 
 def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     """Training with this batch's own statistics: cuDNN's kernel where torch would use it (CUDA), else
-    PyTorch's native fused kernel, on cloned running stats. cuDNN's reserve space rides on the saved
-    mean (`_CUDNN_RESERVE`) to SpatialBNGradient, as autograd saves it for torch's backward."""
+    PyTorch's native fused kernel. cuDNN's reserve space rides on the saved mean (`_CUDNN_RESERVE`) to
+    SpatialBNGradient, as autograd saves it for torch's backward.
+
+    Both kernels update the running stats in place, and no out-of-place form gives their bits (each
+    fuses the update with its own reduction; torch's functional form clones too). A run that fails must
+    leave the workspace's running stats unchanged and SpatialBN runs in the forward pass, before
+    the ops that may still fail, so the kernels get copies (two per layer and step), except in a
+    CUDA-graph capture (`core.capture`), where they update the static buffers in place."""
 
     def bn(
         x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor
@@ -124,7 +131,8 @@ def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
                 f"{op_label(ctx.op)}: training needs more than one value per channel, "
                 f"got input shape {tuple(x.shape)}"
             )
-        rm, rv = rm.clone(), rv.clone()  # both kernels update the running stats in place
+        if not capturing():  # both kernels update the running stats in place
+            rm, rv = rm.clone(), rv.clone()
         if _uses_cudnn(x, scale, bias, rm, rv, a.epsilon):
             y, mean, inv_std, reserve = _cudnn_forward(x, scale, bias, rm, rv, 1.0 - a.momentum, a.epsilon)
             setattr(mean, _CUDNN_RESERVE, reserve)
@@ -158,7 +166,10 @@ def _bn_global(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         inv_std = torch.rsqrt(var + a.epsilon)
         gain = scale * inv_std
         y = torch.addcmul(_per_channel(bias - mean * gain, x), x, _per_channel(gain, x)).to(x.dtype)
-        return (y, rm * m + mean * (1.0 - m), rv * m + var * (count / (count - 1) * (1.0 - m)), mean, inv_std)
+        new_mean, new_var = mean * (1.0 - m), var * (count / (count - 1) * (1.0 - m))
+        if capturing():  # in place on the static buffers (`core.capture`), the same bits
+            return y, rm.mul_(m).add_(new_mean), rv.mul_(m).add_(new_var), mean, inv_std
+        return y, rm * m + new_mean, rv * m + new_var, mean, inv_std
 
     return bn
 

@@ -303,12 +303,33 @@ def test_real_cuda_graph_equals_simple() -> None:
             np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_trainer_records_a_captured_bn_model_like_reading_every_step() -> None:
+    """On a GPU: the Trainer's losses and LR, held on the device (copies, as a replay overwrites the
+    graph's tensors) and read after 6 steps, equal an uncaptured run's read every step."""
+    from graphpar.engine import LRScheduler
+
+    rng = np.random.default_rng(0)
+    data = [{"data": rng.standard_normal((4, 3, 4, 4)).astype(np.float32),
+             "label": rng.integers(0, 3, 4).astype(np.int32)} for _ in range(3)]
+    recorded = {}
+    for graphed, period in ((False, 1), (True, None)):
+        workspace.ResetWorkspace()
+        model = ModelHelper(name="graphs_trainer_gpu")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_cnn,
+                        optimizer_builder_fun=_sgd, devices=[0], cuda_graph=graphed)
+        trainer = Trainer(model, data, [LRScheduler()], max_iter=6, record_period=period)
+        trainer.train()
+        recorded[graphed] = {name: trainer.storage.history[name] for name in ("scaled_loss", "lr")}
+    assert recorded[True] == recorded[False]
+
+
 def test_the_trainer_with_lean_memory_trains_a_captured_model_like_an_uncaptured_one() -> None:
     """The recommended GPU path: Trainer (lean_memory on CUDA) over Parallelize(cuda_graph=True)."""
     rng = np.random.default_rng(0)
     data = [{"data": rng.standard_normal((4, 6)).astype(np.float32), "label": rng.integers(0, 3, 4).astype(np.int32)}
             for _ in range(3)]
-    params = {}
+    params, recorded = {}, {}
     for graphed in (False, True):
         with _recording() as stand_in:
             workspace.ResetWorkspace()
@@ -319,8 +340,9 @@ def test_the_trainer_with_lean_memory_trains_a_captured_model_like_an_uncaptured
             trainer.train()
             params[graphed] = {re.sub(r"Optimizer_\d+", "Optimizer", str(name)): workspace.FetchBlob(name)
                                for name in dpm.GetCheckpointParams(model)}
-            losses = trainer.storage.history["scaled_loss"]
+            losses = recorded[graphed] = trainer.storage.history["scaled_loss"]
         assert stand_in.replays == (6 - graphs.DEFAULT_WARMUP if graphed else 0) and len(losses) == 6
+    assert recorded[True] == recorded[False]  # read after 6 steps: a replay overwrites the graph's tensors
     for name, value in params[False].items():
         np.testing.assert_array_equal(params[True][name], value, err_msg=name)
 

@@ -33,8 +33,9 @@ def trainer_scalars(out: str, shard: int, num_shards: int, devices: list[int], s
         x, y = workers.batch("mlp", step)
         batches.append({"data": x[shard * share:(shard + 1) * share], "label": y[shard * share:(shard + 1) * share]})
     try:
+        record_period = options.pop("record_period", None)
         model = workers.build("mlp", devices, rendezvous, **options)
-        trainer = Trainer(model, batches, max_iter=steps)
+        trainer = Trainer(model, batches, max_iter=steps, record_period=record_period)
         trainer.train()
         saved = {"loss": np.array([v for _, v in trainer.storage.history["scaled_loss"]])}
         world = comm.model_world(model)

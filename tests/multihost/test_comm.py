@@ -12,7 +12,7 @@ from tests.multihost import comm_workers
 from tests.multihost.helpers import run_processes
 
 STEPS = 4
-RUNS = [{}, {"accumulate_gradients": 2}]
+RUNS = [{}, {"accumulate_gradients": 2, "record_period": 3}]  # 3: one gather of 3 iterations, then 1
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
