@@ -30,6 +30,7 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -180,11 +181,16 @@ def _load(iterable: Iterable[Any], work: Callable[[Any], Prepared], out: queue.Q
                 return
             _put(out, stop, work(batch))
     except BaseException as error:  # handed to the consumer, who re-raises it
+        traceback.clear_frames(error.__traceback__)  # its frames must not keep the iterator (and its workers) alive
         _put(out, stop, _Failure(error))
     finally:
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
+        # end the pass now: a generator's close(), a DataLoader iterator's worker processes (left to the
+        # garbage collector, their shutdown waited seconds in whatever code happened to trigger it)
+        for name in ("close", "_shutdown_workers"):
+            end = getattr(iterator, name, None)
+            if callable(end):
+                end()
+        iterator = None
 
 
 def _put(out: queue.Queue, stop: threading.Event, item: Any) -> bool:

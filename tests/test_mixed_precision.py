@@ -81,17 +81,19 @@ def test_bf16_uses_fp32_masters_and_moves_them_by_small_steps():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("forward, shape, classes, per_step, last10, learnt", [
-    (CNN, (1, 16, 16), 10, 0.15, 0.05, 0.4),  # measured: 0.067, 0.017; both at 0.32 of the first loss
-    # measured: 0.19 (fp32 0.17, bf16 0.36; the per-step losses of this tiny net, 4 batches of 8 images of
-    # 8x8 cycled, jump by up to 0.6 between the two: batch norm over 8 values amplifies bf16's rounding)
-    (functools.partial(resnet18, num_classes=3, width=4), (3, 8, 8), 3, None, 0.25, 0.25),
+@pytest.mark.parametrize("forward, shape, classes, batch, per_step, last10, learnt", [
+    (CNN, (1, 16, 16), 10, 8, 0.15, 0.05, 0.4),  # measured: 0.067, 0.017; both at 0.32 of the first loss
+    # ResNet-18 of width 8, batches of 32: over seeds 0-5 the means of the last 10 were 0.004-0.07 apart
+    # and at most 0.11 of the first loss; the per-step losses differ by up to 0.34 (batch norm over few
+    # values amplifies bf16's rounding), so no per-step bound. (Width 4 with batches of 8 passed for seed
+    # 0 only: with seed 1 bf16 ended at 0.70 of the first loss, and in one whole-suite run it reached NaN.)
+    (functools.partial(resnet18, num_classes=3, width=8), (3, 8, 8), 3, 32, None, 0.15, 0.25),
 ])
-def test_bf16_training_tracks_fp32_over_50_steps(forward, shape, classes, per_step, last10, learnt):
+def test_bf16_training_tracks_fp32_over_50_steps(forward, shape, classes, batch, per_step, last10, learnt):
     """The same 4 batches cycled for 50 steps (lr 0.01, momentum 0.9): each bf16 loss within `per_step`
     of fp32's, the means of the last 10 within `last10`, and both learn (under `learnt` x the first loss)."""
-    fp32, _ = _train(forward, [0], None, 50, shape, classes, lr=0.01, batches=4)
-    bf16, _ = _train(forward, [0], "bfloat16", 50, shape, classes, lr=0.01, batches=4)
+    fp32, _ = _train(forward, [0], None, 50, shape, classes, lr=0.01, batch=batch, batches=4)
+    bf16, _ = _train(forward, [0], "bfloat16", 50, shape, classes, lr=0.01, batch=batch, batches=4)
     if per_step is not None:
         assert np.abs(bf16 - fp32).max() <= per_step, np.abs(bf16 - fp32).max()
     assert abs(bf16[-10:].mean() - fp32[-10:].mean()) <= last10, (bf16[-10:].mean(), fp32[-10:].mean())
