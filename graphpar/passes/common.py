@@ -13,14 +13,14 @@ from functools import cached_property
 from typing import Any
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
-from graphpar.naming import SCOPE_SEPARATOR, device_scope_name, device_scoped
+from graphpar.naming import CROSS_REPLICA_SUM_NAME, SCOPE_SEPARATOR, device_scope_name, device_scoped
 
 # A blob's copies, one per replica: {device id: blob name}.
 Group = Mapping[int, str]
 # Where blobs live (graphpar.core.graph.blob_devices); a missing blob lives on its replica's device.
 BlobDevices = Mapping[str, DeviceOption]
 
-DPM_SUM_NAME = "dpm"  # the name of the cross-replica Sum ops Parallelize adds (Caffe2's marker)
+DPM_SUM_NAME = CROSS_REPLICA_SUM_NAME  # the name of the cross-replica Sum ops Parallelize adds
 
 
 @dataclass(frozen=True)

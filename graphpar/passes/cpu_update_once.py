@@ -43,16 +43,13 @@ from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
 from graphpar.core.ir import CPU, NetDef, OperatorDef
-from graphpar.core.schema import Trait, has_trait
+from graphpar.core.schema import Trait, effects_of, has_trait
 from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 
-_SAME_VALUE = frozenset({"Copy", "Alias", "StopGradient"})  # output 0 is input 0's value
 _FRESH = (Trait.RANDOM, Trait.COLLECTIVE, Trait.DISTRIBUTED)  # new values every time
 _SIDE_EFFECTS = (Trait.INPLACE_UPDATE, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED, Trait.RANDOM)
-# in-place update inputs whose storage the kernel never writes (MomentumSGDUpdate rebinds its grad)
-_UNWRITTEN = {"MomentumSGDUpdate": frozenset({0})}
 
 
 class _Numbering:
@@ -67,7 +64,7 @@ class _Numbering:
 
     def outputs(self, index: int, op: OperatorDef, inputs: tuple[int, ...]) -> tuple[Hashable | None, tuple[int, ...]]:
         """(the op's key, or None for ops that always make new values; its output ids)."""
-        if op.type in _SAME_VALUE and len(op.inputs) == 1 == len(op.outputs):
+        if _copies(op):
             return None, inputs
         key = _key(op, inputs)
         if key is None:
@@ -76,6 +73,11 @@ class _Numbering:
         if found is None:
             found = self.table[key] = (index, tuple(self.fresh() for _ in op.outputs))
         return key, found[1]
+
+
+def _copies(op: OperatorDef) -> bool:
+    """Whether `op`'s one output is its one input's value (`Effects.same_value`: copies, aliases)."""
+    return len(op.inputs) == 1 == len(op.outputs) and (0, 0) in effects_of(op).same_value
 
 
 def _frozen(value: Any) -> Hashable:
@@ -149,7 +151,7 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     """The blobs whose storage an in-place update op may write."""
     if not has_trait(op, Trait.INPLACE_UPDATE):
         return set()
-    unwritten = _UNWRITTEN.get(op.type, frozenset())
+    unwritten = effects_of(op).rebinds  # in-place inputs the kernel rebinds instead of writing
     outputs = set(op.outputs)
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
@@ -216,7 +218,7 @@ def _rewrite(net: NetDef, replaced: Mapping[int, int], layout: DeviceLayout,
     for j, op in enumerate(ops):
         if j in aliases:
             flat.extend(aliases[j])
-        elif op.type == "Copy" and replica(op) not in (None, master) and len(op.inputs) == 1 and \
+        elif _copies(op) and replica(op) not in (None, master) and \
                 layout.replica_of(op.inputs[0]) == master and layout.replica_of(op.outputs[0]) == replica(op) and \
                 stripBlobName(op.inputs[0]) == stripBlobName(op.outputs[0]) and \
                 not written_in_place.intersection((op.inputs[0], op.outputs[0])):

@@ -5,7 +5,8 @@ forward activations too, are given names from a pool: a blob takes over the name
 last use came strictly before its first, so a run holds one value per pool name instead of one per
 blob (the old value is released when the name is rebound, and a freeing run frees fewer, larger
 slots). Never shared: param gradients (the updates and the all-reduce read them), blobs that any
-cross-device op touches (collectives, copies, the all-reduce Sums) or an Alias names, blobs read before they are
+cross-device op touches (collectives, copies, the all-reduce Sums) or an aliasing op names
+(`Effects.aliases`: the names share one tensor), blobs read before they are
 written (params, inputs), external outputs, blobs read by the model's other nets, and excluded
 names. Sharing only renames blobs, so results are bit-identical; the dependency graph of the
 renamed net orders the reuses.
@@ -18,9 +19,8 @@ from typing import Any
 
 from graphpar.core.graph import blob_lifetimes
 from graphpar.core.ir import NetDef
-from graphpar.core.schema import Trait, has_trait
+from graphpar.core.schema import crosses_devices, effects_of
 from graphpar.naming import shared_blob_name
-from graphpar.passes.common import DPM_SUM_NAME
 from graphpar.passes.state import ParallelState
 
 
@@ -66,8 +66,8 @@ def share_blobs(net: NetDef, namescope: str, shareable: Callable[[str], bool],
 
 
 def _cross_device(net: NetDef) -> set[str]:
-    return {b for op in net.ops if has_trait(op, Trait.CROSS_DEVICE) or (op.type == "Sum" and op.name == DPM_SUM_NAME)
-            or op.type == "Alias" for b in (*op.inputs, *op.outputs)}  # an Alias's names share one tensor
+    """Blobs of ops that cross devices (`core.schema.crosses_devices`) or alias (their names share a tensor)."""
+    return {b for op in net.ops if crosses_devices(op) or effects_of(op).aliases for b in (*op.inputs, *op.outputs)}
 
 
 def _rename(net: NetDef, renames: Mapping[str, str]) -> None:
