@@ -42,6 +42,7 @@ import itertools
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import CPU, NetDef, OperatorDef
 from graphpar.core.schema import Trait, effects_of, has_trait
 from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
@@ -118,7 +119,7 @@ def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tupl
     """Per op of `net`: (key, output ids), numbered from the values the init net leaves, keeping only
     the equalities between loaded blobs that a run of `net` preserves (a fixpoint); blobs that the
     model's `others` nets write (run between steps) are assumed equal to nothing."""
-    loaded = _loaded(net.ops)
+    loaded = dataflow(net).loads
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
     unstable = {b for other in others for op in other.ops for b in op.outputs}
@@ -135,16 +136,6 @@ def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tupl
         for blobs in broken:  # split each class by the values a run leaves (partition refinement)
             split: dict[int, int] = {}
             start.update((b, split.setdefault(end[b], numbering.fresh())) for b in blobs)
-
-
-def _loaded(ops: list[OperatorDef]) -> list[str]:
-    """The blobs `ops` read before writing them (what a run loads from the workspace)."""
-    written: set[str] = set()
-    loaded: dict[str, None] = {}
-    for op in ops:
-        loaded.update((b, None) for b in op.inputs if b not in written)
-        written.update(op.outputs)
-    return list(loaded)
 
 
 def _inplace_written(op: OperatorDef) -> set[str]:
@@ -169,6 +160,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     """Rewrite `net` (CPU replicas' train net, `init` its param init net, `others` the model's nets
     that run between its steps) as the module docstring says; returns how many updates were replaced."""
     master = layout.master
+    loaded = dataflow(net).loads  # before the rewrite
     per_op, numbering = _analyze(init, net, others)
     ops = net.ops
 
@@ -200,7 +192,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     net.ops = rewritten
     # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it),
     # and a checkpoint that loaded it is not thrown away (it is the first device's, as every replica's)
-    state = sorted({b for j in replaced for b in ops[j].outputs} & set(_loaded(ops)))
+    state = sorted({b for j in replaced for b in ops[j].outputs} & set(loaded))
     net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *state]))
     net.args[ALIASED_STATE_ARG] = state
     return len(replaced)

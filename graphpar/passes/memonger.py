@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from graphpar.core.graph import blob_lifetimes
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
 from graphpar.core.schema import crosses_devices, effects_of
 from graphpar.naming import shared_blob_name
@@ -35,12 +35,10 @@ def share_blobs(net: NetDef, namescope: str, shareable: Callable[[str], bool],
     by cross-device ops keep their names. With `specs` (blob -> shape/dtype spec), a free name last
     used by a blob of the same spec is preferred, so buffers could be reused as they are.
     """
-    lifetimes = blob_lifetimes(net)
-    fixed = set(dont_share) | set(net.external_inputs) | set(net.external_outputs) | _cross_device(net)
-    written: set[str] = set()
-    for op in net.ops:  # blobs read before any op writes them are inputs of the net
-        fixed.update(b for b in (*op.inputs, *op.control_inputs) if b not in written)
-        written.update(op.outputs)
+    flow = dataflow(net)
+    lifetimes, written = flow.lifetimes, flow.first_write
+    # blobs read before any op writes them are inputs of the net
+    fixed = set(dont_share) | set(net.external_inputs) | set(net.external_outputs) | _cross_device(net) | flow.read_first
     candidates = sorted((lifetimes[b][0], b) for b in written
                         if b.startswith(namescope) and b not in fixed and shareable(b))
     free: list[tuple[int, str, Any]] = []  # (last use of its current holder, shared name, holder's spec)
