@@ -42,7 +42,7 @@ import itertools
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
-from graphpar.core.dataflow import dataflow
+from graphpar.core.dataflow import Dataflow, dataflow
 from graphpar.core.ir import CPU, NetDef, OperatorDef
 from graphpar.core.schema import Trait, effects_of, has_trait
 from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
@@ -147,12 +147,12 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
 
-def _updates_state(op: OperatorDef, written: Collection[str]) -> bool:
-    """Whether `op` updates state: an in-place update (not a counter), or an op that writes in place
-    a blob it loads (none of `written`, the blobs earlier ops write)."""
+def _updates_state(op: OperatorDef, index: int, flow: Dataflow) -> bool:
+    """Whether `op` (op `index` of the net of `flow`) updates state: an in-place update (not a
+    counter), or an op that writes in place a blob it loads (that no earlier op writes)."""
     if has_trait(op, Trait.INPLACE_UPDATE):
         return not has_trait(op, Trait.COUNTER)
-    return any(b in op.outputs and b not in written for b in op.inputs) and not any(
+    return any(b in op.outputs and not flow.written_before(b, index) for b in op.inputs) and not any(
         has_trait(op, trait) for trait in _SIDE_EFFECTS)
 
 
@@ -160,7 +160,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     """Rewrite `net` (CPU replicas' train net, `init` its param init net, `others` the model's nets
     that run between its steps) as the module docstring says; returns how many updates were replaced."""
     master = layout.master
-    loaded = dataflow(net).loads  # before the rewrite
+    flow = dataflow(net)  # of the net before the rewrite
     per_op, numbering = _analyze(init, net, others)
     ops = net.ops
 
@@ -169,16 +169,14 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
         return device.device_id if device.device_type == CPU else None
 
     # 2. updates of other replicas that compute what an earlier first-device update computed
-    last_writer: dict[str, int] = {}
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
-        if key is not None and replica(op) not in (None, master) and _updates_state(op, last_writer):
+        if key is not None and replica(op) not in (None, master) and _updates_state(op, j, flow):
             twin = numbering.table[key][0]
             if twin != j and replica(ops[twin]) == master and \
-                    all(last_writer.get(b) == twin for b in ops[twin].outputs):
+                    all(flow.last_writer(b, j) == twin for b in ops[twin].outputs):
                 replaced[j] = twin
-        last_writer.update(dict.fromkeys(op.outputs, j))
     while True:
         rewritten, aliases = _rewrite(net, replaced, layout, replica)
         index = _Index(rewritten)
@@ -192,7 +190,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     net.ops = rewritten
     # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it),
     # and a checkpoint that loaded it is not thrown away (it is the first device's, as every replica's)
-    state = sorted({b for j in replaced for b in ops[j].outputs} & set(loaded))
+    state = sorted({b for j in replaced for b in ops[j].outputs} & set(flow.loads))
     net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *state]))
     net.args[ALIASED_STATE_ARG] = state
     return len(replaced)
