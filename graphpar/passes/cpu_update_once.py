@@ -115,11 +115,11 @@ def _number(net: NetDef, start: Mapping[str, int], numbering: _Numbering) -> tup
     return current, per_op
 
 
-def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tuple[list, _Numbering]:
-    """Per op of `net`: (key, output ids), numbered from the values the init net leaves, keeping only
-    the equalities between loaded blobs that a run of `net` preserves (a fixpoint); blobs that the
-    model's `others` nets write (run between steps) are assumed equal to nothing."""
-    loaded = dataflow(net).loads
+def _analyze(init: NetDef, net: NetDef, flow: Dataflow, others: Collection[NetDef] = ()) -> tuple[list, _Numbering]:
+    """Per op of `net` (whose facts are `flow`): (key, output ids), numbered from the values the init
+    net leaves, keeping only the equalities between loaded blobs that a run of `net` preserves (a
+    fixpoint); blobs that the model's `others` nets write (run between steps) are assumed equal to nothing."""
+    loaded = flow.loads
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
     unstable = {b for other in others for op in other.ops for b in op.outputs}
@@ -161,7 +161,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     that run between its steps) as the module docstring says; returns how many updates were replaced."""
     master = layout.master
     flow = dataflow(net)  # of the net before the rewrite
-    per_op, numbering = _analyze(init, net, others)
+    per_op, numbering = _analyze(init, net, flow, others)
     ops = net.ops
 
     def replica(op: OperatorDef) -> int | None:
