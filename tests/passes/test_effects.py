@@ -17,6 +17,8 @@ from graphpar.core.schema import (
     Effects,
     MultiTensor,
     Trait,
+    crosses_devices,
+    effects_of,
     register_op,
     same_shape,
     scoped_registry,
@@ -105,3 +107,12 @@ def test_memonger_keeps_the_names_of_a_new_aliasing_op(test_ops: None):
     assert {"cpu_0/a", "cpu_0/b"} & set(renamed)  # an op without the effect: its blobs may share names
     renamed = share_blobs(_net("TestView"), "cpu_0/", lambda blob: True)
     assert not {"cpu_0/a", "cpu_0/b"} & set(renamed) and renamed  # the aliased names keep theirs; others share
+
+
+def test_aliases_are_same_values_and_a_sum_crosses_replicas_by_its_name():
+    assert Effects(aliases={(0, 0)}).same_value == {(0, 0)}
+    assert effects_of(OperatorDef("Alias", ["a"], ["b"])).aliases == {(0, 0)}
+    assert effects_of(OperatorDef("NoSuchOp", ["a"], ["b"])) == Effects()  # unregistered: no effects
+    assert crosses_devices(OperatorDef("Sum", ["cpu_0/g", "cpu_1/g"], ["cpu_0/g"], name="dpm"))
+    assert not crosses_devices(OperatorDef("Sum", ["cpu_0/g", "cpu_0/h"], ["cpu_0/g"]))
+    assert crosses_devices(OperatorDef("Copy", ["cpu_0/g"], ["cpu_1/g"]))  # Trait.CROSS_DEVICE
