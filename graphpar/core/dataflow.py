@@ -16,12 +16,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from functools import cached_property
+from operator import attrgetter
 from typing import NamedTuple
 
 from graphpar.core.ir import NetDef
 
 Signature = tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...]
 _CACHE = "_dataflow"  # the NetDef attribute holding (signature, Dataflow)
+_BLOBS = attrgetter("inputs", "outputs", "control_inputs")
 
 
 class Load(NamedTuple):
@@ -42,7 +44,7 @@ class Version(NamedTuple):
 
 def signature(net: NetDef) -> Signature:
     """Every op's (inputs, outputs, control inputs): all the facts below depend on."""
-    return tuple((tuple(op.inputs), tuple(op.outputs), tuple(op.control_inputs)) for op in net.ops)
+    return tuple([(tuple(i), tuple(o), tuple(c)) for i, o, c in map(_BLOBS, net.ops)])
 
 
 def dataflow(net: NetDef) -> Dataflow:
@@ -67,12 +69,13 @@ class Dataflow:
         """{blob: Load} for the data inputs read before any op writes them, in first-read order (an op
         writing in place the blob it reads counts as reading it first): what a run loads."""
         loads: dict[str, Load] = {}
-        written: set[str] = set()
+        seen: set[str] = set()  # read or written so far
         for index, (inputs, outputs, _) in enumerate(self.ops):
             for k, blob in enumerate(inputs):
-                if blob not in written and blob not in loads:
+                if blob not in seen:
+                    seen.add(blob)
                     loads[blob] = Load(index, k)
-            written.update(outputs)
+            seen.update(outputs)
         return loads
 
     @cached_property
