@@ -13,7 +13,6 @@ so facts of one version never mix with a later edit. Control inputs count as rea
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping
 from functools import cached_property
 from operator import attrgetter
@@ -100,21 +99,6 @@ class Dataflow:
     def written_before(self, blob: str, index: int) -> bool:
         """Whether an op before op `index` writes `blob` (else op `index` reads it as loaded)."""
         return self.first_write.get(blob, index) < index
-
-    @cached_property
-    def writers(self) -> Mapping[str, tuple[int, ...]]:
-        """{blob: the indices of the ops writing it, ascending}."""
-        found: dict[str, list[int]] = {}
-        for index, (_, outputs, _) in enumerate(self.ops):
-            for blob in outputs:
-                found.setdefault(blob, []).append(index)
-        return {blob: tuple(indices) for blob, indices in found.items()}
-
-    def last_writer(self, blob: str, before: int) -> int | None:
-        """The last op before op `before` that writes `blob` (None: none does)."""
-        indices = self.writers.get(blob, ())
-        k = bisect.bisect_left(indices, before)
-        return indices[k - 1] if k else None
 
     @cached_property
     def data_blobs(self) -> tuple[str, ...]:

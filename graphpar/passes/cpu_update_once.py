@@ -147,12 +147,12 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
 
-def _updates_state(op: OperatorDef, index: int, flow: Dataflow) -> bool:
-    """Whether `op` (op `index` of the net of `flow`) updates state: an in-place update (not a
-    counter), or an op that writes in place a blob it loads (that no earlier op writes)."""
+def _updates_state(op: OperatorDef, written: Collection[str]) -> bool:
+    """Whether `op` updates state: an in-place update (not a counter), or an op that writes in place
+    a blob it loads (none of `written`, the blobs earlier ops write)."""
     if has_trait(op, Trait.INPLACE_UPDATE):
         return not has_trait(op, Trait.COUNTER)
-    return any(b in op.outputs and not flow.written_before(b, index) for b in op.inputs) and not any(
+    return any(b in op.outputs and b not in written for b in op.inputs) and not any(
         has_trait(op, trait) for trait in _SIDE_EFFECTS)
 
 
@@ -169,14 +169,16 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
         return device.device_id if device.device_type == CPU else None
 
     # 2. updates of other replicas that compute what an earlier first-device update computed
+    last_writer: dict[str, int] = {}  # as the scan goes (cheaper here than look-ups in flow's writers)
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
-        if key is not None and replica(op) not in (None, master) and _updates_state(op, j, flow):
+        if key is not None and replica(op) not in (None, master) and _updates_state(op, last_writer):
             twin = numbering.table[key][0]
             if twin != j and replica(ops[twin]) == master and \
-                    all(flow.last_writer(b, j) == twin for b in ops[twin].outputs):
+                    all(last_writer.get(b) == twin for b in ops[twin].outputs):
                 replaced[j] = twin
+        last_writer.update(dict.fromkeys(op.outputs, j))
     while True:
         rewritten, aliases = _rewrite(net, replaced, layout, replica)
         index = _Index(rewritten)

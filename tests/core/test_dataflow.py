@@ -88,14 +88,3 @@ def test_cached_until_a_blob_changes():
     assert "a" in dataflow(net).loads
     assert dataflow(net.copy()) is not dataflow(net)  # a copy has its own cache
 
-
-@pytest.mark.parametrize("seed", range(10))
-def test_writers_and_last_writer(seed: int):
-    net = _random_net(random.Random(seed))
-    flow = dataflow(net)
-    for blob in {b for op in net.ops for b in op.outputs}:
-        writes = [i for i, op in enumerate(net.ops) if blob in op.outputs]
-        assert flow.writers[blob] == tuple(writes)
-        for j in range(len(net.ops) + 1):
-            assert flow.last_writer(blob, j) == max((w for w in writes if w < j), default=None)
-    assert flow.last_writer("never_written", 3) is None
