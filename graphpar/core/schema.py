@@ -464,10 +464,13 @@ def effects_of(op: OperatorDef) -> Effects:
 def crosses_devices(op: OperatorDef) -> bool:
     """Whether `op` moves data between replicas: Trait.CROSS_DEVICE (copies, collectives) or its
     type's `Effects.cross_device` accepts this op (Parallelize's cross-replica Sums)."""
-    if has_trait(op, Trait.CROSS_DEVICE):
-        return True
-    rule = effects_of(op).cross_device
-    return rule is not None and rule(op)
+    schema = _REGISTRY.get(op.type)
+    if schema is None:
+        if not is_registered(op.type):
+            return False
+        schema = _REGISTRY[op.type]
+    rule = schema.effects.cross_device
+    return Trait.CROSS_DEVICE in schema.traits or (rule is not None and rule(op))
 
 
 def _coerce(kind: str, value: Any) -> Any:

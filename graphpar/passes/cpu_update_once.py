@@ -59,13 +59,14 @@ class _Numbering:
     def __init__(self) -> None:
         self._next = itertools.count()
         self.table: dict[Hashable, tuple[int, tuple[int, ...]]] = {}  # op key -> (first op, output ids)
+        self._copying: dict[str, bool] = {}  # op type -> whether its output 0 is input 0's value
 
     def fresh(self) -> int:
         return next(self._next)
 
     def outputs(self, index: int, op: OperatorDef, inputs: tuple[int, ...]) -> tuple[Hashable | None, tuple[int, ...]]:
         """(the op's key, or None for ops that always make new values; its output ids)."""
-        if _copies(op):
+        if _copies(op, self._copying):
             return None, inputs
         key = _key(op, inputs)
         if key is None:
@@ -76,9 +77,15 @@ class _Numbering:
         return key, found[1]
 
 
-def _copies(op: OperatorDef) -> bool:
-    """Whether `op`'s one output is its one input's value (`Effects.same_value`: copies, aliases)."""
-    return len(op.inputs) == 1 == len(op.outputs) and (0, 0) in effects_of(op).same_value
+def _copies(op: OperatorDef, memo: dict[str, bool]) -> bool:
+    """Whether `op`'s one output is its one input's value (`Effects.same_value`: copies, aliases);
+    `memo` keeps the answer per op type (these checks run once per op of big nets)."""
+    if len(op.inputs) != 1 or len(op.outputs) != 1:
+        return False
+    found = memo.get(op.type)
+    if found is None:
+        found = memo[op.type] = (0, 0) in effects_of(op).same_value
+    return found
 
 
 def _frozen(value: Any) -> Hashable:
@@ -206,11 +213,12 @@ def _rewrite(net: NetDef, replaced: Mapping[int, int], layout: DeviceLayout,
     aliases = {j: [make_op("Alias", [src], [dst], ops[j].device_option)
                    for src, dst in zip(ops[twin].outputs, ops[j].outputs)] for j, twin in replaced.items()}
     written_in_place = set().union(*(_inplace_written(op) for j, op in enumerate(ops) if j not in replaced))
+    copying: dict[str, bool] = {}
     flat: list[OperatorDef] = []
     for j, op in enumerate(ops):
         if j in aliases:
             flat.extend(aliases[j])
-        elif _copies(op) and replica(op) not in (None, master) and \
+        elif _copies(op, copying) and replica(op) not in (None, master) and \
                 layout.replica_of(op.inputs[0]) == master and layout.replica_of(op.outputs[0]) == replica(op) and \
                 stripBlobName(op.inputs[0]) == stripBlobName(op.outputs[0]) and \
                 not written_in_place.intersection((op.inputs[0], op.outputs[0])):
