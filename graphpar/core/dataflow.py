@@ -43,7 +43,7 @@ class Version(NamedTuple):
 
 def signature(net: NetDef) -> Signature:
     """Every op's (inputs, outputs, control inputs): all the facts below depend on."""
-    return tuple([(tuple(i), tuple(o), tuple(c)) for i, o, c in map(_BLOBS, net.ops)])
+    return tuple([(tuple(i), tuple(o), tuple(c) if c else ()) for i, o, c in map(_BLOBS, net.ops)])
 
 
 def dataflow(net: NetDef) -> Dataflow:
@@ -70,10 +70,11 @@ class Dataflow:
         loads: dict[str, Load] = {}
         seen: set[str] = set()  # read or written so far
         for index, (inputs, outputs, _) in enumerate(self.ops):
-            for k, blob in enumerate(inputs):
-                if blob not in seen:
-                    seen.add(blob)
-                    loads[blob] = Load(index, k)
+            if not seen.issuperset(inputs):  # most ops read only blobs seen before
+                for k, blob in enumerate(inputs):
+                    if blob not in seen:
+                        seen.add(blob)
+                        loads[blob] = Load(index, k)
             seen.update(outputs)
         return loads
 
