@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
 from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
@@ -25,8 +26,8 @@ class FeedTracker:
     """The fed inputs of one model's train net, and the tensors its last run read."""
 
     def __init__(self, layout: DeviceLayout, net: NetDef, init_nets: list[NetDef], params: list[str]) -> None:
-        created = {b for init in init_nets for op in init.ops for b in op.outputs}
-        written = {b for op in net.ops for b in op.outputs}
+        created = {b for init in init_nets for b in dataflow(init).first_write}
+        written = dataflow(net).first_write
         groups: dict[str, list[str]] = {}
         for blob in net.external_inputs:
             if layout.replica_of(blob) is None or blob in created or blob in written:

@@ -114,6 +114,7 @@ FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the 
 # net argument: replica state that a run rebinds to the first device's tensors (passes.cpu_update_once):
 # written without being read, yet persistent, and its loaded value is in use (graphpar.resume)
 ALIASED_STATE_ARG = "aliased_state"
+CROSS_REPLICA_SUM_NAME = "dpm"  # the name of the cross-replica Sum ops Parallelize adds (Caffe2's marker)
 
 
 LOSS_SCALE = "_loss_scale"  # per replica, with Parallelize(loss_scale=...): the scale S of the loss gradients

@@ -1,7 +1,7 @@
 """Graph views of a NetDef (networkx): op dependencies, blob lifetimes, blob devices.
 
-One fact, one place: passes, the DAG executor and the memory optimiser take dependencies from here
-and never re-derive them. Control inputs count as reads everywhere (Caffe2's DAG nets treat them so).
+The dependency and lifetime facts come from `core.dataflow` (computed once per net version); this
+module shapes them as graphs. Control inputs count as reads everywhere (Caffe2's DAG nets treat them so).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import networkx as nx
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import get_schema
 
@@ -18,21 +19,7 @@ EDGE_KINDS = ("raw", "waw", "war")
 
 def dependency_edges(netdef: NetDef) -> dict[tuple[int, int], tuple[str, str]]:
     """{(i, j): (kind, blob)}: op j must run after op i, for the first reason found (see dependency_graph)."""
-    edges: dict[tuple[int, int], tuple[str, str]] = {}  # first reason per pair, in insertion order
-    last_writer: dict[str, int] = {}
-    readers: dict[str, list[int]] = {}
-    for j, op in enumerate(netdef.ops):
-        for blob in (*op.inputs, *op.control_inputs):
-            if blob in last_writer:
-                edges.setdefault((last_writer[blob], j), ("raw", blob))
-            readers.setdefault(blob, []).append(j)
-        for blob in op.outputs:
-            if blob in last_writer:
-                edges.setdefault((last_writer[blob], j), ("waw", blob))
-            for i in readers.pop(blob, ()):
-                edges.setdefault((i, j), ("war", blob))
-            last_writer[blob] = j
-    return {pair: reason for pair, reason in edges.items() if pair[0] != pair[1]}
+    return dict(dataflow(netdef).edges)
 
 
 def dependency_graph(netdef: NetDef) -> nx.DiGraph:
@@ -53,22 +40,14 @@ def dependency_graph(netdef: NetDef) -> nx.DiGraph:
 
 def predecessors(netdef: NetDef) -> tuple[tuple[int, ...], ...]:
     """For each op, in program order, the sorted indices of the ops it must run after (the DAG's edges)."""
-    found: list[list[int]] = [[] for _ in netdef.ops]
-    for i, j in dependency_edges(netdef):
-        found[j].append(i)
-    return tuple(tuple(sorted(p)) for p in found)
+    return dataflow(netdef).predecessors
 
 
 def blob_lifetimes(netdef: NetDef) -> dict[str, tuple[int, int]]:
     """{blob: (index of the first op that uses it, index of the last)}; uses are reads, control inputs
     and writes. External outputs are not extended to the end of the net: callers that keep blobs
     alive past the net handle that themselves."""
-    spans: dict[str, tuple[int, int]] = {}
-    for index, op in enumerate(netdef.ops):
-        for blob in (*op.inputs, *op.control_inputs, *op.outputs):
-            span = spans.get(blob)
-            spans[blob] = (index, index) if span is None else (span[0], index)
-    return spans
+    return dict(dataflow(netdef).lifetimes)
 
 
 def blob_devices(netdefs: NetDef | Iterable[NetDef],

@@ -22,6 +22,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import (
     CPU,
     CUDA,
@@ -635,18 +636,10 @@ def _rename_blobs(netdef: NetDef, remap: dict[str, str]) -> None:
 def _recompute_externals(netdef: NetDef) -> None:
     """Caffe2's rule: external inputs = blobs read before any op writes them; external outputs =
     blobs the ops write that no op of the net reads afterwards."""
-    produced: list[str] = []
-    external: list[str] = []
-    used: set[str] = set()
-    for op in netdef.ops:
-        for blob in op.inputs:
-            if blob in produced:
-                used.add(blob)
-            elif blob not in external:
-                external.append(blob)
-        produced += [b for b in op.outputs if b not in produced]
-    netdef.external_inputs = external
-    netdef.external_outputs = [b for b in produced if b not in used]
+    flow = dataflow(netdef)
+    used = {version.blob for version in flow.versions if len(version.users) > 1}  # read after a write
+    netdef.external_inputs = list(flow.loads)
+    netdef.external_outputs = [b for b in flow.first_write if b not in used]
 
 
 def _op_line(op: OperatorDef) -> str:

@@ -15,7 +15,13 @@ Kernels are *factories*: `kernel(args, ctx)` runs once, at CreateNet, with the o
 RunNet, `fn(*input_tensors) -> Tensor` for one output or a tuple of tensors for several. Kernels are
 device-agnostic PyTorch, keep the input dtype, and never modify their inputs in place: the executor
 rebinds output names, so blobs may share tensors safely. An output may share storage with an input
-only where the schema says so (`aliases`): in-place updates rely on that contract.
+only where the schema says so (in-place pairs, `Effects.aliases`): in-place updates rely on that contract.
+
+Effects (`Effects`, `effects=` at registration) say what an op does to its inputs' tensors and values
+that passes must know without naming its type: which outputs are an input's tensor (`aliases`) or equal
+its value (`same_value`), which in-place inputs the kernel rebinds instead of writing (`rebinds`), its
+momentum buffer, how a group of it fuses into one multi-tensor op, and when one op of the type crosses
+replicas. Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
 
 Gradient makers follow Caffe2: `maker(op, grad_outputs) -> (grad_ops, grad_inputs)`, where
 `grad_outputs[i]` is the gradient blob of `op.outputs[i]` (or None) and `grad_inputs[i]` is the
@@ -236,6 +242,45 @@ class InputReuse(NamedTuple):
     kernel: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]
 
 
+class MultiTensor(NamedTuple):
+    """How a group of one update op type becomes one multi-tensor op (`passes.fuse_updates`): the fused
+    type, the per-param inputs (one block each, in order), the inputs the group shares, and the input
+    each output updates in place."""
+
+    type: str
+    blocks: tuple[int, ...]
+    shared: tuple[int, ...]
+    updated: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Effects:
+    """What an op type does to its inputs beyond computing outputs, for passes (see the module docstring).
+
+    `aliases`: (input, output) pairs where the output is the input's tensor under another name (no
+    copy). `same_value`: pairs where the output equals the input's value (copies; aliases count too).
+    `rebinds`: in-place inputs whose storage the kernel never writes (it binds a new tensor to the
+    name). `momentum`: the input holding a momentum buffer (BMUF zeroes it after each block).
+    `multi_tensor`: how a group of this op fuses. `cross_device(op)`: whether this one op reads or
+    writes several replicas' blobs (for types that do so only sometimes; Trait.CROSS_DEVICE is always).
+    """
+
+    aliases: frozenset[tuple[int, int]] = frozenset()
+    same_value: frozenset[tuple[int, int]] = frozenset()
+    rebinds: frozenset[int] = frozenset()
+    momentum: int | None = None
+    multi_tensor: MultiTensor | None = None
+    cross_device: Callable[[OperatorDef], bool] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aliases", frozenset(self.aliases))
+        object.__setattr__(self, "same_value", frozenset(self.same_value) | self.aliases)
+        object.__setattr__(self, "rebinds", frozenset(self.rebinds))
+
+
+NO_EFFECTS = Effects()
+
+
 @dataclass
 class OpSchema:
     """Everything graphpar knows about one operator type."""
@@ -257,6 +302,7 @@ class OpSchema:
     check: InputCheck | None = None  # what the inputs must satisfy; kernel and infer already run it
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
     precision: PrecisionRule | None = None  # mixed precision (None: PRECISION_TABLE's rule or FP32)
+    effects: Effects = NO_EFFECTS  # what passes must know of its inputs' tensors (see `Effects`)
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -314,6 +360,7 @@ def register_op(
     check: InputCheck | None = None,
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
     precision: PrecisionRule | None = None,
+    effects: Effects = NO_EFFECTS,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -330,6 +377,7 @@ def register_op(
     `reuse=(input, kernel)` adds a kernel that may overwrite that input (see `InputReuse`); it is used
     only where a net writes the op in place on that input (so the op must allow that).
     `precision` is the op's mixed-precision rule (`PrecisionRule`; default `PRECISION_TABLE`'s or FP32).
+    `effects` declares aliasing, equal values, rebound inputs and fusion for passes (see `Effects`).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -345,7 +393,7 @@ def register_op(
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
-        reuse=reuse and InputReuse(*reuse), precision=precision)
+        reuse=reuse and InputReuse(*reuse), precision=precision, effects=effects)
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:
@@ -463,6 +511,26 @@ def has_trait(op: OperatorDef, trait: Trait) -> bool:
     if schema is None and is_registered(op.type):
         schema = _REGISTRY[op.type]
     return schema is not None and trait in schema.traits
+
+
+def effects_of(op: OperatorDef) -> Effects:
+    """The declared effects of `op`'s type (none for an unregistered type)."""
+    schema = _REGISTRY.get(op.type)
+    if schema is None and is_registered(op.type):
+        schema = _REGISTRY[op.type]
+    return NO_EFFECTS if schema is None else schema.effects
+
+
+def crosses_devices(op: OperatorDef) -> bool:
+    """Whether `op` moves data between replicas: Trait.CROSS_DEVICE (copies, collectives) or its
+    type's `Effects.cross_device` accepts this op (Parallelize's cross-replica Sums)."""
+    schema = _REGISTRY.get(op.type)
+    if schema is None:
+        if not is_registered(op.type):
+            return False
+        schema = _REGISTRY[op.type]
+    rule = schema.effects.cross_device
+    return Trait.CROSS_DEVICE in schema.traits or (rule is not None and rule(op))
 
 
 def _coerce(kind: str, value: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
 from graphpar.executor.failure import missing_at_run
 from graphpar.executor.runtime import runtime_of
@@ -79,21 +80,15 @@ def layout_frame(netdef: NetDef, keep_all: bool = False, order: Sequence[int] | 
     """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies);
     `frees` follows `order`, the order the steps run in (default: program order)."""
     position = list(range(len(netdef.ops))) if order is None else _positions(order)
-    slot: dict[str, int] = {}
-    loads: list[Load] = []
-    written: dict[str, None] = {}
-    for index, op in enumerate(netdef.ops):
-        for k, blob in enumerate(op.inputs):
-            if blob not in slot:
-                slot[blob] = len(slot)
-                loads.append(Load(slot[blob], blob, index, k))
-        for blob in op.outputs:
-            slot.setdefault(blob, len(slot))
-            written[blob] = None
+    flow = dataflow(netdef)
+    slot = {blob: k for k, blob in enumerate(flow.data_blobs)}
+    loads = [Load(slot[blob], blob, *load) for blob, load in flow.loads.items()]
+    written = flow.first_write
     keep = netdef.args.get(KEEP_ARG) or ()
-    persistent = frozenset(load.name for load in loads) | set(netdef.external_outputs) | set(keep)
+    persistent = frozenset(flow.loads) | set(netdef.external_outputs) | set(keep)
     freeing = bool(netdef.args.get(DYNAMIC_MEMORY_ARG)) and not keep_all
-    versions = _transient_versions(netdef, persistent) if freeing else []
+    versions = [(v.blob, v.users) for v in flow.versions if v.blob not in persistent and not v.rewritten_in_place] \
+        if freeing else []
     frees: list[list[int]] = [[] for _ in netdef.ops]
     releases: list[list[int]] = [[] for _ in netdef.ops]
     for v, (blob, users) in enumerate(versions):
@@ -115,26 +110,6 @@ def _positions(order: Sequence[int]) -> list[int]:
     for p, j in enumerate(order):
         position[j] = p
     return position
-
-
-def _transient_versions(netdef: NetDef, persistent: frozenset[str]) -> list[tuple[str, set[int]]]:
-    """(blob, the steps using it) for every version of a transient blob that may be freed."""
-    versions: list[tuple[str, set[int]]] = []
-    current: dict[str, int] = {}
-    replaced_in_place: set[int] = set()
-    for index, op in enumerate(netdef.ops):
-        for blob in op.inputs:
-            if blob in current:
-                versions[current[blob]][1].add(index)
-        for blob in op.outputs:
-            if blob in persistent:
-                continue
-            previous = current.get(blob)
-            if previous is not None and index in versions[previous][1]:
-                replaced_in_place.add(previous)
-            current[blob] = len(versions)
-            versions.append((blob, {index}))
-    return [version for v, version in enumerate(versions) if v not in replaced_in_place]
 
 
 def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from graphpar.core.graph import blob_lifetimes, predecessors
+from graphpar.core.dataflow import Dataflow, dataflow
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
 from graphpar.core.shapes import BlobSpec, infer_specs
@@ -81,8 +81,7 @@ class BlobStore(Protocol):
 class Plan:
     """A compiled net: its steps, their dependencies, and how blobs map to frame slots.
 
-    `dependencies[j]` are the indices of the steps step j must run after (`core.graph.predecessors`);
-    `last_use[blob]` is the index of the last step that reads or writes it; `frame` says which blobs
+    `dependencies[j]` are the indices of the steps step j must run after (`core.dataflow`); `frame` says which blobs
     are persistent (they outlive a run) and which slots an executor may free after each step;
     `intra_op_threads` is how many threads each CPU kernel uses, whatever the executor
     (`executor.threads`); `staged_threads` the same for the second phase below, where only the
@@ -101,7 +100,6 @@ class Plan:
     netdef: NetDef
     steps: tuple[Step, ...]
     dependencies: tuple[tuple[int, ...], ...]
-    last_use: Mapping[str, int]
     frame: FrameLayout
     workspace_name: str
     intra_op_threads: int
@@ -159,50 +157,47 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     get_executor(netdef.type, f"net {netdef.name!r}")
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
     specs = infer_specs(netdef, workspace.blobs)
-    claims = _claims(netdef)
-    reused = _reused_inputs(netdef, specs)
+    flow = dataflow(netdef)
+    claims = _claims(netdef, flow)
+    reused = _reused_inputs(netdef, flow, specs)
     updates = frozenset(i for i, op in enumerate(netdef.ops) if get_schema(op.type).has(Trait.INPLACE_UPDATE)
                         or any(holders for _, holders in claims[i]) or reused[i] == 1)
-    dependencies = predecessors(netdef)
+    dependencies = flow.predecessors
     staged = _staged(dependencies, updates)
     order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
     frame = layout_frame(netdef, keep_all, order)
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index], reused[index])
                   for index, op in enumerate(netdef.ops))
-    lifetimes = blob_lifetimes(netdef)
     devices = [netdef.op_device(op) for op in netdef.ops]
     cpu_replicas = len({d for d in devices if d.device_type == CPU})
     updating = len({devices[j] for j in updates if devices[j].device_type == CPU})
-    return Plan(netdef, steps, dependencies, {blob: span[1] for blob, span in lifetimes.items()},
-                frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
-                len(steps) - sum(staged), StateGuard(_state_checks(netdef, updates, frame, workspace.blobs)),
+    return Plan(netdef, steps, dependencies, frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
+                len(steps) - sum(staged), StateGuard(_state_checks(netdef, flow, updates, frame, workspace.blobs)),
                 intra_op_threads(updating or cpu_replicas))
 
 
-def _claims(netdef: NetDef) -> list[tuple[tuple[int, int], ...]]:
+def _claims(netdef: NetDef, flow: Dataflow) -> list[tuple[tuple[int, int], ...]]:
     """Per op: (input position, known holders) of each input its kernel overwrites (Trait.OVERWRITES_INPUTS,
     its enforced in-place inputs): holders 1 for a blob loaded from the workspace (no earlier op writes
     it; the step is then an update), 0 for a value made earlier in the run. A blob read twice by the op
     is never overwritten (always a copy)."""
     claims: list[tuple[tuple[int, int], ...]] = []
-    written: set[str] = set()
-    for op in netdef.ops:
+    for index, op in enumerate(netdef.ops):
         schema = get_schema(op.type)
         found: tuple[tuple[int, int], ...] = ()
         if schema.has(Trait.OVERWRITES_INPUTS):
-            found = tuple((i, int(op.inputs[i] not in written))
+            found = tuple((i, int(not flow.written_before(op.inputs[i], index)))
                           for i, _ in schema.enforced_pairs(len(op.inputs), len(op.outputs))
                           if op.inputs.count(op.inputs[i]) == 1)
         claims.append(found)
-        written.update(op.outputs)
     return claims
 
 
 REUSE_MIN_BYTES = 1 << 17  # smaller values are cheaper to allocate anew than to check (docs/engine.md)
 
 
-def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list[int | None]:
+def _reused_inputs(netdef: NetDef, flow: Dataflow, specs: Mapping[str, BlobSpec | None]) -> list[int | None]:
     """Per op: None, or the known holders of the input its reuse kernel (`core.schema.InputReuse`) may
     overwrite: 0 for a value an earlier op of the run made, 1 for a blob loaded from the workspace (the
     workspace holds it; the op then updates state in place, as `WeightedSum([p, one, g, lr], p)` in
@@ -210,15 +205,13 @@ def _reused_inputs(netdef: NetDef, specs: Mapping[str, BlobSpec | None]) -> list
     the input's blob (no later op reads the old value) and shape inference does not say it is smaller
     than REUSE_MIN_BYTES. Whether the run owns the tensor is decided on each run (`program.owns`)."""
     reused: list[int | None] = []
-    written: set[str] = set()
-    for op in netdef.ops:
+    for index, op in enumerate(netdef.ops):
         reuse = get_schema(op.type).reuse
         blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
         spec = specs.get(blob)
         small = spec is not None and spec.numel * spec.dtype.itemsize < REUSE_MIN_BYTES
         rewritten = blob is not None and blob in op.outputs and op.inputs.count(blob) == 1 and not small
-        reused.append(int(blob not in written) if rewritten else None)
-        written.update(op.outputs)
+        reused.append(int(not flow.written_before(blob, index)) if rewritten else None)
     return reused
 
 
@@ -230,19 +223,17 @@ def _staged(dependencies: tuple[tuple[int, ...], ...], updates: frozenset[int]) 
     return staged
 
 
-def _state_checks(netdef: NetDef, updates: frozenset[int], frame: FrameLayout,
+def _state_checks(netdef: NetDef, flow: Dataflow, updates: frozenset[int], frame: FrameLayout,
                   blobs: Mapping[str, torch.Tensor]) -> tuple[StateCheck, ...]:
     """The in-place state of each update that the run loads from the workspace, with its CreateNet spec."""
     loaded = {load.name for load in frame.loads}
     checks: dict[str, StateCheck] = {}
-    written: set[str] = set()
-    for index, op in enumerate(netdef.ops):
-        if index in updates:
-            for blob in set(op.inputs) & set(op.outputs):
-                if blob in loaded and blob not in written and blob in blobs and blob not in checks:
-                    tensor = blobs[blob]
-                    checks[blob] = StateCheck(index, frame.slot[blob], blob, tensor.shape, tensor.dtype)
-        written.update(op.outputs)
+    for index in sorted(updates):
+        op = netdef.ops[index]
+        for blob in set(op.inputs) & set(op.outputs):
+            if blob in loaded and not flow.written_before(blob, index) and blob in blobs and blob not in checks:
+                tensor = blobs[blob]
+                checks[blob] = StateCheck(index, frame.slot[blob], blob, tensor.shape, tensor.dtype)
     return tuple(checks.values())
 
 

@@ -23,6 +23,7 @@ import torch
 from graphpar.core.ir import DeviceOption, OperatorDef
 from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
+    Effects,
     InputCheck,
     KernelContext,
     TensorSpec,
@@ -169,6 +170,7 @@ register_op(
     "SparseMomentumSGDUpdate", inputs=5, outputs=3, enforce_inplace={(0, 0), (1, 1), (3, 2)},
     args={"momentum": 0.0, "nesterov": False}, kernel=_sparse_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
     traits=_COALESCING, infer=_same_specs(0, 1, 3), check=all_checks(same_shape((1, 3)), _rows_fit(3, 4, 0)),
+    effects=Effects(momentum=1),
     doc="[grad, moment, lr, param, indices] -> [grad, moment, param] in place: MomentumSGDUpdate on the rows "
         "`indices` of moment and param, from the coalesced slice (duplicates summed); grad gets each "
         "index's row step. lr is positive (the op subtracts).")

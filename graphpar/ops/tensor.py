@@ -23,6 +23,7 @@ from graphpar.core.schema import (
     GI,
     NO_GRADIENT,
     Arg,
+    Effects,
     KernelContext,
     TensorSpec,
     Trait,
@@ -31,6 +32,7 @@ from graphpar.core.schema import (
 )
 from graphpar.core.shapes import on_meta
 from graphpar.errors import GradientError
+from graphpar.naming import CROSS_REPLICA_SUM_NAME
 from graphpar.ops.common import Maker, elementwise_grad, one_input_gradient, op_label, register_gradient
 from graphpar.ops.fill import to_torch_dtype
 
@@ -75,7 +77,7 @@ def _copy_gradient(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 
 register_op(
     "Copy", args=_INPUT_DEVICES, kernel=_copy_kernel, gradient=_copy_gradient, copy_args_to_gradient=False,
-    device_inference=lambda op, d: (_input_devices(op, d), [d]), traits=_COPY,
+    device_inference=lambda op, d: (_input_devices(op, d), [d]), traits=_COPY, effects=Effects(same_value={(0, 0)}),
     doc="Y = a copy of X on the op's device (a new tensor, also when X is already there). X may live "
         "on another device of the op's type: `input_device_ids=[id]` says which (default: the op's).")
 register_op(
@@ -92,9 +94,10 @@ register_op(
     "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host, copy=True))(ctx.device_of(_HOST)),
     gradient=one_input_gradient("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
     doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
-register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through,
+register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through, effects=Effects(aliases={(0, 0)}),
             doc="Y is X: the same tensor under another name, no copy (an in-place update of either is seen through both; Parallelize's cpu_update_once binds replicas to the first device's tensors with it). The gradient passes straight through.")
 register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: x, gradient=NO_GRADIENT,
+            effects=Effects(same_value={(0, 0)}),
             doc="Y = X; no gradient flows to X through this op (in place blocks all of X's gradient).")
 
 
@@ -136,6 +139,7 @@ register_op(
     "Sum", inputs=(1, None), inplace={(0, 0)}, args=_INPUT_DEVICES, kernel=_sum_kernel, gradient=_pass_through,
     reuse=(0, _sum_into_first),
     device_inference=lambda op, d: (_input_devices(op, d), [d]),
+    effects=Effects(cross_device=lambda op: op.name == CROSS_REPLICA_SUM_NAME),
     doc="Y = X0 + X1 + ... (equal shapes), added in input order on the op's device; inputs may live on "
         "other devices of its type (`input_device_ids`, as for Copy). In place into X0 allowed. Gradient: "
         "each input gets dY, with no op.")

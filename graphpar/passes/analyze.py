@@ -6,16 +6,16 @@ from collections.abc import Iterable
 
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, NetDef, OperatorDef
-from graphpar.core.schema import Trait, has_trait
+from graphpar.core.schema import crosses_devices
 from graphpar.errors import ParallelizeError
-from graphpar.passes.common import DPM_SUM_NAME, DeviceLayout
+from graphpar.passes.common import DeviceLayout
 from graphpar.passes.state import ParallelState
 
 
 def is_cross_device_op(op: OperatorDef) -> bool:
-    """Ops that exist to move data between devices (Trait.CROSS_DEVICE: copies and collectives), and
-    Parallelize's own cross-replica Sums (named `dpm`, Caffe2's marker)."""
-    return has_trait(op, Trait.CROSS_DEVICE) or (op.type == "Sum" and op.name == DPM_SUM_NAME)
+    """Ops that exist to move data between devices (`core.schema.crosses_devices`: copies, collectives,
+    Parallelize's own cross-replica Sums)."""
+    return crosses_devices(op)
 
 
 def analyze_operators(nets: Iterable[NetDef], layout: DeviceLayout) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.net import Net
+from graphpar.core.schema import effects_of
 from graphpar.errors import ParallelizeError
 from graphpar.passes import (
     analyze,
@@ -42,9 +43,6 @@ from graphpar.passes.pipeline import Pass, training
 from graphpar.passes.reducers import PeerAccess, Reducer, copies
 from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import check_unprefixed
-
-# Update ops whose input 1 is a momentum buffer that `reset_momentum_sgd` zeroes after each block.
-MOMENTUM_UPDATES = frozenset({"MomentumSGDUpdate", "SparseMomentumSGDUpdate"})
 
 
 @dataclass(frozen=True)
@@ -182,12 +180,13 @@ def _momentum_step(p: str, device: DeviceOption, bmuf: BmufOptions) -> list[Oper
 
 
 def _reset_momenta(state: ParallelState) -> list[OperatorDef]:
-    """Zero every local momentum buffer (input 1 of the momentum updates of the train net), in place
-    (Scale by 0: the buffers are finite unless training diverged)."""
+    """Zero every local momentum buffer (the input an update op declares as `Effects.momentum`) of the
+    train net, in place (Scale by 0: the buffers are finite unless training diverged)."""
     ops = []
     for op in state.model.net.Proto().ops:
-        if op.type in MOMENTUM_UPDATES:
-            momentum = op.inputs[1]
+        index = effects_of(op).momentum
+        if index is not None:
+            momentum = op.inputs[index]
             ops.append(make_op("Scale", [momentum], [momentum], op.device_option, scale=0.0))
     return ops
 

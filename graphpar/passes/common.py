@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
-from graphpar.naming import SCOPE_SEPARATOR, device_scope_name, device_scoped
+from graphpar.naming import CROSS_REPLICA_SUM_NAME, SCOPE_SEPARATOR, device_scope_name, device_scoped
 
 # A blob's copies, one per replica: {device id: blob name}.
 Group = Mapping[int, str]
 # Where blobs live (graphpar.core.graph.blob_devices); a missing blob lives on its replica's device.
 BlobDevices = Mapping[str, DeviceOption]
 
-DPM_SUM_NAME = "dpm"  # the name of the cross-replica Sum ops Parallelize adds (Caffe2's marker)
+DPM_SUM_NAME = CROSS_REPLICA_SUM_NAME  # the name of the cross-replica Sum ops Parallelize adds
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,7 @@ def declare_external_inputs(net: NetDef) -> list[str]:
     in first-read order after those already declared); returns the names added. One O(net) scan, so
     passes append ops freely and the pipeline declares inputs once, at the end."""
     declared = set(net.external_inputs)
-    written: set[str] = set()
-    added = []
-    for op in net.ops:
-        for blob in op.inputs:
-            if blob not in written and blob not in declared:
-                declared.add(blob)
-                added.append(blob)
-        written.update(op.outputs)
+    added = [blob for blob in dataflow(net).loads if blob not in declared]
     net.external_inputs.extend(added)
     return added
 

@@ -42,17 +42,15 @@ import itertools
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
+from graphpar.core.dataflow import Dataflow, dataflow
 from graphpar.core.ir import CPU, NetDef, OperatorDef
-from graphpar.core.schema import Trait, has_trait
+from graphpar.core.schema import Trait, effects_of, has_trait
 from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 
-_SAME_VALUE = frozenset({"Copy", "Alias", "StopGradient"})  # output 0 is input 0's value
 _FRESH = (Trait.RANDOM, Trait.COLLECTIVE, Trait.DISTRIBUTED)  # new values every time
 _SIDE_EFFECTS = (Trait.INPLACE_UPDATE, Trait.COUNTER, Trait.COLLECTIVE, Trait.DISTRIBUTED, Trait.RANDOM)
-# in-place update inputs whose storage the kernel never writes (MomentumSGDUpdate rebinds its grad)
-_UNWRITTEN = {"MomentumSGDUpdate": frozenset({0})}
 
 
 class _Numbering:
@@ -61,13 +59,14 @@ class _Numbering:
     def __init__(self) -> None:
         self._next = itertools.count()
         self.table: dict[Hashable, tuple[int, tuple[int, ...]]] = {}  # op key -> (first op, output ids)
+        self._copying: dict[str, bool] = {}  # op type -> whether its output 0 is input 0's value
 
     def fresh(self) -> int:
         return next(self._next)
 
     def outputs(self, index: int, op: OperatorDef, inputs: tuple[int, ...]) -> tuple[Hashable | None, tuple[int, ...]]:
         """(the op's key, or None for ops that always make new values; its output ids)."""
-        if op.type in _SAME_VALUE and len(op.inputs) == 1 == len(op.outputs):
+        if _copies(op, self._copying):
             return None, inputs
         key = _key(op, inputs)
         if key is None:
@@ -76,6 +75,17 @@ class _Numbering:
         if found is None:
             found = self.table[key] = (index, tuple(self.fresh() for _ in op.outputs))
         return key, found[1]
+
+
+def _copies(op: OperatorDef, memo: dict[str, bool]) -> bool:
+    """Whether `op`'s one output is its one input's value (`Effects.same_value`: copies, aliases);
+    `memo` keeps the answer per op type (these checks run once per op of big nets)."""
+    if len(op.inputs) != 1 or len(op.outputs) != 1:
+        return False
+    found = memo.get(op.type)
+    if found is None:
+        found = memo[op.type] = (0, 0) in effects_of(op).same_value
+    return found
 
 
 def _frozen(value: Any) -> Hashable:
@@ -112,11 +122,11 @@ def _number(net: NetDef, start: Mapping[str, int], numbering: _Numbering) -> tup
     return current, per_op
 
 
-def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tuple[list, _Numbering]:
-    """Per op of `net`: (key, output ids), numbered from the values the init net leaves, keeping only
-    the equalities between loaded blobs that a run of `net` preserves (a fixpoint); blobs that the
-    model's `others` nets write (run between steps) are assumed equal to nothing."""
-    loaded = _loaded(net.ops)
+def _analyze(init: NetDef, net: NetDef, flow: Dataflow, others: Collection[NetDef] = ()) -> tuple[list, _Numbering]:
+    """Per op of `net` (whose facts are `flow`): (key, output ids), numbered from the values the init
+    net leaves, keeping only the equalities between loaded blobs that a run of `net` preserves (a
+    fixpoint); blobs that the model's `others` nets write (run between steps) are assumed equal to nothing."""
+    loaded = flow.loads
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
     unstable = {b for other in others for op in other.ops for b in op.outputs}
@@ -135,21 +145,11 @@ def _analyze(init: NetDef, net: NetDef, others: Collection[NetDef] = ()) -> tupl
             start.update((b, split.setdefault(end[b], numbering.fresh())) for b in blobs)
 
 
-def _loaded(ops: list[OperatorDef]) -> list[str]:
-    """The blobs `ops` read before writing them (what a run loads from the workspace)."""
-    written: set[str] = set()
-    loaded: dict[str, None] = {}
-    for op in ops:
-        loaded.update((b, None) for b in op.inputs if b not in written)
-        written.update(op.outputs)
-    return list(loaded)
-
-
 def _inplace_written(op: OperatorDef) -> set[str]:
     """The blobs whose storage an in-place update op may write."""
     if not has_trait(op, Trait.INPLACE_UPDATE):
         return set()
-    unwritten = _UNWRITTEN.get(op.type, frozenset())
+    unwritten = effects_of(op).rebinds  # in-place inputs the kernel rebinds instead of writing
     outputs = set(op.outputs)
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
@@ -167,7 +167,8 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     """Rewrite `net` (CPU replicas' train net, `init` its param init net, `others` the model's nets
     that run between its steps) as the module docstring says; returns how many updates were replaced."""
     master = layout.master
-    per_op, numbering = _analyze(init, net, others)
+    flow = dataflow(net)  # of the net before the rewrite
+    per_op, numbering = _analyze(init, net, flow, others)
     ops = net.ops
 
     def replica(op: OperatorDef) -> int | None:
@@ -175,7 +176,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
         return device.device_id if device.device_type == CPU else None
 
     # 2. updates of other replicas that compute what an earlier first-device update computed
-    last_writer: dict[str, int] = {}
+    last_writer: dict[str, int] = {}  # as the scan goes (cheaper here than look-ups in flow's writers)
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
@@ -198,7 +199,7 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
     net.ops = rewritten
     # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it),
     # and a checkpoint that loaded it is not thrown away (it is the first device's, as every replica's)
-    state = sorted({b for j in replaced for b in ops[j].outputs} & set(_loaded(ops)))
+    state = sorted({b for j in replaced for b in ops[j].outputs} & set(flow.loads))
     net.args[KEEP_ARG] = list(dict.fromkeys([*net.args.get(KEEP_ARG, ()), *state]))
     net.args[ALIASED_STATE_ARG] = state
     return len(replaced)
@@ -212,11 +213,12 @@ def _rewrite(net: NetDef, replaced: Mapping[int, int], layout: DeviceLayout,
     aliases = {j: [make_op("Alias", [src], [dst], ops[j].device_option)
                    for src, dst in zip(ops[twin].outputs, ops[j].outputs)] for j, twin in replaced.items()}
     written_in_place = set().union(*(_inplace_written(op) for j, op in enumerate(ops) if j not in replaced))
+    copying: dict[str, bool] = {}
     flat: list[OperatorDef] = []
     for j, op in enumerate(ops):
         if j in aliases:
             flat.extend(aliases[j])
-        elif op.type == "Copy" and replica(op) not in (None, master) and len(op.inputs) == 1 and \
+        elif _copies(op, copying) and replica(op) not in (None, master) and \
                 layout.replica_of(op.inputs[0]) == master and layout.replica_of(op.outputs[0]) == replica(op) and \
                 stripBlobName(op.inputs[0]) == stripBlobName(op.outputs[0]) and \
                 not written_in_place.intersection((op.inputs[0], op.outputs[0])):

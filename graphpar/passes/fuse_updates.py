@@ -1,7 +1,8 @@
 """Pass: one multi-tensor update per device instead of one update op per param.
 
-A device's `MomentumSGDUpdate` ops (and in-place `Adam` ops) that share their arguments and their
-learning-rate (and iteration) blobs become one `MultiTensorMomentumSGDUpdate` (`MultiTensorAdam`),
+A device's update ops of one type that declare how they fuse (`core.schema.Effects.multi_tensor`:
+`MomentumSGDUpdate`, in-place `Adam`), share their arguments and their learning-rate (and iteration)
+blobs become one multi-tensor op (`MultiTensorMomentumSGDUpdate`, `MultiTensorAdam`),
 which updates every param of the group with `torch._foreach_*` kernels: one op to dispatch and a few
 kernel launches instead of hundreds, with the same results bit for bit on the CPU. The multi-tensor op
 takes the place of the group's last op; an op that cannot move there (an op in between reads what it
@@ -16,15 +17,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.schema import effects_of
 from graphpar.passes.common import make_op
 from graphpar.passes.state import ParallelState
-
-# per-param type -> (multi-tensor type, the per-param inputs (one block each, in order), the shared
-# inputs, and the input each output updates in place)
-_FUSIBLE = {
-    "MomentumSGDUpdate": ("MultiTensorMomentumSGDUpdate", (0, 1, 3), (2,), (0, 1, 3)),
-    "Adam": ("MultiTensorAdam", (0, 1, 2, 3), (4, 5), (0, 1, 2)),
-}
 
 
 def fuse_update_ops(net: NetDef) -> list[OperatorDef]:
@@ -50,11 +45,11 @@ def fuse_update_ops(net: NetDef) -> list[OperatorDef]:
 
 
 def _group_key(op: OperatorDef) -> Hashable | None:
-    spec = _FUSIBLE.get(op.type)
-    if spec is None or op.outputs != [op.inputs[i] for i in spec[3]]:  # only updates in place
+    spec = effects_of(op).multi_tensor
+    if spec is None or op.outputs != [op.inputs[i] for i in spec.updated]:  # only updates in place
         return None
     args = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in op.args.items()))
-    return op.type, op.device_option, op.engine, args, tuple(op.inputs[i] for i in spec[2]), tuple(op.control_inputs)
+    return op.type, op.device_option, op.engine, args, tuple(op.inputs[i] for i in spec.shared), tuple(op.control_inputs)
 
 
 def _movable(net: NetDef, members: list[int]) -> list[int]:
@@ -79,7 +74,7 @@ def _movable(net: NetDef, members: list[int]) -> list[int]:
 
 
 def _fuse(ops: list[OperatorDef]) -> OperatorDef:
-    fused_type, blocks, shared, updated = _FUSIBLE[ops[0].type]
+    fused_type, blocks, shared, updated = effects_of(ops[0]).multi_tensor
     first = ops[0]
     inputs = [op.inputs[b] for b in blocks for op in ops] + [first.inputs[i] for i in shared]
     outs = [op.outputs[o] for o in range(len(updated)) for op in ops]

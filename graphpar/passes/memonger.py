@@ -5,7 +5,8 @@ forward activations too, are given names from a pool: a blob takes over the name
 last use came strictly before its first, so a run holds one value per pool name instead of one per
 blob (the old value is released when the name is rebound, and a freeing run frees fewer, larger
 slots). Never shared: param gradients (the updates and the all-reduce read them), blobs that any
-cross-device op touches (collectives, copies, the all-reduce Sums) or an Alias names, blobs read before they are
+cross-device op touches (collectives, copies, the all-reduce Sums) or an aliasing op names
+(`Effects.aliases`: the names share one tensor), blobs read before they are
 written (params, inputs), external outputs, blobs read by the model's other nets, and excluded
 names. Sharing only renames blobs, so results are bit-identical; the dependency graph of the
 renamed net orders the reuses.
@@ -16,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from graphpar.core.graph import blob_lifetimes
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
-from graphpar.core.schema import Trait, has_trait
+from graphpar.core.schema import crosses_devices, effects_of
 from graphpar.naming import shared_blob_name
-from graphpar.passes.common import DPM_SUM_NAME
 from graphpar.passes.state import ParallelState
 
 
@@ -35,12 +35,10 @@ def share_blobs(net: NetDef, namescope: str, shareable: Callable[[str], bool],
     by cross-device ops keep their names. With `specs` (blob -> shape/dtype spec), a free name last
     used by a blob of the same spec is preferred, so buffers could be reused as they are.
     """
-    lifetimes = blob_lifetimes(net)
-    fixed = set(dont_share) | set(net.external_inputs) | set(net.external_outputs) | _cross_device(net)
-    written: set[str] = set()
-    for op in net.ops:  # blobs read before any op writes them are inputs of the net
-        fixed.update(b for b in (*op.inputs, *op.control_inputs) if b not in written)
-        written.update(op.outputs)
+    flow = dataflow(net)
+    lifetimes, written = flow.lifetimes, flow.first_write
+    # blobs read before any op writes them are inputs of the net
+    fixed = set(dont_share) | set(net.external_inputs) | set(net.external_outputs) | _cross_device(net) | flow.read_first
     candidates = sorted((lifetimes[b][0], b) for b in written
                         if b.startswith(namescope) and b not in fixed and shareable(b))
     free: list[tuple[int, str, Any]] = []  # (last use of its current holder, shared name, holder's spec)
@@ -66,8 +64,8 @@ def share_blobs(net: NetDef, namescope: str, shareable: Callable[[str], bool],
 
 
 def _cross_device(net: NetDef) -> set[str]:
-    return {b for op in net.ops if has_trait(op, Trait.CROSS_DEVICE) or (op.type == "Sum" and op.name == DPM_SUM_NAME)
-            or op.type == "Alias" for b in (*op.inputs, *op.outputs)}  # an Alias's names share one tensor
+    """Blobs of ops that cross devices (`core.schema.crosses_devices`) or alias (their names share a tensor)."""
+    return {b for op in net.ops if crosses_devices(op) or effects_of(op).aliases for b in (*op.inputs, *op.outputs)}
 
 
 def _rename(net: NetDef, renames: Mapping[str, str]) -> None:

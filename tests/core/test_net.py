@@ -528,3 +528,16 @@ def test_array_arguments_are_flattened_as_caffe2_did():
     assert op.args["values"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     net.ConstantFill([], "c", shape=np.array([2, 3]), value=np.float32(1.5))
     assert net.Proto().ops[-1].args == {"shape": [2, 3], "value": 1.5}
+
+
+def test_clone_with_an_op_mask_recomputes_external_inputs_and_outputs_by_caffe2s_rule():
+    net = Net("externals")
+    net.Relu(["x"], ["a"])          # 0
+    net.Add(["a", "w"], ["a"])      # 1: a rewritten in place
+    net.Scale(["a"], ["b"])         # 2
+    net.Mul(["b", "v"], ["c"])      # 3
+    clone = net.Clone("masked", op_id_mask=[1, 2, 3], update_external_list=True).Proto()
+    # read before any kept op writes them, in first-read order; written and never read afterwards
+    assert clone.external_inputs == ["a", "w", "v"]
+    assert clone.external_outputs == ["c"]
+    assert net.Clone("whole", update_external_list=True).Proto().external_outputs == ["c"]
