@@ -15,8 +15,10 @@ the shard, the communicator and the collective, never hang.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -161,6 +163,20 @@ _lock = threading.Lock()
 _stores: dict[int, Any] = {}
 _worlds: dict[int, Communicator] = {}
 _created: dict[str, int] = {}  # communicator name -> how many this process created (the store prefix)
+
+
+@atexit.register
+def release_all() -> None:
+    """Drop every communicator and store of this process and leave torch.distributed's groups (run at
+    exit): their threads are then joined while the interpreter still runs; gloo threads left to the C++
+    teardown at exit aborted the process now and then (`terminate called without an active exception`)."""
+    with _lock:
+        _worlds.clear()
+        _stores.clear()
+    gc.collect()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def register_store(store: Any) -> int:
