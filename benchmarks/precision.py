@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from benchmarks import eager_models
 from benchmarks._common import compare, markdown_table, median, write_json
@@ -31,31 +31,6 @@ from graphpar import data_parallel_model as dpm
 from graphpar import model_helper, models, optimizer, workspace
 
 LR, MOMENTUM = 0.01, 0.9
-
-
-class _Bottleneck(nn.Module):
-    def __init__(self, dim_in: int, inner: int, dim_out: int, stride: int) -> None:
-        super().__init__()
-        conv_bn = eager_models._conv_bn
-        self.body = nn.Sequential(conv_bn(dim_in, inner, 1, stride), nn.ReLU(), conv_bn(inner, inner, 3), nn.ReLU(),
-                                  conv_bn(inner, dim_out, 1))
-        self.branch1 = conv_bn(dim_in, dim_out, 1, stride) if stride != 1 or dim_in != dim_out else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.relu(self.body(x) + self.branch1(x))
-
-
-def eager_resnet50(in_channels: int, width: int, num_classes: int) -> nn.Module:
-    """`graphpar.models.resnet50` as an eager module (bottlenecks 3-4-6-3, 4x expansion)."""
-    blocks: list[nn.Module] = []
-    dim_in = width
-    for stage, count in enumerate((3, 4, 6, 3)):
-        inner = width * 2 ** stage
-        for index in range(count):
-            blocks.append(_Bottleneck(dim_in, inner, inner * 4, 2 if stage > 0 and index == 0 else 1))
-            dim_in = inner * 4
-    return nn.Sequential(eager_models._conv_bn(in_channels, width, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1), *blocks,
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(dim_in, num_classes))
 
 
 def _batch(batch: int, image: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +97,7 @@ def run(quick: bool, batches: list[int], repeats: int, warmup: int) -> list[dict
     graph_model = (functools.partial(models.resnet18, num_classes=classes, width=8) if quick else
                    functools.partial(models.resnet50, num_classes=classes))
     eager_model = (functools.partial(eager_models.resnet18, 3, 8, classes) if quick else
-                   functools.partial(eager_resnet50, 3, 64, classes))
+                   functools.partial(eager_models.resnet50, 3, 64, classes))
     dtypes = {"fp32": None, "bf16": torch.bfloat16, **({"fp16": torch.float16} if cuda else {})}
     options = {"fp32": {}, "bf16": {"compute_dtype": "bfloat16", "channels_last": True},
                "fp16": {"compute_dtype": "float16", "loss_scale": "dynamic", "channels_last": True}}
