@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from graphpar import _moved
+
+_moved.install()
+
 __version__ = "0.1.0"
 
 _MODULES = ("core", "workspace", "model_helper", "brew", "optimizer", "data_parallel_model", "checkpoint",

@@ -1,0 +1,53 @@
+"""Today's import paths for modules that moved into the layer subpackages.
+
+`MOVED` maps an old dotted name to its new home; `import graphpar.workspace` (or
+`from graphpar import workspace`) then gives the very module object `graphpar.runtime.workspace`,
+so state, identity checks and monkeypatching are shared. A moved package's submodules follow it
+(`graphpar.proto.caffe2_pb2` is `graphpar.caffe2.proto.caffe2_pb2`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+
+MOVED: dict[str, str] = {}
+
+
+def new_name(old: str) -> str | None:
+    """Where the module once called `old` lives now, or None when it did not move."""
+    for prefix, target in MOVED.items():
+        if old == prefix or old.startswith(prefix + "."):
+            return target + old[len(prefix):]
+    return None
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old name as the already-imported module at its new one."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self.spec  # the import system set the alias's spec; the module keeps its own
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        new = new_name(fullname)
+        return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(new))
+
+
+def install() -> None:
+    """Put the finder first on `sys.meta_path` (once)."""
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())

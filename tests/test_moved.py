@@ -1,0 +1,47 @@
+"""Old import paths of moved modules give the very same module objects (graphpar/_moved.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from graphpar import _moved
+
+
+@pytest.fixture
+def old_core(monkeypatch):
+    monkeypatch.setitem(_moved.MOVED, "graphpar._old_core", "graphpar.core")
+    yield "graphpar._old_core"
+    for name in [n for n in sys.modules if n.startswith("graphpar._old_core")]:
+        del sys.modules[name]
+
+
+def test_an_old_name_is_the_module_at_its_new_name(old_core):
+    import graphpar.core.ir
+
+    old = importlib.import_module(old_core)
+    assert old is importlib.import_module("graphpar.core")
+    assert importlib.import_module(f"{old_core}.ir") is graphpar.core.ir
+    assert graphpar.core.ir.__spec__.name == "graphpar.core.ir"  # the module keeps its own spec
+    assert old.__spec__.name == "graphpar.core"
+
+
+def test_from_import_of_an_old_name_works(old_core):
+    from graphpar._old_core.ir import NetDef
+
+    from graphpar.core.ir import NetDef as new_netdef  # noqa: I001 - the old path first
+
+    assert NetDef is new_netdef
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_every_moved_name_imports_as_its_new_module(old):
+    assert importlib.import_module(old) is importlib.import_module(_moved.MOVED[old])
+
+
+def test_only_the_moved_name_and_its_submodules_are_mapped(old_core):
+    assert _moved.new_name("graphpar._old_core.ir.x") == "graphpar.core.ir.x"
+    assert _moved.new_name("graphpar._old_coreX") is None
+    assert _moved.new_name("graphpar.core") is None
