@@ -2,7 +2,7 @@
 
 `MOVED` maps an old dotted name to its new home; `import graphpar.workspace` (or
 `from graphpar import workspace`) then gives the very module object `graphpar.runtime.workspace`,
-so state, identity checks and monkeypatching are shared. A moved package's submodules follow it
+so state, identity checks and monkeypatching are shared; `python -m <old name>` runs the new module. A moved package's submodules follow it
 (`graphpar.proto.caffe2_pb2` is `graphpar.caffe2.proto.caffe2_pb2`).
 """
 
@@ -39,6 +39,10 @@ class _Alias(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         module.__spec__ = self.spec  # the import system set the alias's spec; the module keeps its own
+
+    def get_code(self, fullname: str) -> object:
+        """The new module's code, so `python -m <old name>` keeps working."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import runpy
 import sys
 
 import pytest
@@ -45,3 +46,9 @@ def test_only_the_moved_name_and_its_submodules_are_mapped(old_core):
     assert _moved.new_name("graphpar._old_core.ir.x") == "graphpar.core.ir.x"
     assert _moved.new_name("graphpar._old_coreX") is None
     assert _moved.new_name("graphpar.core") is None
+
+
+def test_python_dash_m_runs_a_moved_module(monkeypatch):
+    monkeypatch.setitem(_moved.MOVED, "graphpar._old_errors", "graphpar.errors")
+    names = runpy.run_module("graphpar._old_errors", run_name="__main__")
+    assert names["__name__"] == "__main__" and "UnknownOperatorError" in names
