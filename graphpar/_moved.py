@@ -14,7 +14,9 @@ import importlib.util
 import sys
 from types import ModuleType
 
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    "graphpar.naming": "graphpar.core.naming",
+}
 
 
 def new_name(old: str) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from graphpar import workspace
-from graphpar.naming import BATCH_WEIGHT, device_scoped
+from graphpar.core.naming import BATCH_WEIGHT, device_scoped
 
 __all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
            "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",

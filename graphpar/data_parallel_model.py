@@ -39,6 +39,7 @@ from typing import Any
 
 from graphpar import distributed, workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
+from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
@@ -57,7 +58,6 @@ from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.feeds import FeedTracker
 from graphpar.model_helper import ModelHelper
-from graphpar.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption
-from graphpar.naming import parse_device_scope
+from graphpar.core.naming import parse_device_scope
 
 _CPU = torch.device("cpu")
 _cuda_on_cpu = os.environ.get("GRAPHPAR_CUDA_ON_CPU", "") not in ("", "0")

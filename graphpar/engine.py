@@ -37,9 +37,9 @@ import torch
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core.ir import CUDA
+from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
 from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
-from graphpar.naming import KEEP_ARG, stripBlobName, unscoped_name
 from graphpar.passes import finish
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",

@@ -18,7 +18,7 @@ import torch
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
-from graphpar.naming import stripBlobName
+from graphpar.core.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
 
 

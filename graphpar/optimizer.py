@@ -39,11 +39,7 @@ import numpy as np
 
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CPU, CUDA, BlobReference, DeviceOption, GradientSlice
-from graphpar.core.schema import get_schema, parse_args
-from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
-from graphpar.core.shapes import infer_specs
-from graphpar.model_helper import fp32_master_name
-from graphpar.naming import (
+from graphpar.core.naming import (
     LR_INJECTION,
     OPTIMIZER_ITERATION,
     adam_moment_names,
@@ -51,6 +47,10 @@ from graphpar.naming import (
     momentum_name,
     parse_device_scope,
 )
+from graphpar.core.schema import get_schema, parse_args
+from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
+from graphpar.core.shapes import infer_specs
+from graphpar.model_helper import fp32_master_name
 from graphpar.ops.optim import learning_rate_schedule
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from graphpar.core.naming import parse_device_scope, stripBlobName
 from graphpar.errors import CheckpointError
-from graphpar.naming import parse_device_scope, stripBlobName
 
 RESUME_ORDER = ("RunInitNet, then checkpoint.load(path, model=model) (which maps the file's names onto the "
                 "model's first device), then FinalizeAfterCheckpoint(model), then RunNet")

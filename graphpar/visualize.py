@@ -21,8 +21,8 @@ from typing import Any
 
 from graphpar.core.graph import dependency_graph
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.naming import parse_device_scope
 from graphpar.core.schema import Trait, has_trait
-from graphpar.naming import parse_device_scope
 
 RENDER_FORMATS = ("svg", "png", "pdf")
 _FILL = {"forward": "#ffffff", "gradient": "#f4cccc", "communication": "#c9daf8"}

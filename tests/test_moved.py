@@ -31,8 +31,7 @@ def test_an_old_name_is_the_module_at_its_new_name(old_core):
 
 def test_from_import_of_an_old_name_works(old_core):
     from graphpar._old_core.ir import NetDef
-
-    from graphpar.core.ir import NetDef as new_netdef  # noqa: I001 - the old path first
+    from graphpar.core.ir import NetDef as new_netdef
 
     assert NetDef is new_netdef
 

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, OperatorDef, same_device
+from graphpar.core.naming import autosplit_grad_name, grad_name
 from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema
 from graphpar.errors import GradientError
-from graphpar.naming import autosplit_grad_name, grad_name
 
 Gradient = str | GradientSlice | None
 Maker = Callable[[OperatorDef, list], tuple[list, list]]

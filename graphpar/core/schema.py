@@ -60,8 +60,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.naming import grad_name
 from graphpar.errors import UnknownOperatorError
-from graphpar.naming import grad_name
 
 if TYPE_CHECKING:
     import torch

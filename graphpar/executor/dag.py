@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphpar.core.naming import FIRST_ITER_ARG
 from graphpar.core.schema import Trait, has_trait
 from graphpar.executor.program import StepFailed
 from graphpar.executor.run import run_plan, serial
 from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.executor.streams import NO_STREAMS, RunStreams, StreamBackend, current_streams
 from graphpar.executor.threads import thread_budget
-from graphpar.naming import FIRST_ITER_ARG
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Phase, Plan

@@ -27,9 +27,9 @@ import torch
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
+from graphpar.core.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 from graphpar.executor.failure import missing_at_run
 from graphpar.executor.runtime import runtime_of
-from graphpar.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from graphpar.core.ir import DeviceOption, OperatorDef
+from graphpar.core.naming import CROSS_REPLICA_SUM_NAME
 from graphpar.core.schema import (
     GI,
     NO_GRADIENT,
@@ -32,7 +33,6 @@ from graphpar.core.schema import (
 )
 from graphpar.core.shapes import on_meta
 from graphpar.errors import GradientError
-from graphpar.naming import CROSS_REPLICA_SUM_NAME
 from graphpar.ops.common import Maker, elementwise_grad, one_input_gradient, op_label, register_gradient
 from graphpar.ops.fill import to_torch_dtype
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 
 from graphpar.core.ir import GradientSlice
+from graphpar.core.naming import accumulated_grad_name
 from graphpar.core.net import Net
 from graphpar.errors import ParallelizeError
-from graphpar.naming import accumulated_grad_name
 from graphpar.passes.common import declare_external_inputs, make_op
 from graphpar.passes.state import ParallelState
 

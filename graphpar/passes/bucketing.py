@@ -21,9 +21,9 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
 from graphpar.core.shapes import BlobSpec, infer_specs
 from graphpar.errors import ParallelizeError
-from graphpar.naming import bucket_name, flat_name, old_shape_name, split_info_name, stripBlobName
 from graphpar.passes.allreduce import allreduce_gradients, checked_group
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer, copies

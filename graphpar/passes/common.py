@@ -14,7 +14,7 @@ from typing import Any
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
-from graphpar.naming import CROSS_REPLICA_SUM_NAME, SCOPE_SEPARATOR, device_scope_name, device_scoped
+from graphpar.core.naming import CROSS_REPLICA_SUM_NAME, SCOPE_SEPARATOR, device_scope_name, device_scoped
 
 # A blob's copies, one per replica: {device id: blob name}.
 Group = Mapping[int, str]

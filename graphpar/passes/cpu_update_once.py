@@ -44,8 +44,8 @@ from typing import Any
 
 from graphpar.core.dataflow import Dataflow, dataflow
 from graphpar.core.ir import CPU, NetDef, OperatorDef
+from graphpar.core.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.core.schema import Trait, effects_of, has_trait
-from graphpar.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.state import ParallelState
 

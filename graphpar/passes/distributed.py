@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from graphpar import distributed
 from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
+from graphpar.core.naming import stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.distributed import Rendezvous
-from graphpar.naming import stripBlobName
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import WORLD_PREFIX, DistributedReducer
 from graphpar.passes.state import ParallelState

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from graphpar.core.ir import OperatorDef
+from graphpar.core.naming import DYNAMIC_MEMORY_ARG, FIRST_ITER_ARG, KEEP_ARG
 from graphpar.core.schema import Trait, has_trait
-from graphpar.naming import DYNAMIC_MEMORY_ARG, FIRST_ITER_ARG, KEEP_ARG
 from graphpar.passes.common import declare_external_inputs
 from graphpar.passes.state import ParallelState
 

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Iterable
 
 from graphpar.core.ir import GradientSlice
+from graphpar.core.naming import stripBlobName
 from graphpar.errors import ParallelizeError
-from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.state import ParallelState
 

@@ -29,8 +29,8 @@ one N-ary Sum) and N-1 Copies each. Unlike Caffe2, devices may get batches of di
 from __future__ import annotations
 
 from graphpar.core.ir import NetDef, OperatorDef
+from graphpar.core.naming import stripBlobName
 from graphpar.errors import ParallelizeError
-from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.reducers import DistributedReducer, Reducer, copies
 from graphpar.passes.state import ParallelState

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from graphpar.core.ir import NetDef
-from graphpar.naming import BATCH_WEIGHT, LOSS_SCALE, grad_name
+from graphpar.core.naming import BATCH_WEIGHT, LOSS_SCALE, grad_name
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.loss_scale import create_scale_state
 from graphpar.passes.state import ParallelState

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import GradientSlice, NetDef
+from graphpar.core.naming import LOSS_SCALE, LOSS_SCALE_GOOD_STEPS
 from graphpar.core.net import Net
-from graphpar.naming import LOSS_SCALE, LOSS_SCALE_GOOD_STEPS
 from graphpar.passes.common import make_op
 
 if TYPE_CHECKING:

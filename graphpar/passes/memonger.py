@@ -19,8 +19,8 @@ from typing import Any
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
+from graphpar.core.naming import shared_blob_name
 from graphpar.core.schema import crosses_devices, effects_of
-from graphpar.naming import shared_blob_name
 from graphpar.passes.state import ParallelState
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
+from graphpar.core.naming import cast_name
 from graphpar.core.schema import Precision, PrecisionRule, precision_rule
-from graphpar.naming import cast_name
 from graphpar.passes.common import make_op
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from graphpar.core.ir import NetDef
-from graphpar.naming import stripBlobName
+from graphpar.core.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.state import ParallelState
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from graphpar.core.ir import BlobReference, GradientSlice, OperatorDef
+from graphpar.core.naming import stripBlobName
 from graphpar.errors import ParallelizeError
-from graphpar.naming import stripBlobName
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.state import ParallelState

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
+from graphpar.core.naming import parse_device_scope, stripBlobName
 from graphpar.errors import ParallelizeError
-from graphpar.naming import parse_device_scope, stripBlobName
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.group_by_device import group_by_device
