@@ -16,6 +16,8 @@ from types import ModuleType
 
 MOVED: dict[str, str] = {
     "graphpar.naming": "graphpar.core.naming",
+    "graphpar.devices": "graphpar.platform.devices",
+    "graphpar.distributed": "graphpar.platform.distributed",
 }
 
 

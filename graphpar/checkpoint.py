@@ -33,8 +33,8 @@ from safetensors.torch import save as serialize
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
-from graphpar.devices import device_option_for_blob
 from graphpar.errors import CheckpointError
+from graphpar.platform.devices import device_option_for_blob
 from graphpar.workspace import Workspace, get_workspace
 
 FORMAT_VERSION = 2

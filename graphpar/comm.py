@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar import distributed
 from graphpar.launch import get_local_rank, get_rank, get_world_size, is_main_process
+from graphpar.platform import distributed
 
 __all__ = ["all_gather", "create_local_process_group", "gather", "get_local_process_group", "get_local_rank",
            "get_local_size", "get_rank", "get_world_size", "is_main_process", "local_devices", "model_world",
@@ -51,7 +51,7 @@ def local_devices(num_devices: int | None = None, local_rank: int | None = None,
     Raises:
         ValueError: bad counts; fewer GPUs than processes; K x D > G, where processes would share GPUs.
     """
-    from graphpar.devices import num_cuda_devices
+    from graphpar.platform.devices import num_cuda_devices
 
     rank = get_local_rank() if local_rank is None else local_rank
     size = get_local_size() if local_size is None else local_size

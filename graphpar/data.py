@@ -352,7 +352,7 @@ def _on_device(samples: list[Any], prefix: str, device_id: int, name: str) -> li
     import torch
 
     from graphpar.core.ir import CPU, CUDA, DeviceOption
-    from graphpar.devices import torch_device
+    from graphpar.platform.devices import torch_device
 
     target = torch_device(DeviceOption(CUDA if prefix == "gpu" else CPU, device_id))
     return [torch.as_tensor(sample).to(target) for sample in samples]
@@ -497,7 +497,7 @@ def _output_device(model: Any, output_device: int | str) -> Any:
     import torch
 
     from graphpar.core.ir import CPU, CUDA, DeviceOption
-    from graphpar.devices import torch_device
+    from graphpar.platform.devices import torch_device
 
     if output_device in (-1, "cpu"):
         return torch.device("cpu")

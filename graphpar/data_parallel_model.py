@@ -37,22 +37,12 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from graphpar import distributed, workspace
+from graphpar import workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import (
-    can_access_peer,
-    check_balance,
-    cuda_is_simulated,
-    current_device_map,
-    num_cuda_devices,
-    physical_gpu,
-    shares_a_gpu,
-)
-from graphpar.distributed import Rendezvous, default_engine, parse_rendezvous
 from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
@@ -76,6 +66,17 @@ from graphpar.passes.sync import (
     replica_init_outputs,
     sync_blobs,
 )
+from graphpar.platform import distributed
+from graphpar.platform.devices import (
+    can_access_peer,
+    check_balance,
+    cuda_is_simulated,
+    current_device_map,
+    num_cuda_devices,
+    physical_gpu,
+    shares_a_gpu,
+)
+from graphpar.platform.distributed import Rendezvous, default_engine, parse_rendezvous
 from graphpar.resume import check_run
 
 __all__ = [

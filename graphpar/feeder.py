@@ -36,7 +36,7 @@ from typing import Any
 
 from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.data import Prepared, prepare
-from graphpar.devices import cuda_is_simulated, torch_device
+from graphpar.platform.devices import cuda_is_simulated, torch_device
 
 __all__ = ["CudaCopier", "DeviceFeeder"]
 

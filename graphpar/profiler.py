@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from graphpar.core.graph import blob_devices
-from graphpar.devices import torch_device
 from graphpar.executor import Plan, Step, compile_net, get_executor
+from graphpar.platform.devices import torch_device
 from graphpar.visualize import device_label
 from graphpar.workspace import Workspace, _as_netdef, get_workspace
 

@@ -56,10 +56,15 @@ from graphpar.core import net as core_net
 from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.naming import ALIASED_STATE_ARG
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.devices import can_access_peer, cuda_is_simulated, device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
 from graphpar.executor import Plan, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
+from graphpar.platform.devices import (
+    can_access_peer,
+    cuda_is_simulated,
+    device_option_for_blob,
+    num_cuda_devices,
+)
 from graphpar.resume import check_run
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex

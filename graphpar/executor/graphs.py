@@ -53,11 +53,11 @@ from graphpar.core.capture import capture
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
-from graphpar.devices import cuda_is_simulated
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.program import StepFailed, straight_line
 from graphpar.executor.run import run_plan, serial
 from graphpar.executor.runtime import Runtime, runtime_of
+from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Phase, Plan

@@ -24,13 +24,13 @@ from graphpar.core.dataflow import Dataflow, dataflow
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import KernelContext, Trait, get_schema, parse_args, validate_net
 from graphpar.core.shapes import BlobSpec, infer_specs
-from graphpar.devices import cuda_is_simulated, num_cuda_devices, torch_device
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
 from graphpar.executor.program import Reuse, make_run
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
+from graphpar.platform.devices import cuda_is_simulated, num_cuda_devices, torch_device
 
 RandomStream = Callable[[torch.device], torch.Generator]
 

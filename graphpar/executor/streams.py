@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from graphpar.core.ir import CUDA, DeviceOption
-from graphpar.devices import cuda_is_simulated
+from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
     from graphpar.executor.plan import Plan

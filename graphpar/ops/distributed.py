@@ -27,7 +27,6 @@ from types import SimpleNamespace
 
 import torch
 
-from graphpar import distributed
 from graphpar.core.ir import CPU, DeviceOption, OperatorDef
 from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
@@ -39,6 +38,7 @@ from graphpar.core.schema import (
 )
 from graphpar.core.trees import tree_levels
 from graphpar.ops.common import op_label
+from graphpar.platform import distributed
 
 _HANDLE = TensorSpec((), torch.int64)
 _DISTRIBUTED = (Trait.COLLECTIVE, Trait.CROSS_DEVICE, Trait.DISTRIBUTED, Trait.HOST_SYNC)

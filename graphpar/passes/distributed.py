@@ -12,15 +12,15 @@ shard has initialised.
 
 from __future__ import annotations
 
-from graphpar import distributed
 from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
 from graphpar.core.naming import stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
-from graphpar.distributed import Rendezvous
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import WORLD_PREFIX, DistributedReducer
 from graphpar.passes.state import ParallelState
+from graphpar.platform import distributed
+from graphpar.platform.distributed import Rendezvous
 
 BARRIER_WORLD = "graphpar_barrier_cw"  # RunInitNet's pre-training barrier
 SYNC_WORLD = "graphpar_sync_cw"  # Synchronize's barrier

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import DeviceOption, GradientSlice
-from graphpar.distributed import Rendezvous
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.loss_scale import LossScale
 from graphpar.passes.reducers import Reducer
+from graphpar.platform.distributed import Rendezvous
 
 if TYPE_CHECKING:
     from graphpar.model_helper import ModelHelper

@@ -56,7 +56,7 @@ class Rendezvous:
 def default_engine(cuda: bool) -> str:
     """The engine a rendezvous without one gets: "NCCL" when every shard's devices are real CUDA devices
     (`cuda`, not placed on the CPU) and torch has NCCL, else "GLOO"."""
-    from graphpar.devices import cuda_is_simulated
+    from graphpar.platform.devices import cuda_is_simulated
 
     nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
     return "NCCL" if cuda and not cuda_is_simulated() and torch.cuda.is_available() and nccl else "GLOO"
