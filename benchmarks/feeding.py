@@ -26,9 +26,9 @@ import torch
 
 from benchmarks._common import markdown_table, median, write_json
 from graphpar import data_parallel_model as dpm
-from graphpar import workspace
 from graphpar.data import DeviceFeeder, feed
 from graphpar.examples.train import build
+from graphpar.runtime import workspace
 
 
 class SlowLoader:

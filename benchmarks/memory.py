@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import eager_models
 from benchmarks._common import markdown_table, write_json
 from graphpar import data_parallel_model as dpm
-from graphpar import model_helper, models, optimizer, workspace
+from graphpar import model_helper, models, optimizer
+from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9
 MODELS = {  # name: (graphpar builder, eager module factory, input shape, batch)

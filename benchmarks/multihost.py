@@ -46,12 +46,13 @@ def _data(batch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
 def _graphpar_steps(rank: int, shards: int, devices: int, net_type: str, store: str, batch: int, hidden: int,
                     steps: int) -> float:
     """Seconds for `steps` graphpar steps of this shard (after 3 warm-up steps)."""
-    from graphpar import brew, optimizer, workspace
+    from graphpar import brew, optimizer
     from graphpar import data_parallel_model as dpm
     from graphpar.core.net import CreateOperator
     from graphpar.data import feed_batch
     from graphpar.model_helper import ModelHelper
     from graphpar.models.common import softmax_loss
+    from graphpar.runtime import workspace
 
     def forward(model: Any, loss_scale: float) -> list:
         h = brew.relu(model, brew.fc(model, "data", "fc1", dim_in=DIM_IN, dim_out=hidden), "fc1")
@@ -119,9 +120,9 @@ def _allreduce_times(rank: int, store: str, repeats: int) -> dict[int, tuple[lis
     import torch
     import torch.distributed as dist
 
-    from graphpar import workspace
     from graphpar.core.ir import NetDef, OperatorDef
     from graphpar.core.net import CreateOperator
+    from graphpar.runtime import workspace
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store, "raw"), 2), rank=rank, world_size=2)
     workspace.RunOperatorOnce(CreateOperator("FileStoreHandlerCreate", [], ["store_handler"], path=store))

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import workspace
 from graphpar.core import NetDef, OperatorDef
+from graphpar.runtime import workspace
 
 CYCLE = ("Add", "Mul", "Relu", "Scale")
 SCALE = 0.5

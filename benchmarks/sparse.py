@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import workspace
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.core.schema import Trait, has_trait
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.reducers import TreeReducer
+from graphpar.runtime import workspace
 
 MOMENTUM = 0.9
 

@@ -18,6 +18,11 @@ MOVED: dict[str, str] = {
     "graphpar.naming": "graphpar.core.naming",
     "graphpar.devices": "graphpar.platform.devices",
     "graphpar.distributed": "graphpar.platform.distributed",
+    "graphpar.workspace": "graphpar.runtime.workspace",
+    "graphpar.resume": "graphpar.runtime.resume",
+    "graphpar.checkpoint": "graphpar.runtime.checkpoint",
+    "graphpar.profiler": "graphpar.runtime.profiler",
+    "graphpar.visualize": "graphpar.runtime.visualize",
 }
 
 

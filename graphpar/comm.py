@@ -192,10 +192,10 @@ def model_world(model: Any) -> distributed.Communicator | None:
     """A communicator over the shards of `model`'s rendezvous (None for one process), created on its
     store; every shard must call this in the same order (each call creates one). For host-side
     reductions between steps (the Trainer's metrics), never while a net of the model runs."""
-    from graphpar import workspace
     from graphpar.core.ir import NetDef
     from graphpar.data_parallel_model import _state_of
     from graphpar.passes.distributed import create_world_op, store_of
+    from graphpar.runtime import workspace
 
     rdv = _state_of(model).options.rendezvous
     if rdv is None or rdv.num_shards <= 1:

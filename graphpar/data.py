@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from graphpar import workspace
 from graphpar.core.naming import BATCH_WEIGHT, device_scoped
+from graphpar.runtime import workspace
 
 __all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
            "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",

@@ -37,7 +37,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from graphpar import workspace
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
 from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
@@ -77,7 +76,8 @@ from graphpar.platform.devices import (
     shares_a_gpu,
 )
 from graphpar.platform.distributed import Rendezvous, default_engine, parse_rendezvous
-from graphpar.resume import check_run
+from graphpar.runtime import workspace
+from graphpar.runtime.resume import check_run
 
 __all__ = [
     "AddBlobSync", "AddDistributedBlobSync", "ConvertNetForDevice", "CreateNet", "ExtractPredictorNet",
@@ -697,7 +697,7 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
     rdv = _state_of(model).options.rendezvous
     if rdv is not None and rdv.shard_id != 0:
         return False
-    from graphpar import checkpoint
+    from graphpar.runtime import checkpoint
 
     checkpoint.save(path, GetCheckpointParams(model), metadata=metadata)
     return True

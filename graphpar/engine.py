@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
 from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
 from graphpar.passes import finish
+from graphpar.runtime import checkpoint, workspace
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from graphpar import comm, workspace
+from graphpar import comm
 from graphpar import data_parallel_model as dpm
 from graphpar.data import feed, gather
+from graphpar.runtime import workspace
 
 __all__ = ["ClassificationEvaluator", "DatasetEvaluator", "DatasetEvaluators", "flatten_results_dict",
            "inference_on_dataset"]

@@ -1050,14 +1050,14 @@ def build_fp16_sgd(model: ModelHelper, base_learning_rate: float, momentum: floa
 
 def get_lr_injection() -> np.ndarray:
     """The current `lr_injection` multiplier (a [1] float32 array) of the current workspace."""
-    from graphpar import workspace
+    from graphpar.runtime import workspace
 
     return workspace.FetchBlob(LR_INJECTION)
 
 
 def set_lr_injection(lr_injection_value: float) -> None:
     """Feed the `lr_injection` multiplier (models built with `allow_lr_injection=True`)."""
-    from graphpar import workspace
+    from graphpar.runtime import workspace
 
     workspace.FeedBlob(LR_INJECTION, np.array([float(lr_injection_value)], dtype=np.float32))
 

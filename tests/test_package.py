@@ -3,6 +3,7 @@ are documented, type-hinted and keep their Caffe2 signatures; `import graphpar` 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import subprocess
 import sys
@@ -25,7 +26,7 @@ NET_METHODS = ["Proto", "Clone", "AppendNet", "AddExternalInput", "AddExternalOu
 def test_top_level_reexports() -> None:
     for module in ("core", "workspace", "model_helper", "brew", "optimizer", "data_parallel_model",
                    "checkpoint", "data"):
-        assert getattr(graphpar, module).__name__ == f"graphpar.{module}"
+        assert getattr(graphpar, module) is importlib.import_module(f"graphpar.{module}")  # old paths too
         assert module in dir(graphpar)
     from graphpar import data_parallel_model, model_helper
 

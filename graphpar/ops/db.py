@@ -37,7 +37,9 @@ def _load(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], object]:
     path = _path(a, ctx)
 
     def run() -> object:
-        from graphpar.checkpoint import _read  # the checked reader; imported here (checkpoint imports ops)
+        from graphpar.runtime.checkpoint import (
+            _read,  # the checked reader; imported here (checkpoint imports ops)
+        )
 
         _, data = _read(path)
         missing = [b for b in ctx.op.outputs if b not in data]

@@ -35,7 +35,7 @@ from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.errors import CheckpointError
 from graphpar.platform.devices import device_option_for_blob
-from graphpar.workspace import Workspace, get_workspace
+from graphpar.runtime.workspace import Workspace, get_workspace
 
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, FORMAT_VERSION)  # version 1: the checksum covers the tensor data only

@@ -24,8 +24,8 @@ import torch
 from graphpar.core.graph import blob_devices
 from graphpar.executor import Plan, Step, compile_net, get_executor
 from graphpar.platform.devices import torch_device
-from graphpar.visualize import device_label
-from graphpar.workspace import Workspace, _as_netdef, get_workspace
+from graphpar.runtime.visualize import device_label
+from graphpar.runtime.workspace import Workspace, _as_netdef, get_workspace
 
 TABLE_ORDERS = ("op", "type")
 _clock = time.perf_counter_ns  # module-level so tests can substitute a fake clock

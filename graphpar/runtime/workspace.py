@@ -65,7 +65,7 @@ from graphpar.platform.devices import (
     device_option_for_blob,
     num_cuda_devices,
 )
-from graphpar.resume import check_run
+from graphpar.runtime.resume import check_run
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
