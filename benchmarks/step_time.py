@@ -27,8 +27,9 @@ from torch import nn
 
 from benchmarks import eager_models
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import brew, models, optimizer
-from graphpar.model_helper import ModelHelper
+from graphpar import models
+from graphpar.model import brew, optimizer
+from graphpar.model.model_helper import ModelHelper
 from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9

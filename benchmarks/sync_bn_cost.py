@@ -22,8 +22,8 @@ import torch
 
 from benchmarks._common import compare, markdown_table, median, write_json
 from graphpar import data_parallel_model as dpm
-from graphpar import optimizer
-from graphpar.model_helper import ModelHelper
+from graphpar.model import optimizer
+from graphpar.model.model_helper import ModelHelper
 from graphpar.models import resnet18
 from graphpar.passes.analyze import is_cross_device_op
 from graphpar.platform.devices import cuda_on_cpu

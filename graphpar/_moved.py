@@ -23,6 +23,10 @@ MOVED: dict[str, str] = {
     "graphpar.checkpoint": "graphpar.runtime.checkpoint",
     "graphpar.profiler": "graphpar.runtime.profiler",
     "graphpar.visualize": "graphpar.runtime.visualize",
+    "graphpar.model_helper": "graphpar.model.model_helper",
+    "graphpar.brew": "graphpar.model.brew",
+    "graphpar.optimizer": "graphpar.model.optimizer",
+    "graphpar.optimizer_context": "graphpar.model.optimizer_context",
 }
 
 

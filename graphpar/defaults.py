@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from graphpar import comm, launch, models, optimizer
+from graphpar import comm, launch, models
 from graphpar import data_parallel_model as dpm
 from graphpar.config import CfgNode
 from graphpar.engine import (
@@ -50,7 +50,8 @@ from graphpar.evaluation import (
     inference_on_dataset,
 )
 from graphpar.loaders import DatasetCatalog, build_test_loader, build_train_loader
-from graphpar.model_helper import ModelHelper
+from graphpar.model import optimizer
+from graphpar.model.model_helper import ModelHelper
 from graphpar.runtime import checkpoint, workspace
 
 __all__ = ["MODEL_REGISTRY", "DefaultTrainer", "LRMultiplier", "default_argument_parser", "default_mapper",

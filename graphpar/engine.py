@@ -163,7 +163,7 @@ class LRScheduler(HookBase):
 
     def before_step(self) -> None:
         if self.multiplier is not None:
-            from graphpar.optimizer import set_lr_injection
+            from graphpar.model.optimizer import set_lr_injection
 
             set_lr_injection(self.multiplier(self.trainer.iter))
 

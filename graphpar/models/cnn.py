@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graphpar import brew
 from graphpar.core.ir import BlobReference
-from graphpar.model_helper import ModelHelper
+from graphpar.model import brew
+from graphpar.model.model_helper import ModelHelper
 from graphpar.models.common import softmax_loss
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphpar.core.ir import BlobReference
-from graphpar.model_helper import ModelHelper
+from graphpar.model.model_helper import ModelHelper
 
 
 def softmax_loss(model: ModelHelper, pred: str, label: str, loss_scale: float) -> list[BlobReference]:

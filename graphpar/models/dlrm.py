@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from graphpar import brew
 from graphpar.core.ir import BlobReference
-from graphpar.model_helper import Initializer, ModelHelper
+from graphpar.model import brew
+from graphpar.model.model_helper import Initializer, ModelHelper
 
 
 def _mlp(model: ModelHelper, blob: str, width: int, dims: Sequence[int], name: str, relu_last: bool) -> str:

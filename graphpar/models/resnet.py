@@ -9,9 +9,9 @@ changes; the block output `res<s>_<i>_sum` (+ Relu, in place); then `pool5` (glo
 
 from __future__ import annotations
 
-from graphpar import brew
 from graphpar.core.ir import BlobReference
-from graphpar.model_helper import ModelHelper
+from graphpar.model import brew
+from graphpar.model.model_helper import ModelHelper
 from graphpar.models.common import softmax_loss
 
 _BLOCKS = {18: (2, 2, 2, 2), 50: (3, 4, 6, 3)}

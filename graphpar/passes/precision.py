@@ -30,7 +30,7 @@ from graphpar.core.schema import Precision, PrecisionRule, precision_rule
 from graphpar.passes.common import make_op
 
 if TYPE_CHECKING:
-    from graphpar.model_helper import ModelHelper
+    from graphpar.model.model_helper import ModelHelper
     from graphpar.passes.state import ParallelState
 
 LOW_DTYPES = ("bfloat16", "float16")

@@ -19,7 +19,7 @@ from graphpar.passes.reducers import Reducer
 from graphpar.platform.distributed import Rendezvous
 
 if TYPE_CHECKING:
-    from graphpar.model_helper import ModelHelper
+    from graphpar.model.model_helper import ModelHelper
 
 Builder = Callable[..., Any]
 Blob = str | GradientSlice

@@ -28,7 +28,7 @@ from typing import Any
 from graphpar.core.ir import CPU, BlobReference, DeviceOption
 from graphpar.core.scope import DeviceScope
 from graphpar.errors import DuplicateHelperError
-from graphpar.model_helper import Initializer, ModelHelper, ParameterTags
+from graphpar.model.model_helper import Initializer, ModelHelper, ParameterTags
 
 _HELPERS: dict[str, Callable[..., Any]] = {}
 _scope = threading.local()
@@ -406,7 +406,7 @@ def depth_concat(model: ModelHelper, blobs_in: Sequence[str], blob_out: str, **k
 @Register
 def add_weight_decay(model: ModelHelper, weight_decay: float) -> Any:
     """optimizer.add_weight_decay(model, weight_decay): weight_decay·w added to each weight's gradient."""
-    from graphpar.optimizer import add_weight_decay as add
+    from graphpar.model.optimizer import add_weight_decay as add
 
     return add(model, weight_decay)
 

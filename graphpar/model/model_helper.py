@@ -19,7 +19,7 @@ from graphpar.core.ir import BlobReference, GradientSlice, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import get_schema
 from graphpar.core.scope import CurrentNameScope
-from graphpar.optimizer_context import OptimizerContext
+from graphpar.model.optimizer_context import OptimizerContext
 
 if TYPE_CHECKING:
     from graphpar.passes.state import ParallelState

@@ -50,12 +50,12 @@ from graphpar.core.naming import (
 from graphpar.core.schema import get_schema, parse_args
 from graphpar.core.scope import CurrentDeviceScope, DeviceScope, NameScope
 from graphpar.core.shapes import infer_specs
-from graphpar.model_helper import fp32_master_name
+from graphpar.model.model_helper import fp32_master_name
 from graphpar.ops.optim import learning_rate_schedule
 
 if TYPE_CHECKING:
     from graphpar.core.net import Net
-    from graphpar.model_helper import ModelHelper
+    from graphpar.model.model_helper import ModelHelper
 
 _instance_count: defaultdict[str, int] = defaultdict(int)
 _optimizer_instance_count = _instance_count  # Caffe2's name, read by its tests
