@@ -22,11 +22,11 @@ import numpy as np
 
 from benchmarks._common import compare, markdown_table, median, write_json
 from benchmarks.step_time import cnn_forward
-from graphpar import data_parallel_model as dpm
 from graphpar import models
 from graphpar.executor.threads import thread_budget
 from graphpar.model import brew, model_helper, optimizer
 from graphpar.model.model_helper import ModelHelper
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar.executor.threads import thread_budget
 from graphpar.model import brew, model_helper, optimizer
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9

@@ -35,12 +35,12 @@ import torch
 
 from benchmarks import op_overhead, step_time
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar.core import NetDef
 from graphpar.executor.graphs import graph_backend
 from graphpar.executor.streams import NoStreams, stream_backend
 from graphpar.model import optimizer
 from graphpar.model.model_helper import ModelHelper
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.platform.devices import cuda_on_cpu
 from graphpar.runtime import workspace
 

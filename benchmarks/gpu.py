@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 from benchmarks import eager_models
 from benchmarks._common import compare, markdown_table, median, synchronize, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar import models
 from graphpar.model import model_helper, optimizer
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9

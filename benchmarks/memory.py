@@ -24,9 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import eager_models
 from benchmarks._common import markdown_table, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar import models
 from graphpar.model import model_helper, optimizer
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
 
 LR, MOMENTUM = 0.01, 0.9

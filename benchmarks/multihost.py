@@ -46,12 +46,12 @@ def _data(batch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
 def _graphpar_steps(rank: int, shards: int, devices: int, net_type: str, store: str, batch: int, hidden: int,
                     steps: int) -> float:
     """Seconds for `steps` graphpar steps of this shard (after 3 warm-up steps)."""
-    from graphpar import data_parallel_model as dpm
     from graphpar.core.net import CreateOperator
     from graphpar.data import feed_batch
     from graphpar.model import brew, optimizer
     from graphpar.model.model_helper import ModelHelper
     from graphpar.models.common import softmax_loss
+    from graphpar.parallel import data_parallel_model as dpm
     from graphpar.runtime import workspace
 
     def forward(model: Any, loss_scale: float) -> list:

@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from benchmarks._common import markdown_table, median, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar.model import model_helper, optimizer
 from graphpar.models import resnet50
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.platform.devices import cuda_on_cpu
 
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from benchmarks._common import compare, markdown_table, median, write_json
-from graphpar import data_parallel_model as dpm
 from graphpar.model import optimizer
 from graphpar.model.model_helper import ModelHelper
 from graphpar.models import resnet18
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.passes.analyze import is_cross_device_op
 from graphpar.platform.devices import cuda_on_cpu
 from graphpar.runtime import workspace

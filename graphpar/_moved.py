@@ -27,6 +27,10 @@ MOVED: dict[str, str] = {
     "graphpar.brew": "graphpar.model.brew",
     "graphpar.optimizer": "graphpar.model.optimizer",
     "graphpar.optimizer_context": "graphpar.model.optimizer_context",
+    "graphpar.data_parallel_model": "graphpar.parallel.data_parallel_model",
+    "graphpar.feeds": "graphpar.parallel.feeds",
+    "graphpar.launch": "graphpar.parallel.launch",
+    "graphpar.comm": "graphpar.parallel.comm",
 }
 
 

@@ -675,7 +675,7 @@ def minibatches(n: int, batch_size: int, rng: np.random.Generator | None = None,
 
 def _shard_of(rank: int | None, world: int | None) -> tuple[int, int]:
     """(rank, world size): given, else graphpar.launch's (torch.distributed's, or RANK / WORLD_SIZE)."""
-    from graphpar import launch
+    from graphpar.parallel import launch
 
     rank = launch.get_rank() if rank is None else rank
     world = launch.get_world_size() if world is None else world

@@ -29,8 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from graphpar import comm, launch, models
-from graphpar import data_parallel_model as dpm
+from graphpar import models
 from graphpar.config import CfgNode
 from graphpar.engine import (
     EvalHook,
@@ -52,6 +51,8 @@ from graphpar.evaluation import (
 from graphpar.loaders import DatasetCatalog, build_test_loader, build_train_loader
 from graphpar.model import optimizer
 from graphpar.model.model_helper import ModelHelper
+from graphpar.parallel import comm, launch
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import checkpoint, workspace
 
 __all__ = ["MODEL_REGISTRY", "DefaultTrainer", "LRMultiplier", "default_argument_parser", "default_mapper",

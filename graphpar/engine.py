@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar import data_parallel_model as dpm
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
 from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.passes import finish
 from graphpar.runtime import checkpoint, workspace
 
@@ -635,7 +635,7 @@ class Trainer:
         stacked = np.stack(local)  # [micro, device, loss, 2]
         if state.options.rendezvous is not None and state.options.rendezvous.num_shards > 1:
             if self._world is None:
-                from graphpar import comm
+                from graphpar.parallel import comm
 
                 self._world = comm.model_world(self.model)
             parts = self._world.allgather(torch.from_numpy(stacked))

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from graphpar import comm
-from graphpar import data_parallel_model as dpm
 from graphpar.data import feed, gather
+from graphpar.parallel import comm
+from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
 
 __all__ = ["ClassificationEvaluator", "DatasetEvaluator", "DatasetEvaluators", "flatten_results_dict",

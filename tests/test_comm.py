@@ -97,7 +97,7 @@ def test_a_failed_init_names_the_backend_init_method_and_url(monkeypatch, caplog
     port = launch.free_port()  # nobody listens there
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)
-    caplog.set_level("INFO", logger="graphpar.launch")
+    caplog.set_level("INFO", logger=launch.__name__)  # graphpar.parallel.launch
     with pytest.raises(RuntimeError, match=rf"process 1 of 2: init_process_group\('gloo'\) failed with init method "
                                            rf"env:// at tcp://127.0.0.1:{port}"):
         launch.init_process_group("gloo", datetime.timedelta(seconds=1))

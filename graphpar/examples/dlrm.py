@@ -20,9 +20,9 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from graphpar import data_parallel_model as dpm  # noqa: E402
 from graphpar.model import model_helper, optimizer  # noqa: E402
 from graphpar.models.dlrm import dlrm, split_clicks, synthetic_clicks  # noqa: E402
+from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import workspace  # noqa: E402
 

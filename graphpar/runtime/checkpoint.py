@@ -255,7 +255,7 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
 
 def _onto_first_device(path: str, model: Any, names: list[str]) -> dict[str, str]:
     """{file name: name in the model}: replica-scoped names move to the model's first device's scope."""
-    from graphpar.data_parallel_model import first_device_scope  # the model layer builds on this one
+    from graphpar.parallel.data_parallel_model import first_device_scope  # the model layer builds on this one
 
     scope = first_device_scope(model)
     scopes = sorted({device_scope_name(*parsed) for n in names if (parsed := parse_device_scope(n))})

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar.launch import get_local_rank, get_rank, get_world_size, is_main_process
+from graphpar.parallel.launch import get_local_rank, get_rank, get_world_size, is_main_process
 from graphpar.platform import distributed
 
 __all__ = ["all_gather", "create_local_process_group", "gather", "get_local_process_group", "get_local_rank",
@@ -120,7 +120,7 @@ def _join_default_group() -> None:
     the script has not joined it (`python -m graphpar.launch script.py`, torchrun)."""
     dist = torch.distributed
     if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from graphpar import launch
+        from graphpar.parallel import launch
 
         launch.init_process_group(launch.default_backend(get_local_size()))
 
@@ -193,7 +193,7 @@ def model_world(model: Any) -> distributed.Communicator | None:
     store; every shard must call this in the same order (each call creates one). For host-side
     reductions between steps (the Trainer's metrics), never while a net of the model runs."""
     from graphpar.core.ir import NetDef
-    from graphpar.data_parallel_model import _state_of
+    from graphpar.parallel.data_parallel_model import _state_of
     from graphpar.passes.distributed import create_world_op, store_of
     from graphpar.runtime import workspace
 

@@ -45,8 +45,8 @@ from graphpar.core.scope import CurrentDeviceScope
 from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
-from graphpar.feeds import FeedTracker
 from graphpar.model.model_helper import ModelHelper
+from graphpar.parallel.feeds import FeedTracker
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of

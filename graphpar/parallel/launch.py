@@ -180,7 +180,7 @@ def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEO
     url = f"tcp://{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     log.info("process %s of %s: init_process_group(%s) with init method env:// at %s", rank, world, backend, url)
     if backend == "nccl":
-        from graphpar.comm import local_devices
+        from graphpar.parallel.comm import local_devices
 
         torch.cuda.set_device(local_devices()[0])
     try:
