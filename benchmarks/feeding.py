@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from benchmarks._common import markdown_table, median, write_json
-from graphpar.data import DeviceFeeder, feed
 from graphpar.examples.train import build
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
+from graphpar.training.data import DeviceFeeder, feed
 
 
 class SlowLoader:

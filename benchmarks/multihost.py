@@ -47,12 +47,12 @@ def _graphpar_steps(rank: int, shards: int, devices: int, net_type: str, store: 
                     steps: int) -> float:
     """Seconds for `steps` graphpar steps of this shard (after 3 warm-up steps)."""
     from graphpar.core.net import CreateOperator
-    from graphpar.data import feed_batch
     from graphpar.model import brew, optimizer
     from graphpar.model.model_helper import ModelHelper
     from graphpar.models.common import softmax_loss
     from graphpar.parallel import data_parallel_model as dpm
     from graphpar.runtime import workspace
+    from graphpar.training.data import feed_batch
 
     def forward(model: Any, loss_scale: float) -> list:
         h = brew.relu(model, brew.fc(model, "data", "fc1", dim_in=DIM_IN, dim_out=hidden), "fc1")

@@ -31,6 +31,13 @@ MOVED: dict[str, str] = {
     "graphpar.feeds": "graphpar.parallel.feeds",
     "graphpar.launch": "graphpar.parallel.launch",
     "graphpar.comm": "graphpar.parallel.comm",
+    "graphpar.data": "graphpar.training.data",
+    "graphpar.feeder": "graphpar.training.feeder",
+    "graphpar.engine": "graphpar.training.engine",
+    "graphpar.loaders": "graphpar.training.loaders",
+    "graphpar.evaluation": "graphpar.training.evaluation",
+    "graphpar.config": "graphpar.training.config",
+    "graphpar.defaults": "graphpar.training.defaults",
 }
 
 

@@ -32,12 +32,12 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from graphpar.data import feed_batch  # noqa: E402
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.models import resnet  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
+from graphpar.training.data import feed_batch  # noqa: E402
 
 log = cli.log
 

@@ -33,13 +33,13 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --
 
 import numpy as np  # noqa: E402
 
-from graphpar.data import ArrayLoader, DeviceFeeder, feed, gather  # noqa: E402
-from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer  # noqa: E402
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.parallel import comm, launch  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
+from graphpar.training.data import ArrayLoader, DeviceFeeder, feed, gather  # noqa: E402
+from graphpar.training.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer  # noqa: E402
 
 log = cli.log
 

@@ -39,7 +39,7 @@ __all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed"
 
 def __getattr__(name: str) -> Any:
     if name == "DeviceFeeder":  # imported on first use: it needs threads and torch
-        from graphpar.feeder import DeviceFeeder
+        from graphpar.training.feeder import DeviceFeeder
 
         return DeviceFeeder
     raise AttributeError(f"module 'graphpar.data' has no attribute {name!r}")

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from graphpar.data import feed, gather
 from graphpar.parallel import comm
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
+from graphpar.training.data import feed, gather
 
 __all__ = ["ClassificationEvaluator", "DatasetEvaluator", "DatasetEvaluators", "flatten_results_dict",
            "inference_on_dataset"]

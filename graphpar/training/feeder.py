@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from graphpar.core.ir import CUDA, DeviceOption
-from graphpar.data import Prepared, prepare
 from graphpar.platform.devices import cuda_is_simulated, torch_device
+from graphpar.training.data import Prepared, prepare
 
 __all__ = ["CudaCopier", "DeviceFeeder"]
 

@@ -36,11 +36,11 @@ import torch
 
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
-from graphpar.data import Fed, feed
 from graphpar.errors import CheckpointError
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.passes import finish
 from graphpar.runtime import checkpoint, workspace
+from graphpar.training.data import Fed, feed
 
 __all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch.utils.data as torchdata
 
-from graphpar.data import InferenceSampler, TrainingSampler, collate
 from graphpar.parallel import comm
+from graphpar.training.data import InferenceSampler, TrainingSampler, collate
 
 __all__ = ["AspectRatioGroupedDataset", "DatasetCatalog", "DatasetFromList", "InferenceSampler", "MapDataset",
            "ToIterableDataset", "TrainingSampler", "build_test_loader", "build_train_loader",

@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from graphpar import models
-from graphpar.config import CfgNode
-from graphpar.engine import (
+from graphpar.model import optimizer
+from graphpar.model.model_helper import ModelHelper
+from graphpar.parallel import comm, launch
+from graphpar.parallel import data_parallel_model as dpm
+from graphpar.runtime import checkpoint, workspace
+from graphpar.training.config import CfgNode
+from graphpar.training.engine import (
     EvalHook,
     HookBase,
     IterationTimer,
@@ -42,18 +47,13 @@ from graphpar.engine import (
     auto_scale_workers,
     checkpoints,
 )
-from graphpar.evaluation import (
+from graphpar.training.evaluation import (
     ClassificationEvaluator,
     DatasetEvaluator,
     flatten_results_dict,
     inference_on_dataset,
 )
-from graphpar.loaders import DatasetCatalog, build_test_loader, build_train_loader
-from graphpar.model import optimizer
-from graphpar.model.model_helper import ModelHelper
-from graphpar.parallel import comm, launch
-from graphpar.parallel import data_parallel_model as dpm
-from graphpar.runtime import checkpoint, workspace
+from graphpar.training.loaders import DatasetCatalog, build_test_loader, build_train_loader
 
 __all__ = ["MODEL_REGISTRY", "DefaultTrainer", "LRMultiplier", "default_argument_parser", "default_mapper",
            "devices_of"]
