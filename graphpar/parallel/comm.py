@@ -193,11 +193,11 @@ def model_world(model: Any) -> distributed.Communicator | None:
     store; every shard must call this in the same order (each call creates one). For host-side
     reductions between steps (the Trainer's metrics), never while a net of the model runs."""
     from graphpar.core.ir import NetDef
-    from graphpar.parallel.data_parallel_model import _state_of
+    from graphpar.passes.common import parallel_state
     from graphpar.passes.distributed import create_world_op, store_of
     from graphpar.runtime import workspace
 
-    rdv = _state_of(model).options.rendezvous
+    rdv = parallel_state(model).options.rendezvous
     if rdv is None or rdv.num_shards <= 1:
         return None
     store = store_of(rdv)

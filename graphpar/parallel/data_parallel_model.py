@@ -49,6 +49,7 @@ from graphpar.model.model_helper import ModelHelper
 from graphpar.parallel.feeds import FeedTracker
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
+from graphpar.passes.common import parallel_state as _state_of
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.loss_scale import LossScale, check_loss_scale
@@ -76,7 +77,7 @@ from graphpar.platform.devices import (
     shares_a_gpu,
 )
 from graphpar.platform.distributed import Rendezvous, default_engine, parse_rendezvous
-from graphpar.runtime import workspace
+from graphpar.runtime import checkpoint, workspace
 from graphpar.runtime.resume import check_run
 
 __all__ = [
@@ -697,8 +698,6 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
     rdv = _state_of(model).options.rendezvous
     if rdv is not None and rdv.shard_id != 0:
         return False
-    from graphpar.runtime import checkpoint
-
     checkpoint.save(path, GetCheckpointParams(model), metadata=metadata)
     return True
 
@@ -763,16 +762,6 @@ def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict
             f"another first device, and the broadcast would make every replica train from the initial "
             f"values. Load it with checkpoint.load(path, model=model), which maps its names onto the "
             f"model's first device")
-
-
-def first_device_scope(model: ModelHelper) -> str:
-    """The name scope of the model's first device, e.g. 'gpu_0/'.
-
-    Raises:
-        ParallelizeError: the model was not parallelized.
-    """
-    layout = _state_of(model).layout
-    return layout.scoped(layout.master, "")
 
 
 def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | None = None) -> None:  # noqa: N802
@@ -1096,10 +1085,3 @@ def _log_init(model: ModelHelper) -> None:
              [(entry[0] if isinstance(entry, tuple) else entry).Proto().name for entry in state.nets],
              workspace.CurrentWorkspace())
 
-
-def _state_of(model: ModelHelper) -> ParallelState:
-    state = getattr(model, "_parallel", None)
-    if state is None:
-        raise ParallelizeError(f"model {getattr(model, 'name', model)!r} is not parallelized: call "
-                               f"data_parallel_model.Parallelize first")
-    return state

@@ -34,6 +34,7 @@ from safetensors.torch import save as serialize
 from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.errors import CheckpointError
+from graphpar.passes.common import first_device_scope
 from graphpar.platform.devices import device_option_for_blob
 from graphpar.runtime.workspace import Workspace, get_workspace
 
@@ -255,8 +256,6 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
 
 def _onto_first_device(path: str, model: Any, names: list[str]) -> dict[str, str]:
     """{file name: name in the model}: replica-scoped names move to the model's first device's scope."""
-    from graphpar.parallel.data_parallel_model import first_device_scope  # the model layer builds on this one
-
     scope = first_device_scope(model)
     scopes = sorted({device_scope_name(*parsed) for n in names if (parsed := parse_device_scope(n))})
     if len(scopes) > 1:
