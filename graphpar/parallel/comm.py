@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphpar.parallel import launch
 from graphpar.parallel.launch import get_local_rank, get_rank, get_world_size, is_main_process
 from graphpar.platform import distributed
 
@@ -43,36 +44,10 @@ def get_local_size() -> int:
 
 def local_devices(num_devices: int | None = None, local_rank: int | None = None, local_size: int | None = None,
                   num_gpus: int | None = None) -> list[int]:
-    """The GPU ids this process owns: process r of K on a machine with G GPUs owns GPUs r*D .. r*D + D - 1,
-    D = `num_devices` (default G // K: `K` processes on a K-GPU machine get one GPU each, as
-    Detectron2's `torch.cuda.set_device(local_rank)`). `local_rank`, `local_size` and `num_gpus`
-    default to LOCAL_RANK, LOCAL_WORLD_SIZE (else 1) and the visible GPUs.
-
-    Raises:
-        ValueError: bad counts; fewer GPUs than processes; K x D > G, where processes would share GPUs.
-    """
-    from graphpar.platform.devices import num_cuda_devices
-
-    rank = get_local_rank() if local_rank is None else local_rank
-    size = get_local_size() if local_size is None else local_size
-    gpus = num_cuda_devices() if num_gpus is None else num_gpus
-    for name, value, low in (("local_rank", rank, 0), ("local_size", size, 1), ("num_gpus", gpus, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"local_devices: {name} must be an int >= {low}, got {value!r}")
-    if rank >= size:
-        raise ValueError(f"local_devices: local_rank {rank} must be < local_size {size}")
-    if gpus < size:
-        raise ValueError(f"local_devices: {size} processes on this machine but {gpus} GPU(s) visible; each process "
-                         f"needs a GPU of its own: start at most {gpus} processes, or train on CPU devices")
-    per = gpus // size if num_devices is None else num_devices
-    if isinstance(per, bool) or not isinstance(per, int) or per < 1:
-        raise ValueError(f"local_devices: num_devices must be an int >= 1, got {num_devices!r}")
-    if size * per > gpus:
-        last = list(range((size - 1) * per, size * per))
-        raise ValueError(f"local_devices: {size} processes x {per} GPUs need {size * per} GPUs but {gpus} are visible, "
-                         f"so processes would share GPUs (process {size - 1} would own GPUs {last}); use at most "
-                         f"{gpus // size} GPU(s) per process, or fewer processes")
-    return list(range(rank * per, (rank + 1) * per))
+    """`launch.local_devices`, with `local_size` defaulting to `get_local_size()` (the local group's size
+    once it exists)."""
+    return launch.local_devices(num_devices, local_rank, get_local_size() if local_size is None else local_size,
+                                num_gpus)
 
 
 def create_local_process_group(num_workers_per_machine: int) -> Any:
@@ -120,8 +95,6 @@ def _join_default_group() -> None:
     the script has not joined it (`python -m graphpar.launch script.py`, torchrun)."""
     dist = torch.distributed
     if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from graphpar.parallel import launch
-
         launch.init_process_group(launch.default_backend(get_local_size()))
 
 

@@ -47,7 +47,7 @@ INTERRUPT_GRACE_SEC = 30.0  # after Ctrl-C, how long the processes get to stop b
 PEER_GRACE_SEC = 5.0  # ... and once one has stopped, how long the others get (one may wait on it in C++)
 
 __all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
-           "init_process_group", "is_main_process", "launch", "main", "rendezvous"]
+           "init_process_group", "is_main_process", "launch", "local_devices", "main", "rendezvous"]
 
 
 def get_rank() -> int:
@@ -74,6 +74,40 @@ def get_local_rank() -> int:
 def is_main_process() -> bool:
     """Whether this is rank 0 (the one that prints and saves checkpoints)."""
     return get_rank() == 0
+
+
+def local_devices(num_devices: int | None = None, local_rank: int | None = None, local_size: int | None = None,
+                  num_gpus: int | None = None) -> list[int]:
+    """The GPU ids this process owns: process r of K on a machine with G GPUs owns GPUs r*D .. r*D + D - 1,
+    D = `num_devices` (default G // K: `K` processes on a K-GPU machine get one GPU each, as
+    Detectron2's `torch.cuda.set_device(local_rank)`). `local_rank`, `local_size` and `num_gpus`
+    default to LOCAL_RANK, LOCAL_WORLD_SIZE (else 1) and the visible GPUs.
+
+    Raises:
+        ValueError: bad counts; fewer GPUs than processes; K x D > G, where processes would share GPUs.
+    """
+    from graphpar.platform.devices import num_cuda_devices  # torch: only when asked
+
+    rank = get_local_rank() if local_rank is None else local_rank
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_size is None else local_size
+    gpus = num_cuda_devices() if num_gpus is None else num_gpus
+    for name, value, low in (("local_rank", rank, 0), ("local_size", size, 1), ("num_gpus", gpus, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"local_devices: {name} must be an int >= {low}, got {value!r}")
+    if rank >= size:
+        raise ValueError(f"local_devices: local_rank {rank} must be < local_size {size}")
+    if gpus < size:
+        raise ValueError(f"local_devices: {size} processes on this machine but {gpus} GPU(s) visible; each process "
+                         f"needs a GPU of its own: start at most {gpus} processes, or train on CPU devices")
+    per = gpus // size if num_devices is None else num_devices
+    if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+        raise ValueError(f"local_devices: num_devices must be an int >= 1, got {num_devices!r}")
+    if size * per > gpus:
+        last = list(range((size - 1) * per, size * per))
+        raise ValueError(f"local_devices: {size} processes x {per} GPUs need {size * per} GPUs but {gpus} are visible, "
+                         f"so processes would share GPUs (process {size - 1} would own GPUs {last}); use at most "
+                         f"{gpus // size} GPU(s) per process, or fewer processes")
+    return list(range(rank * per, (rank + 1) * per))
 
 
 def rendezvous(engine: str | None = None, timeout_sec: float | None = None) -> dict | None:
@@ -168,7 +202,7 @@ def default_backend(num_processes_per_machine: int = 1) -> str:
 def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Join torch.distributed's default group through env:// (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), logging the backend, init method and URL; with NCCL, first select this process's
-    first GPU (`comm.local_devices`).
+    first GPU (`local_devices`).
 
     Raises:
         RuntimeError: the group could not be joined; names the backend, init method, URL and timeout.
@@ -180,8 +214,6 @@ def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEO
     url = f"tcp://{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     log.info("process %s of %s: init_process_group(%s) with init method env:// at %s", rank, world, backend, url)
     if backend == "nccl":
-        from graphpar.parallel.comm import local_devices
-
         torch.cuda.set_device(local_devices()[0])
     try:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
