@@ -36,7 +36,7 @@ from typing import Any
 
 from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.platform.devices import cuda_is_simulated, torch_device
-from graphpar.training.data import Prepared, prepare
+from graphpar.training.batches import Prepared, prepare
 
 __all__ = ["CudaCopier", "DeviceFeeder"]
 
