@@ -19,7 +19,6 @@ blob, so a bad file changes nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -28,19 +27,16 @@ from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as serialize
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.errors import CheckpointError
+from graphpar.ops.db import FORMAT_VERSION, HEADER_KEY, checksum, read_file
 from graphpar.passes.common import first_device_scope
 from graphpar.platform.devices import device_option_for_blob
 from graphpar.runtime.workspace import Workspace, get_workspace
 
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, FORMAT_VERSION)  # version 1: the checksum covers the tensor data only
-_KEY = "graphpar"
 _RESERVED = "__metadata__"  # safetensors' header key: a tensor of that name makes an unreadable file
 
 
@@ -59,20 +55,6 @@ def _names(blobs: Iterable[str], what: str) -> list[str]:
     if not names:
         raise ValueError(f"checkpoint.{what}: no blob names given")
     return names
-
-
-def _digest(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 of the header (all but the checksum itself, with each tensor's dtype and shape), then of
-    the tensors' bytes in blob order; version 1 hashed the bytes only."""
-    digest = hashlib.sha256()
-    names = header["blobs"]
-    if header["format_version"] != 1:
-        covered = {key: value for key, value in header.items() if key != "sha256"}
-        covered["tensors"] = [[str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
-        digest.update(json.dumps(covered, sort_keys=True).encode())
-    for name in names:  # the tensors are contiguous CPU copies: hash their bytes in place
-        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -136,11 +118,11 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
               "metadata": dict(metadata or {})}
     try:
         header = json.loads(json.dumps(header))  # what load will parse (tuples become lists...)
-        header["sha256"] = _digest(header, tensors)
+        header["sha256"] = checksum(header, tensors)
         text = json.dumps(header, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint.save: metadata must be JSON-serialisable: {exc}") from None
-    _atomic_write(os.fspath(path), serialize(tensors, metadata={_KEY: text}))
+    _atomic_write(os.fspath(path), serialize(tensors, metadata={HEADER_KEY: text}))
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -149,42 +131,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is unreadable, not a safetensors file, or not a graphpar checkpoint.
     """
-    return _read(os.fspath(path), tensors=False)[0]
-
-
-def _read(path: str, tensors: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The header and (optionally) every tensor of the file, checked for integrity."""
-    try:
-        with safe_open(path, framework="pt") as file:
-            header = _parse_header(path, (file.metadata() or {}).get(_KEY), set(file.keys()))
-            data = {name: file.get_tensor(name) for name in header["blobs"]} if tensors else {}
-    except CheckpointError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types, OSError, ValueError...
-        raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc}); "
-                              f"the file is missing, truncated or not a safetensors file") from exc
-    if tensors and _digest(header, data) != header["sha256"]:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: its header or tensor data does not match "
-                              f"the checksum written with it")
-    return header, data
-
-
-def _parse_header(path: str, text: str | None, keys: set[str]) -> dict[str, Any]:
-    if text is None:
-        raise CheckpointError(f"{path!r} is a safetensors file but not a graphpar checkpoint "
-                              f"(no {_KEY!r} metadata)")
-    try:
-        header = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata: {exc}") from None
-    if not isinstance(header, dict) or header.get("format_version") not in _READABLE_VERSIONS:
-        version = header.get("format_version") if isinstance(header, dict) else None
-        raise CheckpointError(f"checkpoint {path!r} has format version {version!r}; this graphpar "
-                              f"reads version {FORMAT_VERSION}")
-    blobs = header.get("blobs")
-    if not isinstance(blobs, list) or set(blobs) != keys or not isinstance(header.get("sha256"), str):
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: its blob list does not match its tensors")
-    return header
+    return read_file(os.fspath(path), tensors=False)[0]
 
 
 def _device_of(name: str, existing: torch.Tensor | None) -> DeviceOption:
@@ -236,7 +183,7 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
     """
     path = os.fspath(path)
     ws = _workspace(workspace)
-    header, data = _read(path)
+    header, data = read_file(path)
     names = list(header["blobs"]) if blobs is None else _names(blobs, "load")
     absent = [n for n in names if n not in data]
     if absent:
