@@ -8,8 +8,7 @@ import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
 
-from graphpar import core, test_util
-from graphpar.runtime import workspace
+from graphpar import core, test_util, workspace
 
 cpu_do = core.DeviceOption(core.CPU)
 gpu_do = core.DeviceOption(core.CUDA)
