@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import pathlib
 import runpy
 import sys
 
@@ -51,3 +52,11 @@ def test_python_dash_m_runs_a_moved_module(monkeypatch):
     monkeypatch.setitem(_moved.MOVED, "graphpar._old_errors", "graphpar.errors")
     names = runpy.run_module("graphpar._old_errors", run_name="__main__")
     assert names["__name__"] == "__main__" and "UnknownOperatorError" in names
+
+
+def test_no_moved_module_leaves_a_file_at_its_old_path():
+    """The finder answers for old names first, so a file left there would never be imported."""
+    root = pathlib.Path(_moved.__file__).parent.parent
+    left = [old for old in _moved.MOVED
+            if root.joinpath(*old.split(".")).with_suffix(".py").exists() or root.joinpath(*old.split(".")).is_dir()]
+    assert left == []
