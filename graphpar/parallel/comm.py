@@ -166,8 +166,8 @@ def model_world(model: Any) -> distributed.Communicator | None:
     store; every shard must call this in the same order (each call creates one). For host-side
     reductions between steps (the Trainer's metrics), never while a net of the model runs."""
     from graphpar.core.ir import NetDef
-    from graphpar.passes.common import parallel_state
     from graphpar.passes.distributed import create_world_op, store_of
+    from graphpar.passes.model_state import parallel_state
     from graphpar.runtime import workspace
 
     rdv = parallel_state(model).options.rendezvous

@@ -49,11 +49,11 @@ from graphpar.model.model_helper import ModelHelper
 from graphpar.parallel.feeds import FeedTracker
 from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
-from graphpar.passes.common import parallel_state as _state_of
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.loss_scale import LossScale, check_loss_scale
 from graphpar.passes.memonger import optimize_memory
+from graphpar.passes.model_state import parallel_state as _state_of
 from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.precision import check_compute_dtype
 from graphpar.passes.predictor import extract_predictor_net

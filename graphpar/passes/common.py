@@ -1,5 +1,4 @@
-"""What every Parallelize pass shares: the replica layout, a model's parallel state, op construction and
-external inputs.
+"""What every Parallelize pass shares: the replica layout, op construction and external inputs.
 
 A `DeviceLayout` names the replicas (`gpu_3/...` or `cpu_1/...`) and their device options; the
 *position* of a device in `layout.devices` (not its id) is what trees and "the first device" refer
@@ -11,15 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.naming import CROSS_REPLICA_SUM_NAME, SCOPE_SEPARATOR, device_scope_name, device_scoped
-from graphpar.errors import ParallelizeError
-
-if TYPE_CHECKING:
-    from graphpar.passes.state import ParallelState
 
 # A blob's copies, one per replica: {device id: blob name}.
 Group = Mapping[int, str]
@@ -76,25 +71,6 @@ class DeviceLayout:
     def group(self, name: str) -> dict[int, str]:
         """The copies of unscoped `name`, one per replica, in device order."""
         return {d: self.scoped(d, name) for d in self.devices}
-
-
-def parallel_state(model: Any) -> ParallelState:
-    """The ParallelState `Parallelize` left on `model`.
-
-    Raises:
-        ParallelizeError: the model was not parallelized.
-    """
-    state = getattr(model, "_parallel", None)
-    if state is None:
-        raise ParallelizeError(f"model {getattr(model, 'name', model)!r} is not parallelized: call "
-                               f"data_parallel_model.Parallelize first")
-    return state
-
-
-def first_device_scope(model: Any) -> str:
-    """The name scope of the model's first device, e.g. 'gpu_0/'. Raises as `parallel_state`."""
-    layout = parallel_state(model).layout
-    return layout.scoped(layout.master, "")
 
 
 def make_op(type_: str, inputs: Iterable[str], outputs: Iterable[str], device: DeviceOption | None,

@@ -33,7 +33,7 @@ from graphpar.core.ir import CPU, CUDA, DeviceOption
 from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
 from graphpar.errors import CheckpointError
 from graphpar.ops.db import FORMAT_VERSION, HEADER_KEY, checksum, read_file
-from graphpar.passes.common import first_device_scope
+from graphpar.passes.model_state import first_device_scope
 from graphpar.platform.devices import device_option_for_blob
 from graphpar.runtime.workspace import Workspace, get_workspace
 
