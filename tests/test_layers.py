@@ -49,7 +49,7 @@ LAYER_OF = {
     "graphpar.timeout_guard": "caffe2",
 }
 
-_MODEL = {"base", "core", "platform", "ops", "executor", "passes", "runtime"}
+_UNDER_RUNTIME = {"base", "core", "platform", "ops", "executor", "passes"}
 # What each layer may import besides itself.
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
@@ -58,12 +58,12 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"base", "core", "platform"},  # kernels register into core's schemas
     "executor": {"base", "core", "platform"},  # runs plans; kernels come through the schema, not ops
     "passes": {"base", "core", "platform"},  # rewrite nets, never execute: no executor, runtime or ops
-    "runtime": _MODEL,
-    "model": _MODEL | {"runtime"},
-    "models": _MODEL | {"runtime", "model"},
-    "parallel": _MODEL | {"runtime", "model"},
-    "training": _MODEL | {"runtime", "model", "models", "parallel"},
-    "examples": _MODEL | {"runtime", "model", "models", "parallel", "training"},
+    "runtime": _UNDER_RUNTIME,  # workspaces, checkpoints, introspection
+    "model": _UNDER_RUNTIME | {"runtime"},  # ModelHelper, brew, optimizers
+    "models": _UNDER_RUNTIME | {"runtime", "model"},  # the model zoo
+    "parallel": _UNDER_RUNTIME | {"runtime", "model"},  # Parallelize and its runs, processes
+    "training": _UNDER_RUNTIME | {"runtime", "model", "models", "parallel"},  # feeding, the Trainer
+    "examples": _UNDER_RUNTIME | {"runtime", "model", "models", "parallel", "training"},
     "caffe2": set(LAYER_OF.values()) - {"root"},  # Caffe2's surface over everything
     "root": set(LAYER_OF.values()),
 }
