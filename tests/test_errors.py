@@ -202,7 +202,7 @@ def test_parallelize_init_and_syncs_log_what_they_did(caplog: pytest.LogCaptureF
     by_logger = {}
     for record in caplog.records:
         by_logger.setdefault(record.name, []).append(record.getMessage())
-    built = "\n".join(by_logger["graphpar.data_parallel_model"])
+    built = "\n".join(by_logger["graphpar.parallel.data_parallel_model"])  # one logger per module
     assert "Parallelize('misuse'): 2 replica(s) cpu_0/, cpu_1/ on CPU; training" in built
     assert "4 gradients all-reduced by TreeReducer (buckets of <= 100 bytes)" in built
     assert "then broadcasts 8 blobs from cpu_0/ to cpu_1/" in built
