@@ -57,7 +57,7 @@ from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import can_access_peer, cuda_is_simulated, device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
-from graphpar.executor import Plan, compile_net, get_executor
+from graphpar.executor import CompiledNet, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
 from graphpar.naming import ALIASED_STATE_ARG
 from graphpar.resume import check_run
@@ -72,7 +72,7 @@ class Workspace:
         self.name = name
         self.blobs: dict[str, torch.Tensor] = {}
         self.objects: dict[str, Any] = {}  # blobs that are not tensors: text, or None (CreateBlob)
-        self.nets: dict[str, Plan] = {}
+        self.nets: dict[str, CompiledNet] = {}
         self.seed = _check_seed(seed)
         self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
         self._compiles = 0  # plans compiled since the streams were last restarted
@@ -234,7 +234,7 @@ class Workspace:
         del self.blobs[key]
         self.loaded.pop(key, None)
 
-    def create_net(self, net: Any, overwrite: bool = False) -> Plan:
+    def create_net(self, net: Any, overwrite: bool = False) -> CompiledNet:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
 
         Raises:
@@ -296,12 +296,12 @@ class Workspace:
             if self.loaded:
                 self._mark_used(plan)
 
-    def _check_load_order(self, plan: Plan) -> None:
+    def _check_load_order(self, plan: CompiledNet) -> None:
         """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
         reads = {load.name for load in plan.frame.loads} | set(plan.netdef.args.get(ALIASED_STATE_ARG, ()))
         check_run(plan.name, reads, [name for name in plan.frame.names if name not in reads], self.loaded)
 
-    def _mark_used(self, plan: Plan) -> None:
+    def _mark_used(self, plan: CompiledNet) -> None:
         """After a successful run: the loaded blobs it read or wrote are in use."""
         for name in plan.frame.names:
             self.loaded.pop(name, None)
