@@ -354,7 +354,7 @@ def _as_netdef(net: Any) -> NetDef:
 
 def _from_caffe2(message: Any, kind: str) -> Any:
     """A graphpar NetDef/OperatorDef from a caffe2_pb2 message or its bytes (needs protobuf)."""
-    from graphpar.proto.convert import from_proto
+    from graphpar.caffe2.proto.convert import from_proto
 
     return from_proto(message, kind)
 
@@ -655,8 +655,8 @@ def RunPlan(plan_or_step: Any) -> bool:  # noqa: N802
     caffe2_pb2.PlanDef, or its serialized bytes (needs protobuf). Each step runs its networks, then its
     sub-steps, `num_iter` times (once if unset); returns True. Raises NotImplementedError for the
     step features graphpar does not run (stop criteria, report nets, concurrent sub-steps)."""
-    from graphpar.core.plan import ExecutionStep, Plan
-    from graphpar.proto import caffe2_pb2
+    from graphpar.caffe2.plan import ExecutionStep, Plan
+    from graphpar.caffe2.proto import caffe2_pb2
 
     if isinstance(plan_or_step, ExecutionStep):
         plan_or_step = Plan(plan_or_step)
