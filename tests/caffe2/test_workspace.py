@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graphpar import brew, core, model_helper, workspace
+from graphpar.caffe2 import immediate
 
 
 def _fill_net() -> core.Net:
@@ -134,7 +135,7 @@ def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
 def test_immediate_mode_runs_recorded_ops_in_their_own_workspace() -> None:
     workspace.StartImmediate(i_know=True)
     try:
-        root = workspace._immediate_root_folder
+        root = immediate._immediate_root_folder
         assert workspace.IsImmediate() and os.path.isdir(root)
         net = core.Net("immediate")
         net.ConstantFill([], "filled", shape=[2], value=3.0)
