@@ -1,7 +1,8 @@
 """graphpar: a Caffe2-style graph-building data-parallel compiler whose operators run on PyTorch kernels.
 
-Submodules load on first use, so `import graphpar` is cheap; `from graphpar import brew` and
-`graphpar.Parallelize` work as usual.
+`import graphpar` is cheap and torch-free: it loads `core` and wires the operator library into it
+(loaded at the first op lookup); other submodules load on first use, so `from graphpar import brew`
+and `graphpar.Parallelize` work as usual.
 """
 
 from __future__ import annotations

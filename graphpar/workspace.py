@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
+from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef, proto_converter
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.devices import can_access_peer, cuda_is_simulated, device_option_for_blob, num_cuda_devices
 from graphpar.errors import MissingBlobError
@@ -354,9 +354,7 @@ def _as_netdef(net: Any) -> NetDef:
 
 def _from_caffe2(message: Any, kind: str) -> Any:
     """A graphpar NetDef/OperatorDef from a caffe2_pb2 message or its bytes (needs protobuf)."""
-    from graphpar.caffe2.proto.convert import from_proto
-
-    return from_proto(message, kind)
+    return proto_converter().from_proto(message, kind)
 
 
 def _feed_device_option(name: str, device_option: DeviceOption | None) -> DeviceOption:
