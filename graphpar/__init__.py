@@ -1,17 +1,38 @@
 """graphpar: a Caffe2-style graph-building data-parallel compiler whose operators run on PyTorch kernels.
 
-Submodules load on first use, so `import graphpar` is cheap; `from graphpar import brew` and
-`graphpar.Parallelize` work as usual.
+`import graphpar` is cheap and torch-free: it loads `core` and wires the operator library into it
+(loaded at the first op lookup); other submodules load on first use, so `from graphpar import brew`
+and `graphpar.Parallelize` work as usual.
 """
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import Any
 
 from graphpar import _moved
 
 _moved.install()
+
+
+def _load_operators() -> None:
+    import graphpar.ops  # noqa: F401 - importing the package registers every op module
+
+
+def _proto_converter() -> ModuleType:
+    from graphpar.caffe2.proto import convert  # needs protobuf, so loaded on first use
+
+    return convert
+
+
+from graphpar import core  # noqa: E402 - the finder of moved modules comes first
+from graphpar.caffe2 import plan as _caffe2_plan  # noqa: E402
+
+# Core is passive: it gets the operator library, the protobuf conversion and Caffe2's execution plans here.
+core.schema.set_operator_library(_load_operators)
+core.ir.set_proto_converter(_proto_converter)
+core.ExecutionStep, core.Plan = _caffe2_plan.ExecutionStep, _caffe2_plan.Plan
 
 __version__ = "0.1.0"
 

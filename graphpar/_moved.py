@@ -38,6 +38,18 @@ MOVED: dict[str, str] = {
     "graphpar.evaluation": "graphpar.training.evaluation",
     "graphpar.config": "graphpar.training.config",
     "graphpar.defaults": "graphpar.training.defaults",
+    # Caffe2-only surface, in graphpar/caffe2/
+    "graphpar.proto": "graphpar.caffe2.proto",
+    "graphpar.predictor": "graphpar.caffe2.predictor",
+    "graphpar.predictor_constants": "graphpar.caffe2.predictor_constants",
+    "graphpar.dyndep": "graphpar.caffe2.dyndep",
+    "graphpar.test_util": "graphpar.caffe2.test_util",
+    "graphpar.hypothesis_test_util": "graphpar.caffe2.hypothesis_test_util",
+    "graphpar.experiment_util": "graphpar.caffe2.experiment_util",
+    "graphpar.timeout_guard": "graphpar.caffe2.timeout_guard",
+    "graphpar.cnn": "graphpar.caffe2.cnn",
+    "graphpar.scope": "graphpar.caffe2.scope",
+    "graphpar.core.plan": "graphpar.caffe2.plan",
 }
 
 

@@ -34,19 +34,6 @@ LAYER_OF = {
     "graphpar.training": "training",
     "graphpar.examples": "examples",
     "graphpar.caffe2": "caffe2",
-    # Caffe2-only modules not yet moved into graphpar/caffe2/ (issue 27, item 4); once they are, their old
-    # names resolve to graphpar.caffe2.* through MOVED and these entries can go.
-    "graphpar.core.plan": "caffe2",
-    "graphpar.proto": "caffe2",
-    "graphpar.predictor": "caffe2",
-    "graphpar.predictor_constants": "caffe2",
-    "graphpar.dyndep": "caffe2",
-    "graphpar.scope": "caffe2",
-    "graphpar.cnn": "caffe2",
-    "graphpar.test_util": "caffe2",
-    "graphpar.hypothesis_test_util": "caffe2",
-    "graphpar.experiment_util": "caffe2",
-    "graphpar.timeout_guard": "caffe2",
 }
 
 _UNDER_RUNTIME = {"base", "core", "platform", "ops", "executor", "passes"}
@@ -68,14 +55,6 @@ ALLOWED: dict[str, set[str]] = {
     "root": set(LAYER_OF.values()),
 }
 
-# Known violations that other branches of issue 27 remove (item 4: core imports neither proto nor ops,
-# Caffe2-only code leaves the workspace); the integrator deletes each entry once its fix is merged.
-# (importing module prefix, imported layer): why.
-KNOWN = {
-    ("graphpar.core", "caffe2"): "core.ir/net convert Caffe2 protobufs, core/__init__ re-exports core.plan",
-    ("graphpar.core", "ops"): "core.schema loads the ops package, core/__init__ reads ops.fill's DataType",
-    ("graphpar.runtime.workspace", "caffe2"): "RunPlan and protobuf nets (proto.convert, core.plan)",
-}
 
 
 def layer_of(module: str) -> str | None:
@@ -140,10 +119,6 @@ def imports() -> list[tuple[str, str, int, str]]:
     return found
 
 
-def _known(module: str, target_layer: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p, layer in KNOWN if layer == target_layer)
-
-
 def test_every_module_has_a_layer() -> None:
     unplaced = sorted({m for _, m, _, _ in imports()} | {_module_name(p) for p in PACKAGE.rglob("*.py")})
     assert [m for m in unplaced if layer_of(m) is None] == []
@@ -153,7 +128,7 @@ def test_every_import_goes_down_the_layers() -> None:
     violations = []
     for file, module, line, target in imports():
         source, dest = layer_of(module), layer_of(target)
-        if dest is None or source == dest or dest in ALLOWED[source] or _known(module, dest):
+        if dest is None or source == dest or dest in ALLOWED[source]:
             continue
         violations.append(f"{file}:{line}: {module} ({source}) imports {target} ({dest}); "
                           f"{source} may import only {sorted(ALLOWED[source])}")
@@ -164,7 +139,7 @@ def test_the_subpackages_import_each_other_without_cycles() -> None:
     graph = nx.DiGraph()
     for file, module, line, target in imports():
         source, dest = layer_of(module), layer_of(target)
-        if source not in (dest, "root") and dest is not None and not _known(module, dest):
+        if source not in (dest, "root") and dest is not None:
             graph.add_edge(source, dest, where=f"{file}:{line}")
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, [[(a, b, graph.edges[a, b]["where"]) for a, b in zip(c, c[1:] + c[:1])] for c in cycles]

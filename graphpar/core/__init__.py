@@ -1,4 +1,9 @@
-"""The IR, scopes, the Net builder, graph views and autodiff (Caffe2's `core`)."""
+"""The IR, scopes, the Net builder, graph views and autodiff (Caffe2's `core`).
+
+Core imports neither the operator library nor Caffe2's protobuf layer: the package root installs
+both (`schema.set_operator_library`, `ir.set_proto_converter`) and adds Caffe2's execution plans
+(`graphpar.caffe2.plan`) here as `core.ExecutionStep` and `core.Plan`.
+"""
 
 from typing import Any
 
@@ -7,6 +12,7 @@ from graphpar.core.ir import (
     CUDA,
     Argument,
     BlobReference,
+    DataType,
     DeviceOption,
     DeviceType,
     GradientSlice,
@@ -16,7 +22,6 @@ from graphpar.core.ir import (
 )
 from graphpar.core.ir import same_device as device_equal
 from graphpar.core.net import CreateOperator, Net
-from graphpar.core.plan import ExecutionStep, Plan
 from graphpar.core.scope import (
     CurrentDeviceScope,
     CurrentNameScope,
@@ -36,11 +41,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`core.DataType` (Caffe2's TensorProto codes) lives with the fill ops, which import core."""
-    if name == "DataType":
-        from graphpar.ops.fill import DataType
-
-        return DataType
+    """`core._REGISTERED_OPERATORS`, read when asked for (registering loads the operator library)."""
     if name == "_REGISTERED_OPERATORS":  # Caffe2's set of registered op types, read by its tests
         from graphpar.core.schema import registered_types
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -23,6 +24,21 @@ class DeviceType(IntEnum):
 
 CPU = DeviceType.CPU
 CUDA = DeviceType.CUDA
+
+
+class DataType(IntEnum):
+    """Caffe2's TensorProto.DataType codes that have a torch dtype (`dtype` arguments take them)."""
+
+    FLOAT = 1
+    INT32 = 2
+    BYTE = 3
+    BOOL = 5
+    UINT8 = 6
+    INT8 = 7
+    INT16 = 9
+    INT64 = 10
+    FLOAT16 = 12
+    DOUBLE = 13
 
 
 @dataclass(frozen=True)
@@ -186,10 +202,31 @@ def _arguments(args: dict[str, Any]) -> list[Argument]:
     return [Argument(name, value) for name, value in args.items()]
 
 
+def _no_converter() -> Any:
+    raise RuntimeError("no protobuf converter is installed: import graphpar (its package root installs "
+                       "graphpar.caffe2.proto.convert)")
+
+
+_load_converter: Callable[[], Any] = _no_converter
+
+
+def set_proto_converter(load: Callable[[], Any]) -> None:
+    """Install `load()`, which returns the module converting to and from Caffe2's protobuf messages
+    (`to_proto`, `from_proto`). The IR does not depend on protobuf: the package root installs
+    `graphpar.caffe2.proto.convert`, loaded on first use."""
+    global _load_converter
+    _load_converter = load
+
+
+def proto_converter() -> Any:
+    """The installed protobuf converter module (`set_proto_converter`)."""
+    return _load_converter()
+
+
 class _MessageLike:
     """What graphpar's ops and nets share with Caffe2's protobuf messages: equality by value over
     `_FIELDS` (so unhashable), `SerializeToString` / `ParseFromString` in Caffe2's wire format (through
-    `graphpar.proto.convert`, which needs protobuf) and `HasField`."""
+    the installed `proto_converter()`, which needs protobuf) and `HasField`."""
 
     _FIELDS: tuple[str, ...] = ()
     __hash__ = None  # mutable and compared by value
@@ -201,15 +238,11 @@ class _MessageLike:
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
         """Caffe2's wire format (a caffe2_pb2 message of the same name; needs protobuf)."""
-        from graphpar.proto.convert import to_proto
-
-        return to_proto(self).SerializeToString()
+        return proto_converter().to_proto(self).SerializeToString()
 
     def ParseFromString(self, data: bytes) -> None:  # noqa: N802 - protobuf's name
         """Replace the contents with a serialized caffe2_pb2 message of the same name (needs protobuf)."""
-        from graphpar.proto.convert import from_proto
-
-        self.__dict__.update(from_proto(data, type(self).__name__).__dict__)
+        self.__dict__.update(proto_converter().from_proto(data, type(self).__name__).__dict__)
 
     def HasField(self, field_name: str) -> bool:  # noqa: N802 - protobuf's name
         """Whether the optional field `field_name` (device_option, name, ...) is set."""

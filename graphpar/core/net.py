@@ -32,6 +32,7 @@ from graphpar.core.ir import (
     NetDef,
     OperatorDef,
     as_device_option,
+    proto_converter,
 )
 from graphpar.core.schema import check_operator, get_schema, is_registered
 from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
@@ -213,9 +214,7 @@ class Net:
 
     def __init__(self, name_or_netdef: str | NetDef, inplace: bool = False) -> None:
         if hasattr(name_or_netdef, "DESCRIPTOR"):  # a caffe2_pb2.NetDef: converted, so never in place
-            from graphpar.proto.convert import from_proto
-
-            netdef = from_proto(name_or_netdef)
+            netdef = proto_converter().from_proto(name_or_netdef)
         elif isinstance(name_or_netdef, NetDef):
             netdef = name_or_netdef if inplace else name_or_netdef.copy()
         elif isinstance(name_or_netdef, str):

@@ -1,7 +1,8 @@
 """The operator registry: one registration per op type holds its schema, traits, kernel, gradient and doc.
 
 This module is torch-free: `core` knows schemas, never kernels. The op library (`graphpar/ops/`)
-registers into it on first use (its modules are discovered, see `graphpar.ops`). A registration reads
+registers into it on first use: the package root installs it (`set_operator_library`), and its modules
+are discovered (see `graphpar.ops`). A registration reads
 top to bottom in one screen (see `graphpar/ops/tensor.py`):
 
     register_op(
@@ -476,8 +477,23 @@ def scoped_registry() -> Iterator[None]:
         _passed.clear()
 
 
+def _no_library() -> None:
+    """The operator library before one is installed: none, only what was registered explicitly."""
+
+
+_load_library: Callable[[], None] = _no_library
+
+
+def set_operator_library(load: Callable[[], None]) -> None:
+    """Install `load()`, which registers the operator library; the registry calls it before its first
+    lookup of an unknown type (and for the full list). Core never imports operators itself: the package
+    root installs `graphpar.ops`."""
+    global _load_library
+    _load_library = load
+
+
 def _ensure_loaded() -> None:
-    import graphpar.ops  # noqa: F401 - importing the package registers every op module
+    _load_library()
 
 
 def is_registered(type_: str) -> bool:

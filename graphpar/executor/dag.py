@@ -17,7 +17,7 @@ contention and overlap nothing. So does the first run of a net with Caffe2's
 `budget // intra_op_threads` steps at once (`executor.threads`), never more than its net's
 `num_workers`. Collectives across processes (Trait.DISTRIBUTED) mostly wait for the network, so they
 take slots of their own, one per communicator they use, beyond that limit: communication overlaps
-computation even with a budget of one thread. A run has the plan's two phases (`executor.plan.Plan`): the updates and the steps that
+computation even with a budget of one thread. A run has the plan's two phases (`executor.plan.CompiledNet`): the updates and the steps that
 depend on them start only once every other step finished and the state check passed. When a step
 fails, no new step starts; the run waits for the steps already running, then raises the error
 "simple" would raise for that op, and the workspace is unchanged. Under
@@ -46,7 +46,7 @@ from graphpar.executor.streams import NO_STREAMS, RunStreams, StreamBackend, cur
 from graphpar.executor.threads import thread_budget
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Phase, Plan
+    from graphpar.executor.plan import CompiledNet, Phase
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,11 @@ class Schedule:
     staged: bool  # the second phase: it starts with the state check
     waits: frozenset[int] = frozenset()  # collectives across processes: they run in the slots below
     wait_slots: int = 0  # one per communicator those collectives use
-    threads: int = 1  # intra-op threads of its CPU kernels (`Plan.intra_op_threads` / `staged_threads`)
+    threads: int = 1  # intra-op threads of its CPU kernels (`CompiledNet.intra_op_threads`, `staged_threads`)
 
 
-def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
-    """The schedules of `plan`'s phases (`Plan.phases`): who waits for whom within each phase
+def make_schedules(plan: CompiledNet) -> tuple[Schedule, ...]:
+    """The schedules of `plan`'s phases (`CompiledNet.phases`): who waits for whom within each phase
     (`plan.dependencies`; a dependency on the earlier phase is met when it starts), and how many steps
     may run at once."""
     def concurrency(threads: int) -> int:
@@ -90,7 +90,7 @@ def make_schedules(plan: Plan) -> tuple[Schedule, ...]:
     return tuple(schedules)
 
 
-def one_launching_thread(plan: Plan, runtime: Runtime, schedules: tuple[Schedule, ...]) -> bool:
+def one_launching_thread(plan: CompiledNet, runtime: Runtime, schedules: tuple[Schedule, ...]) -> bool:
     """Whether a run of `plan` launches every step from the calling thread, in program order.
 
     Worker threads win only where steps compute side by side on CPU cores (`Schedule.concurrency`
@@ -107,7 +107,7 @@ def one_launching_thread(plan: Plan, runtime: Runtime, schedules: tuple[Schedule
 class _Run:
     """The state of one run: pending counts, the frame, the first failure, and who is waiting."""
 
-    def __init__(self, plan: Plan, frame: list, streams: RunStreams | None) -> None:
+    def __init__(self, plan: CompiledNet, frame: list, streams: RunStreams | None) -> None:
         self.plan, self.frame, self.streams = plan, frame, streams
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.running = 0
@@ -128,7 +128,7 @@ class _Run:
 class _Threaded:
     """The Launch of a run on the worker threads (`executor.run.Launch`)."""
 
-    def __init__(self, executor: DagExecutor, plan: Plan, frame: list, schedules: tuple[Schedule, ...],
+    def __init__(self, executor: DagExecutor, plan: CompiledNet, frame: list, schedules: tuple[Schedule, ...],
                  backend: StreamBackend) -> None:
         self.executor, self.schedules = executor, schedules
         self.streams = None if backend is NO_STREAMS else RunStreams(backend, plan, frame)
@@ -158,7 +158,7 @@ class DagExecutor:
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
 
-    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+    def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)
         schedules = runtime.schedules
         if schedules is None:

@@ -11,7 +11,7 @@ from graphpar.core.shapes import float64_hint
 from graphpar.errors import MissingBlobError, OperatorError
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 def op_location(netdef: NetDef, index: int) -> str:
@@ -24,7 +24,7 @@ def recorded_at(op: OperatorDef) -> str:
     return f" (recorded at {op.source})" if op.source else ""
 
 
-def missing_at_run(plan: Plan, name: str) -> MissingBlobError:
+def missing_at_run(plan: CompiledNet, name: str) -> MissingBlobError:
     """The error for a blob the net reads that was removed from the workspace after CreateNet."""
     load = next(load for load in plan.frame.loads if load.name == name)
     op = plan.netdef.ops[load.reader]
@@ -34,7 +34,7 @@ def missing_at_run(plan: Plan, name: str) -> MissingBlobError:
         f"before RunNet{recorded_at(op)}.")
 
 
-def op_failure(plan: Plan, frame: list, index: int, exc: Exception) -> OperatorError:
+def op_failure(plan: CompiledNet, frame: list, index: int, exc: Exception) -> OperatorError:
     """The error to raise for `exc`, raised by step `index` of `plan` while running on `frame`."""
     netdef = plan.netdef
     op = netdef.ops[index]

@@ -32,7 +32,7 @@ from graphpar.executor.failure import missing_at_run
 from graphpar.executor.runtime import runtime_of
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 
@@ -112,7 +112,7 @@ def _positions(order: Sequence[int]) -> list[int]:
     return position
 
 
-def open_frame(plan: Plan, blobs: Mapping[str, torch.Tensor]) -> list:
+def open_frame(plan: CompiledNet, blobs: Mapping[str, torch.Tensor]) -> list:
     """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace (whose stale
     transient blobs it removes).
 
@@ -143,7 +143,7 @@ class StateCheck(NamedTuple):
 
 
 class StateGuard:
-    """Checked before the second phase of every run (`executor.plan.Plan`): each blob an update changes
+    """Checked before the second phase of every run (`executor.plan.CompiledNet`): each blob an update changes
     in place must still have the shape and dtype it had at CreateNet (not fed or loaded anew since with
     others), so that no update runs on it and the state stays as it was.
 
@@ -180,7 +180,7 @@ class StateChanged(ValueError):
         self.step = step
 
 
-def commit(plan: Plan, frame: list, blobs: dict[str, torch.Tensor]) -> None:
+def commit(plan: CompiledNet, frame: list, blobs: dict[str, torch.Tensor]) -> None:
     """Write a successful run's results back to the workspace (and drop freed transients)."""
     layout = plan.frame
     blobs.update(zip(layout.store_names, map(frame.__getitem__, layout.store_slots)))  # a loop in C

@@ -60,7 +60,7 @@ from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Phase, Plan
+    from graphpar.executor.plan import CompiledNet, Phase
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Split:
     devices: tuple[torch.device, ...]  # one per logical device of the captured steps, in order of first use
 
 
-def split(plan: Plan) -> Split:
+def split(plan: CompiledNet) -> Split:
     """Split `plan` into host prologue and captured steps; ValueError naming an op that cannot be captured."""
     netdef = plan.netdef
     devices = blob_devices(netdef)
@@ -207,7 +207,7 @@ def _reads_device_values(op: OperatorDef) -> bool:
     return all(option is None or option.device_type == CUDA for option in placed)
 
 
-def _refuse(plan: Plan, index: int, why: str) -> None:
+def _refuse(plan: CompiledNet, index: int, why: str) -> None:
     raise ValueError(f"{op_location(plan.netdef, index)} cannot be captured in a CUDA graph: {why}"
                      f"{recorded_at(plan.netdef.ops[index])}. Run the net as 'dag' or 'simple' "
                      f"(Parallelize(cuda_graph=False)), or move the op out of the step.")
@@ -216,7 +216,7 @@ def _refuse(plan: Plan, index: int, why: str) -> None:
 class Captured:
     """A captured step: static input buffers, the frame the graph writes, and its replay."""
 
-    def __init__(self, plan: Plan, cut: Split, frame: list, backend: GraphBackend) -> None:
+    def __init__(self, plan: CompiledNet, cut: Split, frame: list, backend: GraphBackend) -> None:
         # no reference to the plan: the runtime holding this must not keep its plan alive (`runtime_of`)
         self.net_name, self.names, self.cut = plan.name, plan.frame.names, cut
         self.statics = {slot: frame[slot] for slot in cut.loads}
@@ -266,7 +266,7 @@ class Captured:
 class _Replay:
     """The Launch of a captured run: the whole step at the first phase (`executor.run.Launch`)."""
 
-    def __init__(self, plan: Plan, runtime: Runtime, frame: list, backend: GraphBackend,
+    def __init__(self, plan: CompiledNet, runtime: Runtime, frame: list, backend: GraphBackend,
                  blobs: dict[str, torch.Tensor]) -> None:
         self.plan, self.runtime, self.frame, self.backend, self.blobs = plan, runtime, frame, backend, blobs
         self.done = False
@@ -299,7 +299,7 @@ class CudaGraphExecutor:
     def __init__(self) -> None:
         self._told: set[str] = set()
 
-    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+    def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)
         backend = current_graphs()
         if runtime.graph_split is None:  # the first run: raise before anything changed

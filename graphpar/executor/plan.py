@@ -1,4 +1,4 @@
-"""Compile a NetDef once, at CreateNet, into an immutable Plan that executors run on every RunNet.
+"""Compile a NetDef once, at CreateNet, into an immutable CompiledNet that executors run on every RunNet.
 
 Everything that needs a look-up or a decision happens here, once: the net is validated against the
 schemas, each op's arguments are parsed, its device placed, its kernel built, and its blob names
@@ -59,7 +59,7 @@ class Step(NamedTuple):
 
 
 class Phase(NamedTuple):
-    """One phase of a plan (see `Plan`): its steps in program order, whether it is the second one
+    """One phase of a plan (see `CompiledNet`): its steps in program order, whether it is the second one
     (it starts with the state check) and its CPU kernels' intra-op threads."""
 
     index: int
@@ -78,7 +78,7 @@ class BlobStore(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class CompiledNet:
     """A compiled net: its steps, their dependencies, and how blobs map to frame slots.
 
     `dependencies[j]` are the indices of the steps step j must run after (`core.dataflow`); `frame` says which blobs
@@ -132,14 +132,14 @@ class Plan:
         """The blobs that must outlive a run (see `executor.frame`)."""
         return self.frame.persistent
 
-    def with_steps(self, steps: tuple[Step, ...]) -> Plan:
+    def with_steps(self, steps: tuple[Step, ...]) -> CompiledNet:
         """The same plan with other steps (e.g. wrapped by the profiler); one per original step."""
         if len(steps) != len(self.steps):
             raise ValueError(f"with_steps needs {len(self.steps)} steps, got {len(steps)}")
         return replace(self, steps=steps)
 
 
-def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) -> Plan:
+def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) -> CompiledNet:
     """Validate `netdef` and build its plan against `workspace` (the net is copied: later edits do not count).
 
     `keep_all` keeps every blob after a run whatever the net's memory options say (for introspection).
@@ -172,9 +172,10 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     devices = [netdef.op_device(op) for op in netdef.ops]
     cpu_replicas = len({d for d in devices if d.device_type == CPU})
     updating = len({devices[j] for j in updates if devices[j].device_type == CPU})
-    return Plan(netdef, steps, dependencies, frame, workspace.name, intra_op_threads(cpu_replicas), updates, order,
-                len(steps) - sum(staged), StateGuard(_state_checks(netdef, flow, updates, frame, workspace.blobs)),
-                intra_op_threads(updating or cpu_replicas))
+    return CompiledNet(netdef, steps, dependencies, frame, workspace.name, intra_op_threads(cpu_replicas), updates,
+                       order, len(steps) - sum(staged),
+                       StateGuard(_state_checks(netdef, flow, updates, frame, workspace.blobs)),
+                       intra_op_threads(updating or cpu_replicas))
 
 
 def _claims(netdef: NetDef, flow: Dataflow) -> list[tuple[tuple[int, int], ...]]:

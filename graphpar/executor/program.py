@@ -2,7 +2,7 @@
 straight-line Python function (`straight_line`), the "simple" executor's loop unrolled.
 
 `straight_line(plan, phase)` generates, compiles and returns `program(frame)`, which calls the kernel
-of every step of one of the plan's phases (`executor.plan.Plan`) in program order on frame slots
+of every step of one of the plan's phases (`executor.plan.CompiledNet`) in program order on frame slots
 (`frame[3] = k2(frame[1], frame[0])`), frees what the plan frees after each step (`plan.frame.frees`,
 in that order), and on an exception raises `StepFailed` carrying the failing step's index.
 `executor.run.run_plan` runs the phases one after the other.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Phase, Plan
+    from graphpar.executor.plan import CompiledNet, Phase
 
 
 class StepFailed(Exception):
@@ -38,7 +38,7 @@ class StepFailed(Exception):
         self.index = index
 
 
-def straight_line(plan: Plan, phase: Phase, frees: bool) -> Callable[[list], None]:
+def straight_line(plan: CompiledNet, phase: Phase, frees: bool) -> Callable[[list], None]:
     """`program(frame)` running the steps of `phase` in its order (freeing `plan.frame.frees` if `frees`)."""
     lines = []
     for j in phase.steps:

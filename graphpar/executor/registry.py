@@ -1,6 +1,6 @@
 """Executors, keyed by net type: `NetDef.type` names the executor that runs a net's plan.
 
-An executor runs a compiled `Plan` once against a workspace's blobs, through
+An executor runs a compiled `CompiledNet` once against a workspace's blobs, through
 `executor.run.run_plan`: the one routine that opens the frame, runs the plan's phases (the updates
 and what depends on them last, after `frame.StateGuard`), turns a step's exception into
 `failure.op_failure(...)` and commits the frame only after every step succeeded. An executor says
@@ -20,13 +20,13 @@ from graphpar.executor.graphs import CudaGraphExecutor
 from graphpar.executor.simple import SimpleExecutor
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 class Executor(Protocol):
     """Runs a compiled plan once against a workspace's blobs."""
 
-    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None: ...
+    def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None: ...
 
 
 _EXECUTORS: dict[str, Executor] = {}

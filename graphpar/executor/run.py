@@ -1,7 +1,7 @@
 """The one routine that runs a plan once, for every executor.
 
 `run_plan(plan, blobs, start)` opens the run's frame (`frame.open_frame`), runs the plan's phases in
-order (`executor.plan.Plan`: the state check, `frame.StateGuard`, before the second; each phase's
+order (`executor.plan.CompiledNet`: the state check, `frame.StateGuard`, before the second; each phase's
 intra-op threads in the calling thread), turns a failed step (`program.StepFailed`, or the check's
 `StateChanged`) into the error that names its op (`failure.op_failure`), and commits the frame
 (`frame.commit`) only when every step succeeded. Executors differ only in how they launch the steps of
@@ -23,7 +23,7 @@ from graphpar.executor.program import StepFailed, straight_line
 from graphpar.executor.runtime import Runtime, runtime_of
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Phase, Plan
+    from graphpar.executor.plan import CompiledNet, Phase
 
 
 class Launch(Protocol):
@@ -35,10 +35,10 @@ class Launch(Protocol):
     def close(self) -> None: ...
 
 
-Start = Callable[["Plan", Runtime, list], Launch]
+Start = Callable[["CompiledNet", Runtime, list], Launch]
 
 
-def run_plan(plan: Plan, blobs: dict[str, torch.Tensor], start: Start) -> None:
+def run_plan(plan: CompiledNet, blobs: dict[str, torch.Tensor], start: Start) -> None:
     """Run `plan` once against `blobs`, launching its phases with `start`'s Launch (see the module docstring)."""
     runtime = runtime_of(plan)
     frame = open_frame(plan, blobs)
@@ -80,7 +80,7 @@ class _Serial:
         return None
 
 
-def serial(plan: Plan, runtime: Runtime, frame: list) -> Launch:
+def serial(plan: CompiledNet, runtime: Runtime, frame: list) -> Launch:
     """The Launch that runs each phase's steps in program order in the calling thread."""
     programs = runtime.programs
     if programs is None:

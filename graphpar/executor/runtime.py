@@ -1,10 +1,10 @@
-"""What the runs of one plan carry between them, kept beside the immutable Plan (`executor.plan`).
+"""What the runs of one plan carry between them, kept beside the immutable CompiledNet (`executor.plan`).
 
-A Plan says what a net computes. Its Runtime holds what executors derive from it once (the
+A CompiledNet says what a net computes. Its Runtime holds what executors derive from it once (the
 straight-line programs of its phases, the dag's schedules, a captured CUDA graph) and what its runs
 change (the state tensors last verified by `frame.StateGuard`, whether a run has completed, how many
 have). Runtimes are kept per plan object, weakly: a plan that nobody holds takes its runtime with it,
-and a plan rebuilt by `Plan.with_steps` (the profiler's timed copy) starts with a fresh one.
+and a plan rebuilt by `CompiledNet.with_steps` (the profiler's timed copy) starts with a fresh one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 class Runtime:
@@ -31,11 +31,11 @@ class Runtime:
         self.completed = 0  # runs completed
 
 
-_runtimes: weakref.WeakKeyDictionary[Plan, Runtime] = weakref.WeakKeyDictionary()
+_runtimes: weakref.WeakKeyDictionary[CompiledNet, Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def runtime_of(plan: Plan) -> Runtime:
+def runtime_of(plan: CompiledNet) -> Runtime:
     """The runtime of `plan`, made on first use."""
     runtime = _runtimes.get(plan)
     if runtime is None:

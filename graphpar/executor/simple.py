@@ -15,11 +15,11 @@ import torch
 from graphpar.executor.run import run_plan, serial
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 class SimpleExecutor:
     """Runs a plan's steps one after another in program order."""
 
-    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+    def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         run_plan(plan, blobs, serial)

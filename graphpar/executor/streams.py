@@ -25,7 +25,7 @@ from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
-    from graphpar.executor.plan import Plan
+    from graphpar.executor.plan import CompiledNet
 
 
 class StreamBackend(Protocol):
@@ -135,7 +135,7 @@ _backend: StreamBackend | None = None
 class RunStreams:
     """The streams and events of one run of a plan on a stream backend (see the module docstring)."""
 
-    def __init__(self, backend: StreamBackend, plan: Plan, frame: list) -> None:
+    def __init__(self, backend: StreamBackend, plan: CompiledNet, frame: list) -> None:
         self.backend, self.plan, self.frame = backend, plan, frame
         self.events: list[Any] = [None] * len(plan.steps)  # the event after each step that ran on a stream
         self.streams: list[Any] = [None] * len(plan.steps)

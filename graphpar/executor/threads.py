@@ -6,7 +6,7 @@ machine the main job took 8x longer with the default). The engine owns the budge
 CPU kernels run with `intra_op_threads = max(1, budget // cpu_replicas)` threads, where `cpu_replicas`
 is the number of distinct CPU devices its ops run on, and the concurrent executor runs at most
 `budget // intra_op_threads` kernels at a time, so workers × intra-op threads never exceed the budget.
-A plan's second phase (its updates, `executor.plan.Plan`) counts only the CPU devices that own
+A plan's second phase (its updates, `executor.plan.CompiledNet`) counts only the CPU devices that own
 updates. Every executor runs a plan with the same intra-op thread counts, so their results are
 bit-identical (reductions split across a different number of threads round differently).
 

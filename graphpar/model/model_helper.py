@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphpar.core.ir import BlobReference, GradientSlice, NetDef
+from graphpar.core.ir import BlobReference, DataType, GradientSlice, NetDef
 from graphpar.core.net import Net
 from graphpar.core.schema import get_schema
 from graphpar.core.scope import CurrentNameScope
@@ -102,8 +102,6 @@ class ParameterInfo:
         param with a float32 master (PseudoFP16Initializer), else None."""
         if not isinstance(self.initializer, PseudoFP16Initializer):
             return None
-        from graphpar.ops.fill import DataType
-
         return {DataType.FLOAT: fp32_master_name(self.name)}
 
 

@@ -20,30 +20,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from enum import IntEnum
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from graphpar.core.ir import DataType
 from graphpar.core.schema import NO_GRADIENT, Arg, KernelContext, TensorSpec, Trait, register_op
 from graphpar.ops.common import op_label
-
-
-class DataType(IntEnum):
-    """Caffe2's TensorProto.DataType codes that have a torch dtype."""
-
-    FLOAT = 1
-    INT32 = 2
-    BYTE = 3
-    BOOL = 5
-    UINT8 = 6
-    INT8 = 7
-    INT16 = 9
-    INT64 = 10
-    FLOAT16 = 12
-    DOUBLE = 13
-
 
 _CODES = {
     DataType.FLOAT: torch.float32, DataType.INT32: torch.int32, DataType.BYTE: torch.uint8,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from graphpar.core.graph import blob_devices
-from graphpar.executor import Plan, Step, compile_net, get_executor
+from graphpar.executor import CompiledNet, Step, compile_net, get_executor
 from graphpar.platform.devices import torch_device
 from graphpar.runtime.visualize import device_label
 from graphpar.runtime.workspace import Workspace, _as_netdef, get_workspace
@@ -167,7 +167,7 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
     return Profile(netdef.name, num_iter, records, wall_ms)
 
 
-def _plan_of(net_or_name: Any, ws: Workspace) -> Plan:
+def _plan_of(net_or_name: Any, ws: Workspace) -> CompiledNet:
     if isinstance(net_or_name, str):
         plan = ws.nets.get(net_or_name)
         if plan is None:
@@ -178,7 +178,7 @@ def _plan_of(net_or_name: Any, ws: Workspace) -> Plan:
     return compile_net(_as_netdef(net_or_name), ws)
 
 
-def _synchronizer(plan: Plan) -> Callable[[], None]:
+def _synchronizer(plan: CompiledNet) -> Callable[[], None]:
     """A function that waits for every CUDA device the plan's ops or blobs live on (a no-op on CPU)."""
     netdef = plan.netdef
     options = {netdef.op_device(op) for op in netdef.ops} | set(blob_devices(netdef).values())

@@ -30,6 +30,10 @@ Text blobs, as in Caffe2: `bytes`, `str` and numpy arrays of strings (or of byte
 as host objects in `Workspace.objects` and fetched back as fed; no operator reads them. `CreateBlob`
 makes a blob that exists but holds nothing yet (it counts as present when a net is created).
 
+Caffe2's execution plans (RunPlan), immediate mode, `Predictor` and its other functions that are not
+about the workspace itself live in `graphpar.caffe2` (`run_plan`, `immediate`, `workspace_extras`);
+this module gives them under their Caffe2 names.
+
 Extras beyond Caffe2: `SetSeed(seed)` re-seeds the current workspace's random streams; `Workspaces()`
 lists the workspaces; `get_workspace(name=None)` returns a `Workspace` object; `blobs` is a
 dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v` feeds,
@@ -39,25 +43,21 @@ dict-like view of the current workspace (`blobs[name]` fetches, `blobs[name] = v
 from __future__ import annotations
 
 import difflib
-import logging
+import importlib
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-from graphpar.core import net as core_net
-from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
+from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef, proto_converter
 from graphpar.core.naming import ALIASED_STATE_ARG
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.errors import MissingBlobError
-from graphpar.executor import Plan, compile_net, get_executor
+from graphpar.executor import CompiledNet, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
 from graphpar.platform.devices import (
     can_access_peer,
@@ -77,7 +77,7 @@ class Workspace:
         self.name = name
         self.blobs: dict[str, torch.Tensor] = {}
         self.objects: dict[str, Any] = {}  # blobs that are not tensors: text, or None (CreateBlob)
-        self.nets: dict[str, Plan] = {}
+        self.nets: dict[str, CompiledNet] = {}
         self.seed = _check_seed(seed)
         self.keep_all = os.environ.get("GRAPHPAR_KEEP_ALL", "") not in ("", "0")  # see executor.frame
         self._compiles = 0  # plans compiled since the streams were last restarted
@@ -239,7 +239,7 @@ class Workspace:
         del self.blobs[key]
         self.loaded.pop(key, None)
 
-    def create_net(self, net: Any, overwrite: bool = False) -> Plan:
+    def create_net(self, net: Any, overwrite: bool = False) -> CompiledNet:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
 
         Raises:
@@ -301,12 +301,12 @@ class Workspace:
             if self.loaded:
                 self._mark_used(plan)
 
-    def _check_load_order(self, plan: Plan) -> None:
+    def _check_load_order(self, plan: CompiledNet) -> None:
         """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
         reads = {load.name for load in plan.frame.loads} | set(plan.netdef.args.get(ALIASED_STATE_ARG, ()))
         check_run(plan.name, reads, [name for name in plan.frame.names if name not in reads], self.loaded)
 
-    def _mark_used(self, plan: Plan) -> None:
+    def _mark_used(self, plan: CompiledNet) -> None:
         """After a successful run: the loaded blobs it read or wrote are in use."""
         for name in plan.frame.names:
             self.loaded.pop(name, None)
@@ -359,9 +359,7 @@ def _as_netdef(net: Any) -> NetDef:
 
 def _from_caffe2(message: Any, kind: str) -> Any:
     """A graphpar NetDef/OperatorDef from a caffe2_pb2 message or its bytes (needs protobuf)."""
-    from graphpar.proto.convert import from_proto
-
-    return from_proto(message, kind)
+    return proto_converter().from_proto(message, kind)
 
 
 def _feed_device_option(name: str, device_option: DeviceOption | None) -> DeviceOption:
@@ -560,16 +558,6 @@ has_gpu_support = has_cuda_support = torch.cuda.is_available()
 has_hip_support = False
 
 
-def NumGpuDevices() -> int:  # noqa: N802
-    """Caffe2's name for NumCudaDevices."""
-    return num_cuda_devices()
-
-
-def IsGPUDeviceType(device_type: int) -> bool:  # noqa: N802
-    """Whether `device_type` is the GPU type (CUDA)."""
-    return device_type == GpuDeviceType
-
-
 def GetGpuPeerAccessPattern(num_devices: int | None = None) -> np.ndarray:  # noqa: N802
     """A [n, n] bool matrix: whether GPU i can access GPU j's memory directly (empty without GPUs).
 
@@ -602,135 +590,11 @@ def GetBlobSizeBytes(name: str) -> int:  # noqa: N802
     return tensor.numel() * tensor.element_size()
 
 
-def FetchTorch(name: str) -> torch.Tensor:  # noqa: N802
-    """Caffe2's name for FetchTensor: the live torch tensor of blob `name`."""
-    return get_workspace().fetch_tensor(name)
-
-
-def FetchBlobs(names: list[str]) -> list[np.ndarray]:  # noqa: N802
-    """FetchBlob for each name, in order."""
-    return [FetchBlob(name) for name in names]
-
-
 def CreateBlob(name: str) -> bool:  # noqa: N802
     """Create blob `name`, holding nothing, if it does not exist (as Caffe2); returns True. Nets may
     be created that read it; feed it before they run."""
     get_workspace().create_blob(name)
     return True
-
-
-def RunOperatorsOnce(ops: list[OperatorDef]) -> bool:  # noqa: N802
-    """RunOperatorOnce for each op, in order; returns True."""
-    for op in ops:
-        RunOperatorOnce(op)
-    return True
-
-
-def StringifyBlobName(name: str) -> str:  # noqa: N802
-    """The blob name as a str (BlobReference or str)."""
-    return str(name)
-
-
-def StringifyNetName(net: Any) -> str:  # noqa: N802
-    """The name of a Net, NetDef or str."""
-    return net if isinstance(net, str) else _as_netdef(net).name
-
-
-def GetNameScope() -> str:  # noqa: N802
-    """The current NameScope ('gpu_0/' inside NameScope('gpu_0'))."""
-    from graphpar.core.scope import CurrentNameScope
-
-    return CurrentNameScope()
-
-
-def StringifyProto(obj: Any) -> str | bytes:  # noqa: N802
-    """A str or bytes as is; a Net, NetDef or OperatorDef (or a caffe2_pb2 message) serialized in Caffe2's
-    wire format, as Caffe2's `SerializeToString()` (needs protobuf)."""
-    if isinstance(obj, (str, bytes)):
-        return obj
-    if hasattr(obj, "Proto"):
-        obj = obj.Proto()
-    if not hasattr(obj, "SerializeToString"):
-        raise ValueError(f"Unexpected argument to StringifyProto of type {type(obj).__name__}")
-    return obj.SerializeToString()
-
-
-def RunPlan(plan_or_step: Any) -> bool:  # noqa: N802
-    """Run a Caffe2 execution plan in the current workspace: a core.Plan or ExecutionStep, a
-    caffe2_pb2.PlanDef, or its serialized bytes (needs protobuf). Each step runs its networks, then its
-    sub-steps, `num_iter` times (once if unset); returns True. Raises NotImplementedError for the
-    step features graphpar does not run (stop criteria, report nets, concurrent sub-steps)."""
-    from graphpar.core.plan import ExecutionStep, Plan
-    from graphpar.proto import caffe2_pb2
-
-    if isinstance(plan_or_step, ExecutionStep):
-        plan_or_step = Plan(plan_or_step)
-    if isinstance(plan_or_step, Plan):
-        plan_or_step = plan_or_step.Proto()
-    plan = caffe2_pb2.PlanDef.FromString(plan_or_step) if isinstance(plan_or_step, (bytes, bytearray)) \
-        else plan_or_step
-    nets = {net.name: _as_netdef(net) for net in plan.network}
-    ws = get_workspace()
-
-    def run(step: Any) -> None:
-        unsupported = [f for f in ("criteria_network", "report_net", "should_stop_blob", "concurrent_substeps",
-                                   "run_every_ms", "create_workspace", "only_once") if step.HasField(f)]
-        if unsupported:
-            raise NotImplementedError(f"RunPlan: step {step.name!r} uses {unsupported}, which graphpar does "
-                                      f"not run; loop over RunNet in Python instead")
-        for _ in range(step.num_iter if step.HasField("num_iter") else 1):
-            for name in step.network:
-                if name not in ws.nets:
-                    ws.create_net(nets[name])
-                ws.run_net(name)
-            for sub in step.substep:
-                run(sub)
-
-    for step in plan.execution_step:
-        run(step)
-    return True
-
-
-class _BackgroundPlan:
-    """RunPlanInBackground's handle: `is_done()`, `is_succeeded()` and `wait()`."""
-
-    def __init__(self, plan: Any) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(plan, CurrentWorkspace()), daemon=True)
-        self._thread.start()
-
-    def _run(self, plan: Any, workspace_name: str) -> None:
-        try:
-            with WorkspaceGuard(workspace_name):
-                RunPlan(plan)
-        except BaseException as exc:  # noqa: BLE001 - reported through is_succeeded
-            self._error = exc
-
-    def is_done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def is_succeeded(self) -> bool:
-        return self.is_done() and self._error is None
-
-    def wait(self) -> None:
-        """Block until the plan has run; re-raise its error, if any."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def RunPlanInBackground(plan_or_step: Any) -> _BackgroundPlan:  # noqa: N802
-    """RunPlan on a background thread; returns a handle with is_done() / is_succeeded()."""
-    return _BackgroundPlan(plan_or_step)
-
-
-_IMMEDIATE = "_CAFFE2_IMMEDIATE"  # Caffe2's name of the immediate-mode workspace
-_immediate_root_folder = ""
-
-
-def IsImmediate() -> bool:  # noqa: N802
-    """Whether immediate mode is on (StartImmediate)."""
-    return core_net.on_record is not None
 
 
 @contextmanager
@@ -744,103 +608,28 @@ def WorkspaceGuard(workspace_name: str) -> Iterator[None]:  # noqa: N802
         SwitchWorkspace(current)
 
 
-def StartImmediate(i_know: bool = False) -> None:  # noqa: N802
-    """Caffe2's immediate mode, a debugging aid: from now on every op recorded into any Net also runs at
-    once in the separate workspace `_CAFFE2_IMMEDIATE` (read it with FetchImmediate/ImmediateBlobs). Slow;
-    `i_know=True` skips the warning."""
-    global _immediate_root_folder
-    StopImmediate()
-    with WorkspaceGuard(_IMMEDIATE):
-        _immediate_root_folder = tempfile.mkdtemp()
-        ResetWorkspace(_immediate_root_folder)
-    core_net.on_record = RunOperatorImmediate
-    if not i_know:
-        logging.getLogger(__name__).warning("immediate mode: every recorded op runs at once (slow, for "
-                                            "debugging); StopImmediate() ends it")
+# The rest of Caffe2's workspace module lives in graphpar/caffe2/ (modules that import this one), so
+# `workspace.RunPlan(...)` and the others below load their module on first use.
+_CAFFE2_NAMES = {
+    "run_plan": ("RunPlan", "RunPlanInBackground"),
+    "immediate": ("IsImmediate", "StartImmediate", "StopImmediate", "RunOperatorImmediate", "ImmediateBlobs",
+                  "FetchImmediate", "FeedImmediate"),
+    "workspace_extras": ("NumGpuDevices", "IsGPUDeviceType", "FetchTorch", "FetchBlobs", "RunOperatorsOnce",
+                         "StringifyBlobName", "StringifyNetName", "GetNameScope", "StringifyProto", "Predictor",
+                         "RunOperatorMultiple", "C", "GlobalInit"),
+}
+_CAFFE2_HOME = {name: module for module, names in _CAFFE2_NAMES.items() for name in names}
 
 
-def StopImmediate() -> None:  # noqa: N802
-    """End immediate mode: empty its workspace and delete its root folder."""
-    global _immediate_root_folder
-    if not IsImmediate():
-        return
-    core_net.on_record = None
-    with WorkspaceGuard(_IMMEDIATE):
-        ResetWorkspace()
-    shutil.rmtree(_immediate_root_folder, ignore_errors=True)
-    _immediate_root_folder = ""
+def __getattr__(name: str) -> Any:
+    """A Caffe2 function kept in `graphpar.caffe2` (`_CAFFE2_NAMES`)."""
+    if name not in _CAFFE2_HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"graphpar.caffe2.{_CAFFE2_HOME[name]}"), name)
 
 
-def RunOperatorImmediate(op: OperatorDef) -> None:  # noqa: N802
-    """Run `op` once in the immediate-mode workspace."""
-    with WorkspaceGuard(_IMMEDIATE):
-        RunOperatorOnce(op)
-
-
-def ImmediateBlobs() -> list[str]:  # noqa: N802
-    """The blob names of the immediate-mode workspace."""
-    with WorkspaceGuard(_IMMEDIATE):
-        return Blobs()
-
-
-def FetchImmediate(name: str) -> np.ndarray:  # noqa: N802
-    """FetchBlob in the immediate-mode workspace."""
-    with WorkspaceGuard(_IMMEDIATE):
-        return FetchBlob(name)
-
-
-def FeedImmediate(name: str, value: Any, device_option: DeviceOption | None = None) -> bool:  # noqa: N802
-    """FeedBlob in the immediate-mode workspace."""
-    with WorkspaceGuard(_IMMEDIATE):
-        return FeedBlob(name, value, device_option)
-
-
-class Predictor:
-    """Caffe2's `workspace.Predictor(init_net, predict_net)`: a private workspace where `init_net` has run;
-    `run(inputs)` feeds the predict net's external inputs that the init net did not create (a list in
-    their order, or a {name: value} dict), runs it and returns its external outputs as numpy arrays.
-    Either net may be a Net, NetDef, caffe2_pb2.NetDef or its serialized bytes."""
-
-    _count = 0
-
-    def __init__(self, init_net: Any, predict_net: Any) -> None:
-        Predictor._count += 1
-        self._ws = Workspace(f"Predictor#{Predictor._count}")
-        self._net = _as_netdef(predict_net)
-        self._ws.run_net_once(_as_netdef(init_net))
-        self.input_names = [b for b in self._net.external_inputs if not self._ws.has_blob(b)]
-        self.output_names = list(self._net.external_outputs)
-
-    def run(self, inputs: list | dict) -> list[np.ndarray]:
-        """The external outputs after one run on `inputs`. Raises ValueError for a wrong input count."""
-        if not isinstance(inputs, dict):
-            if len(inputs) != len(self.input_names):
-                raise ValueError(f"Predictor.run: expected {len(self.input_names)} inputs "
-                                 f"{self.input_names}, got {len(inputs)}")
-            inputs = dict(zip(self.input_names, inputs))
-        for name, value in inputs.items():
-            self._ws.feed_blob(name, value)
-        self._ws.run_net_once(self._net)
-        return [self._ws.fetch_blob(name) for name in self.output_names]
-
-
-def RunOperatorMultiple(op: OperatorDef, num_runs: int) -> bool:  # noqa: N802
-    """Run one OperatorDef `num_runs` times; returns True."""
-    for _ in range(num_runs):
-        RunOperatorOnce(op)
-    return True
-
-
-# Caffe2's C++ binding module, as far as its Python tests read it (build flags). graphpar has no C++
-# Workspace/Blob/Tensor objects: use this module's functions (docs/caffe2_tests.md).
-C = SimpleNamespace(use_mkldnn=False, use_ideep=False, has_mkldnn=False, is_asan=False)
-
-
-def GlobalInit(args: list[str]) -> bool:  # noqa: N802
-    """Accept Caffe2's process flags (`--caffe2_log_level=...`); graphpar has none, so they are logged."""
-    if args[1:]:
-        logging.getLogger(__name__).info("GlobalInit: Caffe2 flags have no effect here: %s", args[1:])
-    return True
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_CAFFE2_HOME])
 
 
 def SetSeed(seed: int) -> None:  # noqa: N802

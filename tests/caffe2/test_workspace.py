@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graphpar import brew, core, model_helper, workspace
+from graphpar.caffe2 import immediate
 
 
 def _fill_net() -> core.Net:
@@ -134,7 +135,7 @@ def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
 def test_immediate_mode_runs_recorded_ops_in_their_own_workspace() -> None:
     workspace.StartImmediate(i_know=True)
     try:
-        root = workspace._immediate_root_folder
+        root = immediate._immediate_root_folder
         assert workspace.IsImmediate() and os.path.isdir(root)
         net = core.Net("immediate")
         net.ConstantFill([], "filled", shape=[2], value=3.0)
@@ -171,3 +172,13 @@ def test_plans_run_steps_and_substeps_num_iter_times() -> None:
     with_criteria.execution_step[0].should_stop_blob = "stop"
     with pytest.raises(NotImplementedError, match="should_stop_blob"):
         workspace.RunPlan(with_criteria)
+
+
+def test_caffe2_only_functions_live_in_graphpar_caffe2_and_workspace_gives_them() -> None:
+    from graphpar.caffe2 import run_plan, workspace_extras
+
+    assert workspace.RunPlan is run_plan.RunPlan and workspace.StartImmediate is immediate.StartImmediate
+    assert workspace.Predictor is workspace_extras.Predictor and workspace.GlobalInit is workspace_extras.GlobalInit
+    assert {"RunPlan", "FeedImmediate", "StringifyProto", "FeedBlob"} <= set(dir(workspace))
+    with pytest.raises(AttributeError, match="no attribute 'RunPlans'"):
+        workspace.RunPlans  # noqa: B018

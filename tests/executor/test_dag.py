@@ -233,7 +233,7 @@ def test_a_failed_first_run_stays_serial_until_one_completes():
 
 
 def test_run_time_state_lives_in_the_runtime_not_the_plan():
-    """The Plan is never changed by a run: programs, schedules, verified state and run counts are its
+    """The CompiledNet is never changed by a run: programs, schedules, verified state and run counts are its
     Runtime's, and a copy of the plan (`with_steps`) starts with a fresh runtime."""
     workspace.FeedBlob("x", np.ones(2, np.float32))
     net = NetDef("runtime_state", [OperatorDef("Scale", ["x"], ["y"], {"scale": 2.0})], type="dag")

@@ -13,7 +13,7 @@ from graphpar.core import Net, NetDef, OperatorDef
 from graphpar.executor import get_executor, net_types, register_executor
 from graphpar.executor import registry as executor_registry
 from graphpar.executor.frame import commit, open_frame
-from graphpar.executor.plan import Plan
+from graphpar.executor.plan import CompiledNet
 from graphpar.executor.simple import SimpleExecutor
 
 
@@ -24,7 +24,7 @@ class ShuffledExecutor:
         self.rng = random.Random(seed)
         self.orders: list[list[int]] = []
 
-    def run(self, plan: Plan, blobs: dict[str, torch.Tensor]) -> None:
+    def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         frame = open_frame(plan, blobs)
         done: set[int] = set()
         order: list[int] = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphpar.caffe2.proto import caffe2_pb2 as pb
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
-from graphpar.proto import caffe2_pb2 as pb
 
 
 def to_proto(obj: Any) -> Any:

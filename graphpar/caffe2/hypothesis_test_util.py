@@ -8,7 +8,8 @@ import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
 
-from graphpar import core, test_util, workspace
+from graphpar import core, workspace
+from graphpar.caffe2 import test_util
 
 cpu_do = core.DeviceOption(core.CPU)
 gpu_do = core.DeviceOption(core.CUDA)

@@ -46,7 +46,7 @@ class ExecutionStep:
 
     def Proto(self) -> Any:  # noqa: N802
         """A caffe2_pb2.ExecutionStep (needs protobuf)."""
-        from graphpar.proto import caffe2_pb2
+        from graphpar.caffe2.proto import caffe2_pb2
 
         step = caffe2_pb2.ExecutionStep(name=self._name, network=[n.Name() for n in self._nets])
         if self._num_iter is not None:
@@ -85,8 +85,8 @@ class Plan:
 
     def Proto(self) -> Any:  # noqa: N802
         """A caffe2_pb2.PlanDef holding its nets and steps (needs protobuf)."""
-        from graphpar.proto import caffe2_pb2
-        from graphpar.proto.convert import to_proto
+        from graphpar.caffe2.proto import caffe2_pb2
+        from graphpar.caffe2.proto.convert import to_proto
 
         plan = caffe2_pb2.PlanDef(name=self._name)
         plan.network.extend(to_proto(net.Proto()) for net in self.Nets())

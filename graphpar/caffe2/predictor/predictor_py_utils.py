@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from graphpar.caffe2.predictor.predictor_exporter import MetaNetDef
 from graphpar.core.ir import NetDef
-from graphpar.predictor.predictor_exporter import MetaNetDef
 
 
 def GetNet(meta_net_def: MetaNetDef, key: str) -> NetDef:  # noqa: N802 - Caffe2's name
