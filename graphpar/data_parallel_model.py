@@ -62,13 +62,13 @@ from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
-from graphpar.passes.loss_scale import LossScale, check_loss_scale
 from graphpar.passes.memonger import optimize_memory
+from graphpar.passes.options import LossScale, ParallelizeOptions, check_loss_scale
 from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.precision import check_compute_dtype
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
-from graphpar.passes.state import ParallelizeOptions, ParallelState
+from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
     checkpoint_sync_names,
