@@ -4,16 +4,17 @@ Every pass is a function `pass_(state: ParallelState) -> None` that edits the mo
 state in place, with a docstring stating what it needs and what it guarantees; a `Pass` entry gives
 it a name and the condition under which it runs. Adding a pass is one line in `PIPELINE`.
 
-The runner can check and dump the nets after each pass: set `GRAPHPAR_CHECK_PASSES=1` to validate
-every net against the schemas after each pass (the test suite always does; an error names the pass),
-and `GRAPHPAR_DUMP_PASSES=<dir>` to write each net after each pass to `<dir>/<k>_<pass>_<net>.txt`.
+How the runner runs them is the current `PassContext` (TVM's): `with PassContext(check=True):
+Parallelize(...)` validates every net against the schemas after each pass (the test suite always
+does; an error names the pass), `dump_dir=<dir>` writes each net after each pass to
+`<dir>/<k>_<pass>_<net>.txt`, `disabled={"name", ...}` skips passes by name.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphpar.core.ir import CPU, CUDA
@@ -142,23 +143,74 @@ PIPELINE: tuple[Pass, ...] = (
 )
 
 
-def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None) -> None:
-    """Apply each pass of `pipeline` (default `PIPELINE`) whose condition holds, in order; check and
-    dump the nets after each if asked.
+@dataclass(frozen=True)
+class PassContext:
+    """How `run_pipeline` runs its passes: a context manager (the innermost `with` holds, process-wide)
+    or an argument of `run_pipeline`.
 
-    Raises whatever a pass raises; with checking on, a ValueError/TypeError naming the pass whose
-    output breaks a net's structure or a schema.
+    Args:
+        check: validate every net (structure and schemas) after every pass that ran; the error names
+            the pass.
+        dump_dir: write every net after every pass that ran to `<dump_dir>/<k>_<pass>_<net>.txt`.
+        disabled: names of passes not to run, whatever their condition says (to bisect a problem; a
+            pass that later passes rely on makes them fail). A name that is not a pass of the pipeline
+            raises ValueError before any pass runs.
+
+    Outside every `with`, the default context holds: `check` is on when the environment variable
+    `GRAPHPAR_CHECK_PASSES` was set (not to 0) when graphpar was imported, and `dump_dir` is
+    `GRAPHPAR_DUMP_PASSES`.
     """
-    check = os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0")
-    dump = os.environ.get("GRAPHPAR_DUMP_PASSES") or None
-    for k, entry in enumerate(PIPELINE if pipeline is None else pipeline):
-        if not entry.when(state):
+
+    check: bool = False
+    dump_dir: str | os.PathLike[str] | None = None
+    disabled: frozenset[str] = field(default=frozenset())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.disabled, str):
+            raise TypeError(f"PassContext: disabled must be a collection of pass names, got {self.disabled!r}")
+        object.__setattr__(self, "disabled", frozenset(self.disabled))
+
+    def __enter__(self) -> PassContext:
+        _CONTEXTS.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CONTEXTS.remove(self)
+
+    @staticmethod
+    def current() -> PassContext:
+        """The innermost context entered, else the default one."""
+        return _CONTEXTS[-1]
+
+
+_CONTEXTS = [PassContext(check=os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0"),
+                         dump_dir=os.environ.get("GRAPHPAR_DUMP_PASSES") or None)]
+
+
+def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None,
+                 context: PassContext | None = None) -> None:
+    """Apply each pass of `pipeline` (default `PIPELINE`) whose condition holds and that `context`
+    (default `PassContext.current()`) does not disable, in order; check and dump the nets after each
+    if the context asks.
+
+    Raises whatever a pass raises; ValueError for a disabled name that is not a pass of `pipeline`;
+    with checking on, a ValueError/TypeError naming the pass whose output breaks a net's structure or
+    a schema.
+    """
+    passes = PIPELINE if pipeline is None else pipeline
+    context = PassContext.current() if context is None else context
+    unknown = sorted(context.disabled - {entry.name for entry in passes})
+    if unknown:
+        raise ValueError(f"PassContext: disabled passes {unknown} are not in the pipeline; its passes are "
+                         f"{[entry.name for entry in passes]}")
+    for k, entry in enumerate(passes):
+        if entry.name in context.disabled or not entry.when(state):
             continue
         entry.run(state)
-        if check:
+        if context.check:
             check_nets(state, entry.name)
-        if dump:
-            dump_nets(state, f"{k:02d}_{entry.name}", Path(dump))
+        if context.dump_dir is not None:
+            dump_nets(state, f"{k:02d}_{entry.name}", Path(context.dump_dir))
 
 
 def check_nets(state: ParallelState, pass_name: str) -> None:
