@@ -2,7 +2,8 @@
 
 Every pass is a function `pass_(state: ParallelState) -> None` that edits the model, its nets and the
 state in place, with a docstring stating what it needs and what it guarantees; a `Pass` entry gives
-it a name and the condition under which it runs. Adding a pass is one line in `PIPELINE`.
+it a name and the condition under which it runs. `PIPELINE` strings the stages (named tuples of
+entries) together; adding a pass is one line in its stage.
 
 How the runner runs them is the current `PassContext` (TVM's): `with PassContext(check=True):
 Parallelize(...)` validates every net against the schemas after each pass (the test suite always
@@ -13,7 +14,7 @@ does; an error names the pass), `dump_dir=<dir>` writes each net after each pass
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,23 +95,35 @@ def _computed_params_sync(state: ParallelState) -> bool:
     return options.average_computed_params or options.broadcast_computed_params
 
 
-PIPELINE: tuple[Pass, ...] = (
+# The stages, in Caffe2's order. Each is a named tuple of passes, so a pipeline that differs (BMUF's)
+# is written as its edits of PIPELINE (`edited`) rather than as a copy.
+
+SETUP = (
     Pass("configure_train_net", finish.configure_train_net),
     Pass("build_replicas", builders.build_replicas),
     Pass("validate_params", analyze.validate_params),
     Pass("group_params", group_by_device.group_params),
+)
+FORWARD_REWRITES = (
     Pass("transform_before_gradients", builders.transform_before_gradients, _given("pre_grad_net_transformer_fun")),
     Pass("mixed_precision", precision.mixed_precision, _given("compute_dtype")),
     Pass("keep_channels_last", channels_last.keep_channels_last, lambda s: s.options.channels_last),
     Pass("check_finite_losses", check_losses.check_finite_losses, _option("check_finite_loss")),
+)
+GRADIENTS = (
     Pass("add_gradients", loss_gradients.add_gradients, training),
     Pass("transform_nets", builders.transform_nets, _given("net_transformer_fun")),
-    # forward-only models stop here: devices, the cross-replica check, net lists
+)
+FORWARD_ONLY = (  # forward-only models stop here: devices, the cross-replica check, net lists
     Pass("infer_devices_forward_only", analyze.infer_devices, forward_only),
     Pass("analyze_forward_only", analyze.analyze, forward_only),
     Pass("forward_only_sync_names", sync.forward_only_sync_names, forward_only),
+)
+BATCH_NORM = (
     Pass("interleave", interleave.interleave, _option("combine_spatial_bn")),
     Pass("combine_batch_norm", inter_device_bn.combine_batch_norm, _option("combine_spatial_bn")),
+)
+REDUCE_GRADIENTS = (  # every replica ends up with the same gradients (and computed params)
     Pass("validate_params_again", analyze.validate_params, training),
     Pass("group_gradients", group_by_device.group_gradients, training),
     Pass("infer_devices", analyze.infer_devices, training),
@@ -123,15 +136,21 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("cast_gradients_up", precision.cast_gradients_up, _option("allreduce_dtype")),
     Pass("prune_shared_params", shared_model.prune_shared_params, _option("shared_model")),
     Pass("unscale_gradients", loss_scale.unscale_gradients, _option("loss_scale", lambda s: s is not None)),
+)
+UPDATES = (
     Pass("build_updates", builders.build_updates, training),
     Pass("grow_loss_scale", loss_scale.grow_loss_scale, _option("loss_scale", lambda s: s is not None and s.dynamic)),
     Pass("fuse_updates", fuse_updates.fuse_updates, lambda s: s.training and s.layout.device_type == CUDA),
+)
+INITIAL_SYNC = (
     Pass("compute_sync_blobs", sync.compute_sync_blobs, training),
     Pass("infer_devices_after_updates", analyze.infer_devices, training),
     Pass("analyze", analyze.analyze, training),
     Pass("mark_first_iteration_serial", finish.mark_first_iteration_serial, training),
     Pass("initial_sync", sync.initial_sync, training),
     Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
+)
+FINISH = (
     Pass("share_gradient_memory", memonger.share_gradient_memory, _option("optimize_gradient_memory")),
     Pass("update_once_on_cpu", cpu_update_once.update_once, _update_once),
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
@@ -141,6 +160,21 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),
 )
+PIPELINE: tuple[Pass, ...] = (*SETUP, *FORWARD_REWRITES, *GRADIENTS, *FORWARD_ONLY, *BATCH_NORM, *REDUCE_GRADIENTS,
+                              *UPDATES, *INITIAL_SYNC, *FINISH)
+
+
+def edited(pipeline: Sequence[Pass], remove: Iterable[str] = (),
+           replace: Mapping[str, Pass] | None = None) -> tuple[Pass, ...]:
+    """`pipeline` without the passes named in `remove` and with those named in `replace` swapped, in
+    place, for the given entries. ValueError for a name that is not a pass of `pipeline`."""
+    replace = dict(replace or {})
+    names = [entry.name for entry in pipeline]
+    unknown = sorted({*remove, *replace} - set(names))
+    if unknown:
+        raise ValueError(f"passes {unknown} are not in the pipeline; its passes are {names}")
+    dropped = set(remove)
+    return tuple(replace.get(entry.name, entry) for entry in pipeline if entry.name not in dropped)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from graphpar.core.schema import Trait, has_trait, registered_types
 from graphpar.devices import cuda_on_cpu
 from graphpar.models import mlp
 from graphpar.passes import analyze, pipeline
-from graphpar.passes.pipeline import PIPELINE, Pass, PassContext
+from graphpar.passes.bmuf import bmuf_pipeline
+from graphpar.passes.pipeline import PIPELINE, REDUCE_GRADIENTS, Pass, PassContext, edited
 from graphpar.passes.state import ParallelState
 from graphpar.visualize import op_kind
 from tests.fake_gpus import fake_gpus
@@ -107,6 +108,19 @@ def test_a_disabled_pass_does_not_run_and_an_unknown_name_changes_nothing():
                         forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2),
                         devices=[0, 1], cpu_device=True)
     assert model._parallel is None and model.net.Proto().ops == []
+
+
+def test_the_bmuf_pipeline_is_the_standard_one_with_its_own_entries():
+    bmuf = bmuf_pipeline(None)  # type: ignore[arg-type] - the options are only read when global_nets runs
+    own = [entry.name for entry in bmuf if entry not in PIPELINE]
+    assert own == ["group_params", "initial_sync", "global_nets"]
+    assert {entry.name for entry in PIPELINE} - {entry.name for entry in bmuf} == {
+        *(entry.name for entry in REDUCE_GRADIENTS), "fuse_updates", "compute_sync_blobs",
+        "mark_first_iteration_serial", "set_net_lists"}
+    renamed = ["set_net_lists" if entry.name == "global_nets" else entry.name for entry in bmuf]
+    assert renamed == [entry.name for entry in PIPELINE if entry.name in renamed]  # the standard order
+    with pytest.raises(ValueError, match=r"passes \['nope'\] are not in the pipeline"):
+        edited(PIPELINE, remove=["nope"])
 
 
 def test_forward_only_models_skip_the_training_passes():
