@@ -132,7 +132,7 @@ def _bytes(name: str, low: int) -> Check:
 
 
 def _positive(name: str, unit: str) -> Check:
-    """A number (not a bool) > 0, as a float; None stays None."""
+    """A number (not a bool) > 0; None stays None."""
     def check(value: Any, caller: str) -> float | None:
         if value is None:
             return None
