@@ -35,6 +35,7 @@ import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -172,6 +173,7 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
                                options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        model._parallel_runs = RunState()
         run_pipeline(model._parallel)
     _log_built(model._parallel)
 
@@ -298,6 +300,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         reducer = reducers(layout, blob_to_device, use_nccl, _peer_access(layout))
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        model._parallel_runs = RunState()
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
     _log_built(model._parallel)
 
@@ -335,20 +338,19 @@ def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N8
         ParallelizeError: the model was not parallelized, or `timeout_sec` differs from the first call's.
         OperatorError: a shard did not arrive within `timeout_sec` (naming this shard and the barrier).
     """
-    state = _state_of(model)
-    rdv = state.options.rendezvous
+    rdv, runs = _state_of(model).options.rendezvous, _runs_of(model)
     if rdv is None or rdv.num_shards <= 1:
         return
-    if state.sync_barrier is None:
+    if runs.sync_barrier is None:
         init = barrier_net("sync_barrier_init", rdv, timeout_sec, store_of(rdv), world=SYNC_WORLD)
         net = NetDef("sync_barrier", [init.ops.pop()], [SYNC_WORLD])
         with distributed.creations_kept_on_error():  # a timed-out first call can be retried
             workspace.RunNetOnce(init)
-        state.sync_barrier = (timeout_sec, Net(net))
-    elif state.sync_barrier[0] != timeout_sec:
-        raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {state.sync_barrier[0]} "
+        runs.sync_barrier = (timeout_sec, Net(net))
+    elif runs.sync_barrier[0] != timeout_sec:
+        raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {runs.sync_barrier[0]} "
                                f"s, this one {timeout_sec} s)")
-    workspace.RunNetOnce(state.sync_barrier[1])
+    workspace.RunNetOnce(runs.sync_barrier[1])
 
 
 def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> None:  # noqa: N802
@@ -484,21 +486,31 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
         raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
                            f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
                            f"nets, which create the params, then creates the model's nets)")
-    if state.feeds is None:
-        state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
-                                  state.param_names)
-    state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
-    state.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
+    runs = _runs_of(model)
+    if runs.feeds is None:
+        runs.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
+                                 state.param_names)
+    runs.feeds.check(ws.blobs, f"RunNet({model.name!r})")
+    runs.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
             workspace.RunNet(net, count)
         else:
             for _ in range(count):
-                _run_loss_scaled(model, state, net)
-    state.feeds.remember(ws.blobs)
+                _run_loss_scaled(model, runs, net)
+    runs.feeds.remember(ws.blobs)
 
 
-def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None:
+def skipped_steps(model: ModelHelper) -> int:
+    """How many steps RunNet skipped on a gradient overflow (`loss_scale`; `passes.loss_scale`).
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    return _runs_of(model).skipped_steps
+
+
+def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
     overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
     shrinks it (`passes.loss_scale`)."""
@@ -508,7 +520,7 @@ def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
         log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
-        state.skipped_steps += 1
+        runs.skipped_steps += 1
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
@@ -586,7 +598,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         The model and workspace are left as they were when it raises.
     """
     state = _state_of(model)
-    net, layout = state.checkpoint_net, state.layout
+    net, layout = model._checkpoint_net, state.layout
     ws = workspace.get_workspace()
     grouped = dict(state.grouped)
     if net is None:
@@ -600,7 +612,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
             del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
         ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
         ws.run_net(net.Proto().name)
-    state.checkpoint_net = net
+    model._checkpoint_net = net
     state.grouped.update(grouped)
     log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
              len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
@@ -921,3 +933,18 @@ def _state_of(model: ModelHelper) -> ParallelState:
         raise ParallelizeError(f"model {getattr(model, 'name', model)!r} is not parallelized: call "
                                f"data_parallel_model.Parallelize first")
     return state
+
+
+@dataclass
+class RunState:
+    """What running a parallelized model builds and counts, apart from what the passes decided
+    (`ParallelState`): kept on the model as `model._parallel_runs`, made empty by Parallelize."""
+
+    feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
+    sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
+    skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+
+
+def _runs_of(model: ModelHelper) -> RunState:
+    _state_of(model)
+    return model._parallel_runs

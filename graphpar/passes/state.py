@@ -25,7 +25,8 @@ class ParallelState:
 
     `grouped` is Caffe2's `_device_grouped_blobs`: unscoped name -> {device id: blob}, for params,
     computed params, gradients and synced blobs. `blob_to_device` is updated in place (the reducer
-    reads it when it builds copies).
+    reads it when it builds copies). What running the model builds and counts (the fed-input check,
+    Synchronize's barrier, skipped steps) is not the passes' and lives in `data_parallel_model.RunState`.
     """
 
     model: Any  # the graphpar.model_helper.ModelHelper (the model layer sits above the passes)
@@ -44,12 +45,8 @@ class ParallelState:
     optimizer: Any = None
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
-    checkpoint_net: Any = None
-    feeds: Any = None  # the train net's graphpar.feeds.FeedTracker, made by the first RunNet
-    sync_barrier: Any = None  # Synchronize's (timeout, barrier Net) across shards, built on first use
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
-    skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
 
     @property
     def training(self) -> bool:
