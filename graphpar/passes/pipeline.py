@@ -2,8 +2,8 @@
 
 Every pass is a function `pass_(state: ParallelState) -> None` that edits the model, its nets and the
 state in place, with a docstring stating what it needs and what it guarantees; a `Pass` entry gives
-it a name and the condition under which it runs. `PIPELINE` strings the stages (named tuples of
-entries) together; adding a pass is one line in its stage.
+it a name and the condition under which it runs. `PIPELINE` strings the stages (tuples of entries,
+each under a name) together; adding a pass is one line in its stage.
 
 How the runner runs them is the current `PassContext` (TVM's): `with PassContext(check=True):
 Parallelize(...)` validates every net against the schemas after each pass (the test suite always
@@ -95,8 +95,8 @@ def _computed_params_sync(state: ParallelState) -> bool:
     return options.average_computed_params or options.broadcast_computed_params
 
 
-# The stages, in Caffe2's order. Each is a named tuple of passes, so a pipeline that differs (BMUF's)
-# is written as its edits of PIPELINE (`edited`) rather than as a copy.
+# The stages, in Caffe2's order: tuples of passes, each under a name, so that a pipeline that differs
+# (BMUF's) is written as its edits of PIPELINE (`edited`) rather than as a copy.
 
 SETUP = (
     Pass("configure_train_net", finish.configure_train_net),
@@ -209,7 +209,7 @@ class PassContext:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _CONTEXTS.remove(self)
+        _CONTEXTS.pop()  # `with` blocks nest: this context is the innermost
 
     @staticmethod
     def current() -> PassContext:
