@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -74,5 +75,12 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list:
         yield seen
 
 
-# Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline).
-os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
+@pytest.fixture(autouse=True, scope="session")
+def checked_passes() -> Iterator[None]:
+    """Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline); the
+    environment variable carries that into the processes tests start (launcher, example and multi-host runs)."""
+    from graphpar.passes.pipeline import PassContext
+
+    os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
+    with PassContext(check=True):
+        yield

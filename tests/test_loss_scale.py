@@ -220,7 +220,7 @@ def test_the_trainer_records_nothing_for_a_skipped_step():
     data[0]["data"] *= np.float32(1e4)  # its gradients, times 3e38, overflow
     trainer = Trainer(model, data, [LRScheduler()], max_iter=4)
     trainer.train()
-    assert model._parallel.skipped_steps == 1
+    assert dpm.skipped_steps(model) == 1
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 3
     assert [it for it, _ in trainer.storage.history["scaled_loss"]] == [1, 2, 3]
     assert len(trainer.storage.history["lr"]) == 3

@@ -61,7 +61,7 @@ def assert_same(before: dict, ignore: frozenset[str] = frozenset()) -> None:
 
 def model_state(model) -> tuple:
     state = model._parallel
-    return (repr(model.net.Proto()), repr(model.param_init_net.Proto()), state.checkpoint_net,
+    return (repr(model.net.Proto()), repr(model.param_init_net.Proto()), model._checkpoint_net,
             repr(state.grouped), list(state.sync_names))
 
 

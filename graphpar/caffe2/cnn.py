@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from graphpar import brew
 from graphpar.core.ir import BlobReference
-from graphpar.model_helper import ModelHelper
-from graphpar.optimizer import add_weight_decay
+from graphpar.model import brew
+from graphpar.model.model_helper import ModelHelper
+from graphpar.model.optimizer import add_weight_decay
 
 _log = logging.getLogger(__name__)
 

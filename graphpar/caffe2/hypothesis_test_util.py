@@ -8,8 +8,9 @@ import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
 
-from graphpar import core, workspace
+from graphpar import core
 from graphpar.caffe2 import test_util
+from graphpar.runtime import workspace
 
 cpu_do = core.DeviceOption(core.CPU)
 gpu_do = core.DeviceOption(core.CUDA)

@@ -12,7 +12,7 @@ import numpy as np
 
 from graphpar.core import net as core_net
 from graphpar.core.ir import DeviceOption, OperatorDef
-from graphpar.workspace import (
+from graphpar.runtime.workspace import (
     Blobs,
     FeedBlob,
     FetchBlob,

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from graphpar.caffe2.plan import ExecutionStep, Plan
-from graphpar.workspace import CurrentWorkspace, WorkspaceGuard, _as_netdef, get_workspace
+from graphpar.runtime.workspace import CurrentWorkspace, WorkspaceGuard, _as_netdef, get_workspace
 
 
 def RunPlan(plan_or_step: Any) -> bool:  # noqa: N802

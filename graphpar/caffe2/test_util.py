@@ -6,7 +6,7 @@ import unittest
 
 import numpy as np
 
-from graphpar import workspace
+from graphpar.runtime import workspace
 
 
 def rand_array(*dims: int) -> np.ndarray:

@@ -13,8 +13,8 @@ import torch
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.scope import CurrentNameScope
-from graphpar.devices import num_cuda_devices
-from graphpar.workspace import (
+from graphpar.platform.devices import num_cuda_devices
+from graphpar.runtime.workspace import (
     FetchBlob,
     GpuDeviceType,
     RunOperatorOnce,

@@ -182,6 +182,7 @@ class ModelHelper:
         self.gradient_ops_added = False
         self._input_casts: set[str] = set()  # casts of fed inputs (passes.precision): no gradient either
         self._parallel: ParallelState | None = None  # set by data_parallel_model.Parallelize
+        self._checkpoint_net: Net | None = None  # data_parallel_model.FinalizeAfterCheckpoint's, once built
         self._arg_scope: dict[str, Any] = {"order": "NCHW", **(arg_scope or {})}
 
     # Caffe2's private attributes of a parallelized model, read-only views of `self._parallel`.
@@ -202,8 +203,6 @@ class ModelHelper:
     _optimizer = _parallel_attribute(lambda s: s.optimizer, lambda: None, "optimizer_builder_fun's result.")
     _data_parallel_model_init_nets = _parallel_attribute(lambda s: s.init_nets, list, "What RunInitNet runs.")
     _data_parallel_model_nets = _parallel_attribute(lambda s: s.nets, list, "What RunNet runs.")
-    _checkpoint_net = _parallel_attribute(lambda s: s.checkpoint_net, lambda: None,
-                                          "FinalizeAfterCheckpoint's net, once built.")
 
     @property
     def arg_scope(self) -> dict[str, Any]:

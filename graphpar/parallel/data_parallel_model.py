@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import logging
 import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from graphpar.core.ir import CPU, CUDA, DeviceOption, DeviceType, NetDef
+from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef
 from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
@@ -51,14 +53,13 @@ from graphpar.passes.bmuf import bmuf_options, bmuf_pipeline
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
-from graphpar.passes.loss_scale import LossScale, check_loss_scale
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
+from graphpar.passes.options import ParallelizeOptions, args_doc, blob_names, checked, parameters
 from graphpar.passes.pipeline import run_pipeline
-from graphpar.passes.precision import check_compute_dtype
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
-from graphpar.passes.state import ParallelizeOptions, ParallelState
+from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
     checkpoint_sync_names,
@@ -93,158 +94,29 @@ log = logging.getLogger(__name__)
 Builder = Callable[[ModelHelper], Any]
 
 
-def Parallelize(  # noqa: N802 - Caffe2 name
-    model_helper_obj: ModelHelper,
-    input_builder_fun: Builder,
-    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
-    param_update_builder_fun: Builder | None = None,
-    optimizer_builder_fun: Builder | None = None,
-    post_sync_builder_fun: Builder | None = None,
-    pre_grad_net_transformer_fun: Builder | None = None,
-    net_transformer_fun: Callable[[ModelHelper, int, str, DeviceType], Any] | None = None,
-    devices: Iterable[int] | None = None,
-    rendezvous: dict | None = None,
-    net_type: str = "dag",
-    broadcast_computed_params: bool = True,
-    optimize_gradient_memory: bool = False,
-    dynamic_memory_management: bool = False,
-    blobs_to_keep: Iterable[str] | None = None,
-    use_nccl: bool = False,
-    max_concurrent_distributed_ops: int = 16,
-    cpu_device: bool = False,
-    ideep: bool = False,
-    num_threads_per_device: int = 4,
-    shared_model: bool = False,
-    combine_spatial_bn: bool | str = False,
-    barrier_net_timeout_sec: int = 300,
-    gradient_bucket_bytes: int | None = None,
-    first_bucket_bytes: int = 1024 * 1024,
-    bucket_cap_mb: float | None = None,
-    average_computed_params: bool = False,
-    uneven_batches: bool = False,
-    check_finite_loss: bool | None = None,
-    accumulate_gradients: int = 1,
-    cpu_update_once: bool = True,
-    cuda_graph: bool = False,
-    compute_dtype: str | None = None,
-    loss_scale: float | str | dict | LossScale | None = None,
-    channels_last: bool = False,
-    allreduce_dtype: str | None = None,
-) -> None:
+def _takes_the_options(fun: Callable[..., None]) -> Callable[..., None]:
+    """Give Parallelize the signature and the Args entries its options declare (`passes.options`)."""
+    fun.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
+    if fun.__doc__:  # None under python -OO
+        fun.__doc__ = fun.__doc__.replace("        <the options>\n", args_doc() + "\n")
+    return fun
+
+
+_SIGNATURE = inspect.Signature([inspect.Parameter("model_helper_obj", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                *parameters()])
+
+
+@_takes_the_options
+def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
+
+    The signature is Caffe2's, `Parallelize(model_helper_obj, input_builder_fun,
+    forward_pass_builder_fun, param_update_builder_fun=None, ..., barrier_net_timeout_sec=300)`, then
+    graphpar's own options; each option is declared in `graphpar.passes.options.ParallelizeOptions`.
 
     Args:
         model_helper_obj: the ModelHelper to fill (not parallelized before).
-        input_builder_fun: `f(model)`, per device, inside the device's scopes (may add nothing).
-        forward_pass_builder_fun: `f(model, loss_scale) -> [loss, ...]`, per device, scoped; the user
-            multiplies each loss by `loss_scale` = 1/len(devices). Training needs a list of BlobReferences.
-        param_update_builder_fun: `f(model)` per device, scoped: records that replica's updates.
-        optimizer_builder_fun: `f(model)` once, unscoped (e.g. `optimizer.build_sgd`); its result is
-            kept as `model._optimizer`. At most one of the two update builders; none = forward only.
-        post_sync_builder_fun: `f(model)` per device, scoped, after the initial sync was added.
-        pre_grad_net_transformer_fun: `f(model)` once, before the gradient ops are added.
-        net_transformer_fun: `f(model, num_devices, prefix, device_type)` exactly once, after the
-            gradient ops (train and test models alike).
-        devices: device ids (need not start at 0); default all CUDA devices, or `os.cpu_count()`
-            CPU devices with `cpu_device`.
-        net_type, num_threads_per_device: the train net's executor type and
-            `num_workers = len(devices) * num_threads_per_device`.
-        cuda_graph: capture the whole train step in a CUDA graph after warm-up and replay it on every
-            RunNet (net type "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).
-        broadcast_computed_params: copy computed params (BN running stats) from the first device to
-            the others every iteration.
-        average_computed_params: instead (whatever broadcast_computed_params says), replace every
-            replica's computed params by their mean over the replicas every iteration (all-reduce, then
-            Scale by 1/N), at the same place in the net. Off by default, as in Caffe2.
-        gradient_bucket_bytes: None (default): on real CUDA devices buckets of DDP's default 25 MiB
-            (`bucket_cap_mb=25`, the first bucket 1 MiB; each gradient on its own when a param's size
-            cannot be told), elsewhere (CPU devices, CUDA simulated on the CPU) each gradient on its
-            own; 0: each gradient on its own on CUDA too. An int >= 1 all-reduces them in buckets,
-            as PyTorch DDP does: in the same reverse creation order, the
-            gradients are packed into buckets of at most this many bytes (the first bucket of at most
-            `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
-            dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat),
-            the buffers are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and
-            reshaped back into the gradient blobs. Sizes come from shape inference on the ops of
-            param_init_net that create each param; a param whose size it cannot tell raises
-            ParallelizeError naming it. See `graphpar.passes.bucketing`.
-        first_bucket_bytes: the first bucket's limit (default 1 MiB, DDP's), an int >= 1, so the
-            first collective can start early; used only with buckets.
-        bucket_cap_mb: DDP's name for the bucket size, in MiB (a number > 0); instead of
-            gradient_bucket_bytes, not with it.
-        use_nccl: all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.
-        cpu_device: replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.
-        ideep: Caffe2's MKL-DNN CPU devices; here the same as `cpu_device=True` (torch's CPU kernels
-            use oneDNN themselves), replicas named `cpu_<id>`.
-        shared_model: CPU only: every replica reads the first device's params (one copy updated).
-        combine_spatial_bn: training batch norm uses the statistics of the whole global batch
-            (interleaved replicas, per-device sums and value counts all-reduced, so devices fed
-            batches of different sizes still get the whole batch's statistics); forward-only models
-            ignore it. "shard": the statistics of this shard's devices only (SyncBatchNorm with a
-            process group of one process), the gradients still all-reduced over every shard.
-        uneven_batches: allow `graphpar.data.feed` to give devices chunks of different sizes (a
-            batch that is not a multiple of the device count): each replica's loss gradient is
-            multiplied by its fed `_batch_weight` blob, N·n_d/n, so the gradients are those of the
-            whole batch. `feed` must then feed every step (the train net reads the blob).
-        accumulate_gradients: k >= 1 micro-batches per update (DDP's `no_sync`): `model._accumulate_net`
-            runs forward and backward and adds the gradients to running sums (no all-reduce); the
-            train net adds its own micro-batch, all-reduces the mean once and updates. Run the
-            accumulate net k - 1 times, then `RunNet` (engine.Trainer does); the same update as one
-            step on the k-times batch. See `graphpar.passes.accumulate`.
-        dynamic_memory_management: the train net frees every intermediate right after its last use
-            within a step and keeps only persistent blobs (params, optimizer state, fed inputs,
-            counters), each replica's losses and `blobs_to_keep` (see `graphpar.executor.frame`);
-            fetching a freed blob afterwards raises an error naming the option. Same results.
-        blobs_to_keep: unscoped names kept on every replica under dynamic_memory_management.
-        optimize_gradient_memory: each replica's gradient blobs whose lifetimes do not overlap share
-            one name (Caffe2's memonger, `passes.memonger`), so a step holds fewer of them; param
-            gradients are never shared. Same results; may be combined with dynamic_memory_management
-            (Caffe2 refused the combination).
-        cpu_update_once: (default on) CPU replicas of one process (not shared_model) run each update
-            once, on the first device: the other replicas' params, optimizer state and summed
-            gradients become aliases of the first device's tensors (no copies, no repeated updates;
-            see `graphpar.passes.cpu_update_once`). Same results, bit for bit; a value fed to one
-            replica's param or state alone is replaced by the first device's at the next step.
-            Ignored on CUDA and across shards.
-        check_finite_loss: stop every step whose loss is NaN or infinite before it updates anything: a
-            `CheckFinite` op per replica on its losses (placed before the gradients) makes RunNet raise
-            an OperatorError naming the loss, with params, optimizer state and counters unchanged. It
-            reads each loss on the host (one device sync per replica and step), so the default (None)
-            is on for training CPU replicas, where that costs a few µs per step (docs/errors.md),
-            and off on CUDA, where the sync would stall the step's queue, and for models without an
-            optimizer (an evaluation reports a NaN loss); pass True or False to choose. See
-            docs/errors.md.
-        rendezvous: train over several processes (shards, on one machine or many), each owning
-            `devices`: Caffe2's dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler",
-            ...}` (engine default: NCCL on real CUDA devices when torch has it, else GLOO; see `graphpar.distributed.parse_rendezvous`; `kv_handler` a torch.distributed Store,
-            the name of a blob written by FileStoreHandlerCreate / TCPStoreHandlerCreate, or None for
-            torch.distributed's default group or env://). loss_scale becomes 1/(devices * num_shards);
-            every gradient (or bucket) is summed onto the first device, all-reduced across shards and
-            copied back; computed params, the initial sync, AddBlobSync and FinalizeAfterCheckpoint
-            broadcast from shard 0's first device (average_computed_params averages over every
-            replica of every shard). `RunInitNet` checks that every shard built the same model and
-            ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse
-            gradients are gathered across shards (`Allgather`). Not with shared_model.
-        max_concurrent_distributed_ops: with a rendezvous, the communicators cross-shard collectives
-            take turns on: up to that many are in flight at once (an int >= 1).
-        barrier_net_timeout_sec: with a rendezvous, how long RunInitNet's barrier waits for the others.
-        compute_dtype: "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
-            docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
-            that dtype; params stay fp32 masters; losses, softmax, batch-norm statistics, reductions, the
-            gradient all-reduce and the updates stay fp32. None (default) or "float32": no rewrite.
-        loss_scale: scale the loss gradients for float16 (`graphpar.passes.loss_scale`): a number S > 0
-            (static, as Caffe2's trainer), "dynamic" (torch.amp.GradScaler's policy: start at 2**16,
-            double after 2000 good steps, halve on overflow) or a dict of `LossScale` fields. Gradients are
-            divided by S after the all-reduce; a step whose gradients hold an inf or a NaN on any replica
-            or shard is skipped everywhere (RunNet logs a warning; params, optimizer state and the
-            iteration counter unchanged) and, when dynamic, S shrinks. S is replica state (checkpointed).
-        channels_last: keep an NCHW model's activations in torch.channels_last memory format (cuDNN's
-            fast path): the input of the first Conv is converted once, and no conversion is left between
-            consecutive convs (`graphpar.passes.channels_last`). Same values and shapes.
-        allreduce_dtype: "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype
-            (half the bytes, as DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and
-            the sum cast back to fp32 before the update. None (default): gradients are all-reduced in
-            their own dtype (fp32 masters: fp32). One process only (not with a rendezvous).
+        <the options>
 
     Warns (UserWarning) on real CUDA devices that differ a lot in memory or multiprocessor count
     (`devices.check_balance`, as `DataParallel` does).
@@ -265,55 +137,57 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             with unknown keys).
     """
     _check_no_device_scope("Parallelize")
-    cpu_device = cpu_device or bool(ideep)
-    model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
-    if cuda_graph and cpu_device:
+    given = _bound(args, kwargs)
+    model = _check_model(given.pop("model_helper_obj"))
+    given = checked(given, "Parallelize")
+    cpu_device = given["cpu_device"] or bool(given["ideep"])
+    cuda = not cpu_device and not cuda_is_simulated()
+    if given["cuda_graph"] and cpu_device:
         raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
                                "cpu_device=True")
-    net_type = "cuda_graph" if cuda_graph else net_type
-    _check_options(cpu_device, param_update_builder_fun, optimizer_builder_fun, shared_model, net_type,
-                   num_threads_per_device)
-    bucket_bytes, auto_buckets = _bucket_bytes(gradient_bucket_bytes, first_bucket_bytes, bucket_cap_mb,
-                                               not cpu_device and not cuda_is_simulated())
-    if combine_spatial_bn not in (True, False, "shard"):
-        raise ParallelizeError(f"Parallelize: combine_spatial_bn must be True, False or 'shard' (statistics over "
-                               f"this shard's devices only), got {combine_spatial_bn!r}")
-    precision = _check_precision(compute_dtype, loss_scale, shared_model)
-    low_allreduce = _check_allreduce_dtype(allreduce_dtype, rendezvous)
-    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec,
-                            shared_model=shared_model, default_engine=default_engine(not cpu_device))
-    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
-    if not cpu_device and use_nccl and shares_a_gpu(layout.devices):
+    net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
+    _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
+                   given["shared_model"], net_type)
+    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"], cuda)
+    _check_combinations(given)
+    rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
+                            default_engine=default_engine(not cpu_device))
+    layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
+    if not cpu_device and given["use_nccl"] and shares_a_gpu(layout.devices):
         raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
                                f"places CUDA devices {list(layout.devices)} on GPUs "
                                f"{[physical_gpu(d) for d in layout.devices]}; use the tree all-reduce "
                                f"(use_nccl=False) or a map with one replica per GPU")
-    if not cpu_device and not cuda_is_simulated():
+    if cuda:
         check_balance(layout.devices)
-    check_finite_loss = _finite_loss_check(check_finite_loss, cpu_device,
-                                           optimizer_builder_fun is not None or param_update_builder_fun is not None)
-    options = ParallelizeOptions(
-        input_builder_fun, forward_pass_builder_fun, param_update_builder_fun, optimizer_builder_fun,
-        post_sync_builder_fun, pre_grad_net_transformer_fun, net_transformer_fun, rdv, net_type,
-        num_threads_per_device, broadcast_computed_params, average_computed_params, use_nccl, shared_model,
-        combine_spatial_bn, bucket_bytes, first_bucket_bytes, dynamic_memory_management,
-        optimize_gradient_memory, _blob_names(blobs_to_keep, "blobs_to_keep"), bool(uneven_batches),
-        bool(check_finite_loss), max_concurrent_distributed_ops, float(barrier_net_timeout_sec),
-        _accumulation(accumulate_gradients), bool(cpu_update_once), auto_buckets=auto_buckets,
-        compute_dtype=precision[0], loss_scale=precision[1], channels_last=bool(channels_last),
-        allreduce_dtype=low_allreduce)
+    training = given["optimizer_builder_fun"] is not None or given["param_update_builder_fun"] is not None
+    options = ParallelizeOptions(**{
+        **given, "devices": layout.devices, "rendezvous": rdv, "net_type": net_type, "cpu_device": cpu_device,
+        "gradient_bucket_bytes": bucket_bytes, "auto_buckets": auto_buckets,
+        "check_finite_loss": _finite_loss_check(given["check_finite_loss"], cpu_device, training)})
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
                     "model that shares a training model's params should use ModelHelper(init_params=False), "
                     "or running its init net will overwrite the trained params", model.name)
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
-        reducer = make_reducer(layout, blob_to_device, use_nccl, _peer_access(layout), options.num_shards,
-                               max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
+        reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
+                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        model._parallel_runs = RunState()
         run_pipeline(model._parallel)
     _log_built(model._parallel)
+
+
+def _bound(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Parallelize's arguments by name, defaults filled in; TypeError as Python's for a bad call."""
+    try:
+        bound = _SIGNATURE.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"Parallelize() {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
@@ -322,26 +196,12 @@ def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, trainin
     return bool(cpu_device and training) if check_finite_loss is None else bool(check_finite_loss)
 
 
-def _check_precision(compute_dtype: Any, loss_scale: Any, shared_model: bool) -> tuple[str | None, LossScale | None]:
-    """compute_dtype and loss_scale checked and made canonical (ParallelizeError / TypeError otherwise)."""
-    try:
-        checked = check_compute_dtype(compute_dtype, "Parallelize: compute_dtype"), check_loss_scale(loss_scale)
-    except ValueError as exc:
-        raise ParallelizeError(str(exc)) from None
-    if checked[1] is not None and shared_model:
+def _check_combinations(given: dict[str, Any]) -> None:
+    """The checked options that do not go together (ParallelizeError)."""
+    if given["loss_scale"] is not None and given["shared_model"]:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
-    return checked
-
-
-def _check_allreduce_dtype(value: Any, rendezvous: dict | None) -> str | None:
-    """allreduce_dtype made canonical; ParallelizeError for a bad value or with a rendezvous."""
-    try:
-        low = check_compute_dtype(value, "Parallelize: allreduce_dtype")
-    except ValueError as exc:
-        raise ParallelizeError(str(exc)) from None
-    if low is not None and rendezvous is not None:
+    if given["allreduce_dtype"] is not None and given["rendezvous"] is not None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
-    return low
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -416,30 +276,33 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
-    rdv = _check_rendezvous(rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec, "Parallelize_BMUF",
-                            default_engine=default_engine(not cpu_device))
-    model = _check_model(model_helper_obj, input_builder_fun, forward_pass_builder_fun)
+    rdv = _check_rendezvous(rendezvous, "Parallelize_BMUF", default_engine=default_engine(not cpu_device))
+    model = _check_model(model_helper_obj)
     if not callable(param_update_builder_fun):
         raise TypeError(f"Parallelize_BMUF: param_update_builder_fun must be a function, got "
                         f"{type(param_update_builder_fun).__name__}")
-    _check_options(cpu_device, param_update_builder_fun, None, False, net_type, num_threads_per_device)
+    given = checked(dict(input_builder_fun=input_builder_fun, forward_pass_builder_fun=forward_pass_builder_fun,
+                         param_update_builder_fun=param_update_builder_fun, net_type=net_type,
+                         num_threads_per_device=num_threads_per_device, use_nccl=use_nccl, cpu_device=cpu_device,
+                         optimize_gradient_memory=optimize_gradient_memory,
+                         max_concurrent_distributed_ops=max_concurrent_distributed_ops,
+                         barrier_net_timeout_sec=barrier_net_timeout_sec), "Parallelize_BMUF")
+    _check_options(cpu_device, param_update_builder_fun, None, False, net_type)
     layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
-    options = ParallelizeOptions(input_builder_fun, forward_pass_builder_fun, param_update_builder_fun,
-                                 rendezvous=rdv, net_type=net_type, num_threads_per_device=num_threads_per_device,
-                                 use_nccl=use_nccl, optimize_gradient_memory=optimize_gradient_memory,
-                                 max_concurrent_distributed_ops=max_concurrent_distributed_ops,
-                                 barrier_net_timeout_sec=float(barrier_net_timeout_sec),
-                                 check_finite_loss=_finite_loss_check(check_finite_loss, cpu_device, True))
+    options = ParallelizeOptions(**{
+        **given, "devices": layout.devices, "rendezvous": rdv, "cpu_update_once": False,
+        "check_finite_loss": _finite_loss_check(check_finite_loss, cpu_device, True)})
     blob_to_device: dict[str, DeviceOption] = {}
     reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
                        order=rdv.reduce_order if rdv else "ring")
     bmuf = bmuf_options(layout, reducers, blob_to_device, use_nccl, _peer_access(layout), block_learning_rate,
                         block_momentum, nesterov, master_device, warmup_iterations, reset_momentum_sgd,
-                        _blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
+                        blob_names(add_blobs_to_sync, "add_blobs_to_sync"), max_gradient_norm, options.num_shards)
     with _gc_paused(), _unchanged_on_error(model):
         reducer = reducers(layout, blob_to_device, use_nccl, _peer_access(layout))
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
+        model._parallel_runs = RunState()
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
     _log_built(model._parallel)
 
@@ -477,20 +340,19 @@ def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N8
         ParallelizeError: the model was not parallelized, or `timeout_sec` differs from the first call's.
         OperatorError: a shard did not arrive within `timeout_sec` (naming this shard and the barrier).
     """
-    state = _state_of(model)
-    rdv = state.options.rendezvous
+    rdv, runs = _state_of(model).options.rendezvous, _runs_of(model)
     if rdv is None or rdv.num_shards <= 1:
         return
-    if state.sync_barrier is None:
+    if runs.sync_barrier is None:
         init = barrier_net("sync_barrier_init", rdv, timeout_sec, store_of(rdv), world=SYNC_WORLD)
         net = NetDef("sync_barrier", [init.ops.pop()], [SYNC_WORLD])
         with distributed.creations_kept_on_error():  # a timed-out first call can be retried
             workspace.RunNetOnce(init)
-        state.sync_barrier = (timeout_sec, Net(net))
-    elif state.sync_barrier[0] != timeout_sec:
-        raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {state.sync_barrier[0]} "
+        runs.sync_barrier = (timeout_sec, Net(net))
+    elif runs.sync_barrier[0] != timeout_sec:
+        raise ParallelizeError(f"Synchronize: use one timeout for every call (the first used {runs.sync_barrier[0]} "
                                f"s, this one {timeout_sec} s)")
-    workspace.RunNetOnce(state.sync_barrier[1])
+    workspace.RunNetOnce(runs.sync_barrier[1])
 
 
 def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> None:  # noqa: N802
@@ -503,7 +365,7 @@ def AddDistributedBlobSync(model: ModelHelper, blobs: Iterable[str]) -> None:  #
         TypeError: `blobs` is not a list of blob names.
     """
     state = _state_of(model)
-    names = _blob_names(blobs, "AddDistributedBlobSync: blobs")
+    names = blob_names(blobs, "AddDistributedBlobSync: blobs")
     reducer = state.reducer
     if not isinstance(reducer, DistributedReducer) or not names:
         return
@@ -533,7 +395,7 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
         TypeError: `excluded_blobs` is not a list of blob names.
     """
     state = _state_of(model)
-    optimize_memory(state, _blob_names(excluded_blobs, "excluded_blobs"), recycle_activations)
+    optimize_memory(state, blob_names(excluded_blobs, "excluded_blobs"), recycle_activations)
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -626,21 +488,31 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
         raise RuntimeError(f"RunNet: net(s) {missing} of model {model.name!r} do not exist in workspace "
                            f"{ws.name!r}: call data_parallel_model.RunInitNet(model) first (it runs the init "
                            f"nets, which create the params, then creates the model's nets)")
-    if state.feeds is None:
-        state.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
-                                  state.param_names)
-    state.feeds.check(ws.blobs, f"RunNet({model.name!r})")
-    state.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
+    runs = _runs_of(model)
+    if runs.feeds is None:
+        runs.feeds = FeedTracker(state.layout, model.net.Proto(), [net.Proto() for net in state.init_nets],
+                                 state.param_names)
+    runs.feeds.check(ws.blobs, f"RunNet({model.name!r})")
+    runs.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
     for net, count in entries:
         if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
             workspace.RunNet(net, count)
         else:
             for _ in range(count):
-                _run_loss_scaled(model, state, net)
-    state.feeds.remember(ws.blobs)
+                _run_loss_scaled(model, runs, net)
+    runs.feeds.remember(ws.blobs)
 
 
-def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None:
+def skipped_steps(model: ModelHelper) -> int:
+    """How many steps RunNet skipped on a gradient overflow (`loss_scale`; `passes.loss_scale`).
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    return _runs_of(model).skipped_steps
+
+
+def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
     overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
     shrinks it (`passes.loss_scale`)."""
@@ -650,7 +522,7 @@ def _run_loss_scaled(model: ModelHelper, state: ParallelState, net: Net) -> None
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
         log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
-        state.skipped_steps += 1
+        runs.skipped_steps += 1
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
@@ -726,7 +598,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         The model and workspace are left as they were when it raises.
     """
     state = _state_of(model)
-    net, layout = state.checkpoint_net, state.layout
+    net, layout = model._checkpoint_net, state.layout
     ws = workspace.get_workspace()
     grouped = dict(state.grouped)
     if net is None:
@@ -740,7 +612,7 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
             del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
         ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
         ws.run_net(net.Proto().name)
-    state.checkpoint_net = net
+    model._checkpoint_net = net
     state.grouped.update(grouped)
     log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
              len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
@@ -885,15 +757,11 @@ def _check_no_device_scope(what: str) -> None:
                                f"it was called inside DeviceScope({scope})")
 
 
-def _check_model(model: Any, input_builder_fun: Any, forward_pass_builder_fun: Any) -> ModelHelper:
+def _check_model(model: Any) -> ModelHelper:
     if not isinstance(model, ModelHelper):
         raise TypeError(f"Parallelize needs a graphpar.model_helper.ModelHelper, got {type(model).__name__}")
     if getattr(model, "_parallel", None) is not None:
         raise ParallelizeError(f"model {model.name!r} was already parallelized; build a new ModelHelper")
-    for name, fun in (("input_builder_fun", input_builder_fun),
-                      ("forward_pass_builder_fun", forward_pass_builder_fun)):
-        if not callable(fun):
-            raise TypeError(f"Parallelize: {name} must be a function, got {type(fun).__name__}")
     return model
 
 
@@ -925,7 +793,7 @@ def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[i
 
 
 def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_builder_fun: Any,
-                   shared_model: bool, net_type: str, num_threads_per_device: int) -> None:
+                   shared_model: bool, net_type: str) -> None:
     if param_update_builder_fun is not None and optimizer_builder_fun is not None:
         raise ParallelizeError("Parallelize: pass only one of param_update_builder_fun (per device) and "
                                "optimizer_builder_fun (once, for all devices)")
@@ -934,64 +802,27 @@ def _check_options(cpu_device: bool, param_update_builder_fun: Any, optimizer_bu
     if net_type not in net_types():
         raise ParallelizeError(f"Parallelize: net_type must be one of {', '.join(map(repr, net_types()))}, "
                                f"got {net_type!r}")
-    if isinstance(num_threads_per_device, bool) or not isinstance(num_threads_per_device, int) \
-            or num_threads_per_device < 1:
-        raise ParallelizeError(f"Parallelize: num_threads_per_device must be an int >= 1, "
-                               f"got {num_threads_per_device!r}")
-
-
-def _blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
-    """`names` as a tuple of strs; TypeError for anything but an iterable of non-empty strs."""
-    if names is None:
-        return ()
-    listed = () if isinstance(names, str) else tuple(names)
-    if isinstance(names, str) or not all(isinstance(n, str) and n for n in listed):
-        raise TypeError(f"{what} must be a list of blob names, got {names!r}")
-    return tuple(str(n) for n in listed)
-
-
-def _accumulation(k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ParallelizeError(f"Parallelize: accumulate_gradients must be an int >= 1 (micro-batches per "
-                               f"update), got {k!r}")
-    return k
 
 
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb, the default bucket size on real CUDA devices
 
 
-def _bucket_bytes(gradient_bucket_bytes: Any, first_bucket_bytes: Any, bucket_cap_mb: Any,
+def _bucket_bytes(gradient_bucket_bytes: int | None, bucket_cap_mb: float | None,
                   cuda: bool) -> tuple[int | None, bool]:
-    """(bucket size in bytes or None for none, whether it is the CUDA default), checked."""
+    """(bucket size in bytes or None for none, whether it is the CUDA default) from the checked options."""
     if bucket_cap_mb is not None:
         if gradient_bucket_bytes is not None:
             raise ParallelizeError("Parallelize: pass gradient_bucket_bytes or bucket_cap_mb, not both")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ParallelizeError(f"Parallelize: bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb!r}")
         gradient_bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
-    options = {"first_bucket_bytes": first_bucket_bytes}
-    if gradient_bucket_bytes is not None:
-        options["gradient_bucket_bytes"] = gradient_bucket_bytes
-    for name, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"Parallelize: {name} must be an int number of bytes, got {value!r}")
-        if value < (0 if name == "gradient_bucket_bytes" else 1):
-            raise ParallelizeError(f"Parallelize: {name} must be >= {0 if name == 'gradient_bucket_bytes' else 1} "
-                                   f"byte, got {value}")
     if gradient_bucket_bytes is None and cuda:
         return DEFAULT_BUCKET_CAP_MB * 1024 * 1024, True
     return (gradient_bucket_bytes or None), False
 
 
-def _check_rendezvous(rendezvous: Any, max_concurrent: Any, barrier_timeout: Any, what: str = "Parallelize",
-                      default_engine: str = "GLOO", **unsupported: bool) -> Rendezvous | None:
-    """The parsed rendezvous, after checking it and the options that go with it (before any change)."""
+def _check_rendezvous(rendezvous: Any, what: str = "Parallelize", default_engine: str = "GLOO",
+                      **unsupported: bool) -> Rendezvous | None:
+    """The parsed rendezvous, after checking it and the options it does not go with (before any change)."""
     rdv = parse_rendezvous(rendezvous, what, default_engine)
-    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
-        raise ParallelizeError(f"{what}: max_concurrent_distributed_ops must be an int >= 1, got {max_concurrent!r}")
-    if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or not barrier_timeout > 0:
-        raise ParallelizeError(f"{what}: barrier_net_timeout_sec must be a number of seconds > 0, "
-                               f"got {barrier_timeout!r}")
     used = [name for name, on in unsupported.items() if on]
     if rdv is not None and rdv.num_shards > 1 and used:
         raise ParallelizeError(f"{what}: {', '.join(used)} across shards (rendezvous) is not supported yet")
@@ -1085,3 +916,17 @@ def _log_init(model: ModelHelper) -> None:
              [(entry[0] if isinstance(entry, tuple) else entry).Proto().name for entry in state.nets],
              workspace.CurrentWorkspace())
 
+
+@dataclass
+class RunState:
+    """What running a parallelized model builds and counts, apart from what the passes decided
+    (`ParallelState`): kept on the model as `model._parallel_runs`, made empty by Parallelize."""
+
+    feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
+    sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
+    skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+
+
+def _runs_of(model: ModelHelper) -> RunState:
+    _state_of(model)
+    return model._parallel_runs

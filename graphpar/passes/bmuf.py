@@ -26,20 +26,10 @@ from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.net import Net
 from graphpar.core.schema import effects_of
 from graphpar.errors import ParallelizeError
-from graphpar.passes import (
-    analyze,
-    builders,
-    check_losses,
-    distributed,
-    finish,
-    group_by_device,
-    loss_gradients,
-    memonger,
-    sync,
-)
+from graphpar.passes import group_by_device, sync
 from graphpar.passes.common import BlobDevices, DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.finish import chain_collectives
-from graphpar.passes.pipeline import Pass, training
+from graphpar.passes.pipeline import PIPELINE, REDUCE_GRADIENTS, Pass, edited
 from graphpar.passes.reducers import PeerAccess, Reducer, copies
 from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import check_unprefixed
@@ -218,26 +208,14 @@ def add_global_nets(state: ParallelState, bmuf: BmufOptions) -> None:
 
 
 def bmuf_pipeline(bmuf: BmufOptions) -> tuple[Pass, ...]:
-    """Parallelize's passes for BMUF: replicas, gradients and local updates without any all-reduce,
-    the initial sync, then the global nets."""
-    return (
-        Pass("configure_train_net", finish.configure_train_net),
-        Pass("build_replicas", builders.build_replicas),
-        Pass("validate_params", analyze.validate_params),
-        Pass("group_params", group_bmuf_params),
-        Pass("check_finite_losses", check_losses.check_finite_losses, lambda s: s.options.check_finite_loss),
-        Pass("add_gradients", loss_gradients.add_gradients, training),
-        Pass("build_updates", builders.build_updates, training),
-        Pass("infer_devices", analyze.infer_devices),
-        Pass("analyze", analyze.analyze),
-        Pass("initial_sync", initial_sync),
-        Pass("share_gradient_memory", memonger.share_gradient_memory,
-             lambda s: s.options.optimize_gradient_memory),
-        Pass("global_nets", lambda s: add_global_nets(s, bmuf)),
-        Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.options.num_shards > 1),
-        Pass("order_collectives", finish.order_collectives),
-        Pass("declare_inputs", finish.declare_inputs),
-    )
+    """Parallelize's pipeline for BMUF: replicas, gradients and local updates without reducing the
+    gradients (each replica trains alone) or fusing the updates; BMUF's own param grouping and initial
+    sync; the global nets, which set the net lists."""
+    return edited(PIPELINE, remove=(*(entry.name for entry in REDUCE_GRADIENTS), "fuse_updates",
+                                    "compute_sync_blobs", "mark_first_iteration_serial"),
+                  replace={"group_params": Pass("group_params", group_bmuf_params),
+                           "initial_sync": Pass("initial_sync", initial_sync),
+                           "set_net_lists": Pass("global_nets", lambda s: add_global_nets(s, bmuf))})
 
 
 def bmuf_options(layout: DeviceLayout, make_reducer: Callable[..., Reducer], blob_devices: BlobDevices,

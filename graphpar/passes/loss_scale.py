@@ -22,58 +22,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from graphpar.core.ir import GradientSlice, NetDef
 from graphpar.core.naming import LOSS_SCALE, LOSS_SCALE_GOOD_STEPS
 from graphpar.core.net import Net
 from graphpar.passes.common import make_op
+from graphpar.passes.options import LossScale, check_loss_scale  # noqa: F401 - the option's value, named here
 
 if TYPE_CHECKING:
     from graphpar.passes.state import ParallelState
-
-
-@dataclass(frozen=True)
-class LossScale:
-    """A loss scale: static (`dynamic=False`: S stays `init_scale`) or dynamic, with GradScaler's defaults."""
-
-    init_scale: float = 2.0 ** 16
-    dynamic: bool = True
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-
-def check_loss_scale(value: Any) -> LossScale | None:
-    """`Parallelize`'s loss_scale argument as a LossScale: None, a number > 0 (static), "dynamic", a
-    dict of LossScale's fields (dynamic unless it says otherwise) or a LossScale.
-
-    Raises:
-        ValueError / TypeError: any other value, a scale <= 0 or not finite, growth_factor <= 1,
-            backoff_factor outside (0, 1), growth_interval < 1.
-    """
-    if value is None or isinstance(value, LossScale):
-        scale = value
-    elif value == "dynamic":
-        scale = LossScale()
-    elif isinstance(value, dict):
-        unknown = sorted(set(value) - set(LossScale.__dataclass_fields__))
-        if unknown:
-            raise TypeError(f"loss_scale: unknown keys {unknown}; use {sorted(LossScale.__dataclass_fields__)}")
-        scale = LossScale(**value)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        scale = LossScale(float(value), dynamic=False)
-    else:
-        raise TypeError(f"loss_scale={value!r}: use a number > 0 (static), 'dynamic', a dict of "
-                        f"graphpar.passes.loss_scale.LossScale fields, or None")
-    if scale is not None:
-        ok = (0 < scale.init_scale < float("inf") and scale.growth_factor > 1 and 0 < scale.backoff_factor < 1
-              and isinstance(scale.growth_interval, int) and scale.growth_interval >= 1)
-        if not ok:
-            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
-                             f"0 < backoff_factor < 1 and an int growth_interval >= 1")
-    return scale
 
 
 def create_scale_state(state: ParallelState) -> None:

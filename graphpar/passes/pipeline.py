@@ -2,18 +2,20 @@
 
 Every pass is a function `pass_(state: ParallelState) -> None` that edits the model, its nets and the
 state in place, with a docstring stating what it needs and what it guarantees; a `Pass` entry gives
-it a name and the condition under which it runs. Adding a pass is one line in `PIPELINE`.
+it a name and the condition under which it runs. `PIPELINE` strings the stages (tuples of entries,
+each under a name) together; adding a pass is one line in its stage.
 
-The runner can check and dump the nets after each pass: set `GRAPHPAR_CHECK_PASSES=1` to validate
-every net against the schemas after each pass (the test suite always does; an error names the pass),
-and `GRAPHPAR_DUMP_PASSES=<dir>` to write each net after each pass to `<dir>/<k>_<pass>_<net>.txt`.
+How the runner runs them is the current `PassContext` (TVM's): `with PassContext(check=True):
+Parallelize(...)` validates every net against the schemas after each pass (the test suite always
+does; an error names the pass), `dump_dir=<dir>` writes each net after each pass to
+`<dir>/<k>_<pass>_<net>.txt`, `disabled={"name", ...}` skips passes by name.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphpar.core.ir import CPU, CUDA
@@ -93,23 +95,35 @@ def _computed_params_sync(state: ParallelState) -> bool:
     return options.average_computed_params or options.broadcast_computed_params
 
 
-PIPELINE: tuple[Pass, ...] = (
+# The stages, in Caffe2's order: tuples of passes, each under a name, so that a pipeline that differs
+# (BMUF's) is written as its edits of PIPELINE (`edited`) rather than as a copy.
+
+SETUP = (
     Pass("configure_train_net", finish.configure_train_net),
     Pass("build_replicas", builders.build_replicas),
     Pass("validate_params", analyze.validate_params),
     Pass("group_params", group_by_device.group_params),
+)
+FORWARD_REWRITES = (
     Pass("transform_before_gradients", builders.transform_before_gradients, _given("pre_grad_net_transformer_fun")),
     Pass("mixed_precision", precision.mixed_precision, _given("compute_dtype")),
     Pass("keep_channels_last", channels_last.keep_channels_last, lambda s: s.options.channels_last),
     Pass("check_finite_losses", check_losses.check_finite_losses, _option("check_finite_loss")),
+)
+GRADIENTS = (
     Pass("add_gradients", loss_gradients.add_gradients, training),
     Pass("transform_nets", builders.transform_nets, _given("net_transformer_fun")),
-    # forward-only models stop here: devices, the cross-replica check, net lists
+)
+FORWARD_ONLY = (  # forward-only models stop here: devices, the cross-replica check, net lists
     Pass("infer_devices_forward_only", analyze.infer_devices, forward_only),
     Pass("analyze_forward_only", analyze.analyze, forward_only),
     Pass("forward_only_sync_names", sync.forward_only_sync_names, forward_only),
+)
+BATCH_NORM = (
     Pass("interleave", interleave.interleave, _option("combine_spatial_bn")),
     Pass("combine_batch_norm", inter_device_bn.combine_batch_norm, _option("combine_spatial_bn")),
+)
+REDUCE_GRADIENTS = (  # every replica ends up with the same gradients (and computed params)
     Pass("validate_params_again", analyze.validate_params, training),
     Pass("group_gradients", group_by_device.group_gradients, training),
     Pass("infer_devices", analyze.infer_devices, training),
@@ -122,15 +136,21 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("cast_gradients_up", precision.cast_gradients_up, _option("allreduce_dtype")),
     Pass("prune_shared_params", shared_model.prune_shared_params, _option("shared_model")),
     Pass("unscale_gradients", loss_scale.unscale_gradients, _option("loss_scale", lambda s: s is not None)),
+)
+UPDATES = (
     Pass("build_updates", builders.build_updates, training),
     Pass("grow_loss_scale", loss_scale.grow_loss_scale, _option("loss_scale", lambda s: s is not None and s.dynamic)),
     Pass("fuse_updates", fuse_updates.fuse_updates, lambda s: s.training and s.layout.device_type == CUDA),
+)
+INITIAL_SYNC = (
     Pass("compute_sync_blobs", sync.compute_sync_blobs, training),
     Pass("infer_devices_after_updates", analyze.infer_devices, training),
     Pass("analyze", analyze.analyze, training),
     Pass("mark_first_iteration_serial", finish.mark_first_iteration_serial, training),
     Pass("initial_sync", sync.initial_sync, training),
     Pass("build_post_sync", builders.build_post_sync, lambda s: s.training and _given("post_sync_builder_fun")(s)),
+)
+FINISH = (
     Pass("share_gradient_memory", memonger.share_gradient_memory, _option("optimize_gradient_memory")),
     Pass("update_once_on_cpu", cpu_update_once.update_once, _update_once),
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
@@ -140,25 +160,91 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),
 )
+PIPELINE: tuple[Pass, ...] = (*SETUP, *FORWARD_REWRITES, *GRADIENTS, *FORWARD_ONLY, *BATCH_NORM, *REDUCE_GRADIENTS,
+                              *UPDATES, *INITIAL_SYNC, *FINISH)
 
 
-def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None) -> None:
-    """Apply each pass of `pipeline` (default `PIPELINE`) whose condition holds, in order; check and
-    dump the nets after each if asked.
+def edited(pipeline: Sequence[Pass], remove: Iterable[str] = (),
+           replace: Mapping[str, Pass] | None = None) -> tuple[Pass, ...]:
+    """`pipeline` without the passes named in `remove` and with those named in `replace` swapped, in
+    place, for the given entries. ValueError for a name that is not a pass of `pipeline`."""
+    replace = dict(replace or {})
+    names = [entry.name for entry in pipeline]
+    unknown = sorted({*remove, *replace} - set(names))
+    if unknown:
+        raise ValueError(f"passes {unknown} are not in the pipeline; its passes are {names}")
+    dropped = set(remove)
+    return tuple(replace.get(entry.name, entry) for entry in pipeline if entry.name not in dropped)
 
-    Raises whatever a pass raises; with checking on, a ValueError/TypeError naming the pass whose
-    output breaks a net's structure or a schema.
+
+@dataclass(frozen=True)
+class PassContext:
+    """How `run_pipeline` runs its passes: a context manager (the innermost `with` holds, process-wide)
+    or an argument of `run_pipeline`.
+
+    Args:
+        check: validate every net (structure and schemas) after every pass that ran; the error names
+            the pass.
+        dump_dir: write every net after every pass that ran to `<dump_dir>/<k>_<pass>_<net>.txt`.
+        disabled: names of passes not to run, whatever their condition says (to bisect a problem; a
+            pass that later passes rely on makes them fail). A name that is not a pass of the pipeline
+            raises ValueError before any pass runs.
+
+    Outside every `with`, the default context holds: `check` is on when the environment variable
+    `GRAPHPAR_CHECK_PASSES` was set (not to 0) when graphpar was imported, and `dump_dir` is
+    `GRAPHPAR_DUMP_PASSES`.
     """
-    check = os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0")
-    dump = os.environ.get("GRAPHPAR_DUMP_PASSES") or None
-    for k, entry in enumerate(PIPELINE if pipeline is None else pipeline):
-        if not entry.when(state):
+
+    check: bool = False
+    dump_dir: str | os.PathLike[str] | None = None
+    disabled: frozenset[str] = field(default=frozenset())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.disabled, str):
+            raise TypeError(f"PassContext: disabled must be a collection of pass names, got {self.disabled!r}")
+        object.__setattr__(self, "disabled", frozenset(self.disabled))
+
+    def __enter__(self) -> PassContext:
+        _CONTEXTS.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CONTEXTS.pop()  # `with` blocks nest: this context is the innermost
+
+    @staticmethod
+    def current() -> PassContext:
+        """The innermost context entered, else the default one."""
+        return _CONTEXTS[-1]
+
+
+_CONTEXTS = [PassContext(check=os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0"),
+                         dump_dir=os.environ.get("GRAPHPAR_DUMP_PASSES") or None)]
+
+
+def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None,
+                 context: PassContext | None = None) -> None:
+    """Apply each pass of `pipeline` (default `PIPELINE`) whose condition holds and that `context`
+    (default `PassContext.current()`) does not disable, in order; check and dump the nets after each
+    if the context asks.
+
+    Raises whatever a pass raises; ValueError for a disabled name that is not a pass of `pipeline`;
+    with checking on, a ValueError/TypeError naming the pass whose output breaks a net's structure or
+    a schema.
+    """
+    passes = PIPELINE if pipeline is None else pipeline
+    context = PassContext.current() if context is None else context
+    unknown = sorted(context.disabled - {entry.name for entry in passes})
+    if unknown:
+        raise ValueError(f"PassContext: disabled passes {unknown} are not in the pipeline; its passes are "
+                         f"{[entry.name for entry in passes]}")
+    for k, entry in enumerate(passes):
+        if entry.name in context.disabled or not entry.when(state):
             continue
         entry.run(state)
-        if check:
+        if context.check:
             check_nets(state, entry.name)
-        if dump:
-            dump_nets(state, f"{k:02d}_{entry.name}", Path(dump))
+        if context.dump_dir is not None:
+            dump_nets(state, f"{k:02d}_{entry.name}", Path(context.dump_dir))
 
 
 def check_nets(state: ParallelState, pass_name: str) -> None:

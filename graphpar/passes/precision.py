@@ -28,6 +28,7 @@ from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.core.naming import cast_name
 from graphpar.core.schema import Precision, PrecisionRule, precision_rule
 from graphpar.passes.common import make_op
+from graphpar.passes.options import check_compute_dtype
 
 if TYPE_CHECKING:
     from graphpar.model.model_helper import ModelHelper
@@ -35,27 +36,6 @@ if TYPE_CHECKING:
 
 LOW_DTYPES = ("bfloat16", "float16")
 FP32 = "float32"
-_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
-            "float32": None, "fp32": None, "float": None}
-
-
-def check_compute_dtype(value: Any, where: str = "compute_dtype") -> str | None:
-    """The canonical name ("bfloat16", "float16") of a compute dtype, or None for fp32 (no rewrite).
-
-    Accepts a name (any case; bf16, fp16, half, float32, ...), a torch dtype or None.
-
-    Raises:
-        ValueError: any other value.
-    """
-    if value is None:
-        return None
-    name = str(value).removeprefix("torch.").lower() if not isinstance(value, str) else value.lower()
-    if name not in _ALIASES:
-        raise ValueError(f"{where}={value!r}: use 'bfloat16' or 'float16' (or None / 'float32' for no mixed "
-                         f"precision)")
-    return _ALIASES[name]
-
-
 def _dtype_name(value: Any) -> str | None:
     """The float dtype name of a Cast's `to` or a fill's `dtype` argument; None if not a float dtype."""
     if value is None:

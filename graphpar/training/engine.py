@@ -566,9 +566,9 @@ class Trainer:
             workspace.RunNet(micro)
             held.append((self._loss_tensors(), list(fed.sizes)))
         fed = self.last_fed = feed(self.model, self._next_batch())
-        skipped = state.skipped_steps
+        skipped = dpm.skipped_steps(self.model)
         dpm.RunNet(self.model, 1)
-        if state.skipped_steps == skipped:  # else a loss-scaled step whose gradients overflowed: no loss
+        if dpm.skipped_steps(self.model) == skipped:  # else a loss-scaled step whose gradients overflowed: no loss
             held.append((self._loss_tensors(), list(fed.sizes)))
             self._unrecorded.append((self.iter, held))
         done = self.iter + 1

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +17,8 @@ from graphpar.core.schema import Trait, has_trait, registered_types
 from graphpar.devices import cuda_on_cpu
 from graphpar.models import mlp
 from graphpar.passes import analyze, pipeline
-from graphpar.passes.pipeline import PIPELINE, Pass
+from graphpar.passes.bmuf import bmuf_pipeline
+from graphpar.passes.pipeline import PIPELINE, REDUCE_GRADIENTS, Pass, PassContext, edited
 from graphpar.passes.state import ParallelState
 from graphpar.visualize import op_kind
 from tests.fake_gpus import fake_gpus
@@ -64,9 +68,9 @@ def test_a_planted_bad_pass_is_caught_after_it_runs_and_the_model_is_restored(mo
     assert model._parallel is None and model.net.Proto().ops == []
 
 
-def test_nets_are_dumped_after_each_pass(monkeypatch: pytest.MonkeyPatch, tmp_path):  # noqa: ANN001
-    monkeypatch.setenv("GRAPHPAR_DUMP_PASSES", str(tmp_path))
-    model = _parallelize("dumped")
+def test_nets_are_dumped_after_each_pass(tmp_path):  # noqa: ANN001
+    with PassContext(dump_dir=tmp_path):
+        model = _parallelize("dumped")
     files = sorted(p.name for p in tmp_path.iterdir())
     train = model.net.Proto().name
     ran = [e.name for e in PIPELINE if e.when(model._parallel)]
@@ -74,6 +78,49 @@ def test_nets_are_dumped_after_each_pass(monkeypatch: pytest.MonkeyPatch, tmp_pa
         f"{PIPELINE.index(e):02d}_{e.name}_{train}.txt" for e in PIPELINE if e.name in ran]
     last = (tmp_path / f"{PIPELINE.index(PIPELINE[-1]):02d}_{PIPELINE[-1].name}_{train}.txt").read_text()
     assert last.strip() == repr(model.net.Proto()).strip()
+
+
+def test_the_innermost_pass_context_holds_and_the_tests_check_every_pass():
+    outer = PassContext.current()
+    assert outer.check  # tests/conftest.py
+    with PassContext(dump_dir="d") as first, PassContext(disabled=["interleave"]) as second:
+        assert PassContext.current() is second and second.disabled == frozenset({"interleave"})
+    assert PassContext.current() is outer and not first.check
+    with pytest.raises(TypeError, match="collection of pass names"):
+        PassContext(disabled="interleave")
+
+
+def test_the_default_pass_context_starts_from_the_environment(tmp_path):  # noqa: ANN001
+    code = "from graphpar.passes.pipeline import PassContext; c = PassContext.current(); print(c.check, c.dump_dir)"
+    env = {**os.environ, "GRAPHPAR_CHECK_PASSES": "1", "GRAPHPAR_DUMP_PASSES": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", str(tmp_path)]
+
+
+def test_a_disabled_pass_does_not_run_and_an_unknown_name_changes_nothing():
+    with PassContext(disabled={"check_finite_losses"}):
+        model = _parallelize("unchecked")
+    assert not any(op.type == "CheckFinite" for op in model.net.Proto().ops)
+    assert any(op.type == "CheckFinite" for op in _parallelize("checked").net.Proto().ops)
+    model = model_helper.ModelHelper(name="typo")
+    with PassContext(disabled={"allreduce"}), pytest.raises(ValueError, match=r"\['allreduce'\] are not in"):
+        dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                        forward_pass_builder_fun=lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2),
+                        devices=[0, 1], cpu_device=True)
+    assert model._parallel is None and model.net.Proto().ops == []
+
+
+def test_the_bmuf_pipeline_is_the_standard_one_with_its_own_entries():
+    bmuf = bmuf_pipeline(None)  # type: ignore[arg-type] - the options are only read when global_nets runs
+    own = [entry.name for entry in bmuf if entry not in PIPELINE]
+    assert own == ["group_params", "initial_sync", "global_nets"]
+    assert {entry.name for entry in PIPELINE} - {entry.name for entry in bmuf} == {
+        *(entry.name for entry in REDUCE_GRADIENTS), "fuse_updates", "compute_sync_blobs",
+        "mark_first_iteration_serial", "set_net_lists"}
+    renamed = ["set_net_lists" if entry.name == "global_nets" else entry.name for entry in bmuf]
+    assert renamed == [entry.name for entry in PIPELINE if entry.name in renamed]  # the standard order
+    with pytest.raises(ValueError, match=r"passes \['nope'\] are not in the pipeline"):
+        edited(PIPELINE, remove=["nope"])
 
 
 def test_forward_only_models_skip_the_training_passes():

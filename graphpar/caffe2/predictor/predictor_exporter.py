@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphpar import checkpoint
 from graphpar.caffe2.predictor_constants import predictor_constants as pc
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.runtime import checkpoint
 
 
 @dataclass

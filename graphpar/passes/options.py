@@ -1,0 +1,383 @@
+"""Parallelize's options: each declared once, as a field of `ParallelizeOptions` with its default,
+its check and its doc; and the values some of them take (`LossScale`).
+
+`Parallelize`'s signature (after `model_helper_obj`) and the options part of its docstring are made
+from these fields, in order (Caffe2's arguments first, in Caffe2's order), its argument checks run
+from them, and the passes read the checked options as `state.options`. Adding an option is one field
+here and the pass that reads it. A check is `check(value, caller) -> canonical value` and raises
+(`ParallelizeError` / `TypeError`, naming the caller and the option) for a bad value; rules that
+relate an option to others or to the machine (devices, the rendezvous engine, default buckets on
+CUDA) are `Parallelize`'s. The module imports nothing from the passes, so every pass can import it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
+
+from graphpar.errors import ParallelizeError
+from graphpar.platform.distributed import Rendezvous
+
+Builder = Callable[..., Any]
+Check = Callable[[Any, str], Any]  # (value, the caller's name) -> the canonical value
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """A loss scale: static (`dynamic=False`: S stays `init_scale`) or dynamic, with GradScaler's defaults."""
+
+    init_scale: float = 2.0 ** 16
+    dynamic: bool = True
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+def check_loss_scale(value: Any) -> LossScale | None:
+    """`Parallelize`'s loss_scale argument as a LossScale: None, a number > 0 (static), "dynamic", a
+    dict of LossScale's fields (dynamic unless it says otherwise) or a LossScale.
+
+    Raises:
+        ValueError / TypeError: any other value, a scale <= 0 or not finite, growth_factor <= 1,
+            backoff_factor outside (0, 1), growth_interval < 1.
+    """
+    if value is None or isinstance(value, LossScale):
+        scale = value
+    elif value == "dynamic":
+        scale = LossScale()
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - set(LossScale.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"loss_scale: unknown keys {unknown}; use {sorted(LossScale.__dataclass_fields__)}")
+        scale = LossScale(**value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        scale = LossScale(float(value), dynamic=False)
+    else:
+        raise TypeError(f"loss_scale={value!r}: use a number > 0 (static), 'dynamic', a dict of "
+                        f"graphpar.passes.loss_scale.LossScale fields, or None")
+    if scale is not None:
+        ok = (0 < scale.init_scale < float("inf") and scale.growth_factor > 1 and 0 < scale.backoff_factor < 1
+              and isinstance(scale.growth_interval, int) and scale.growth_interval >= 1)
+        if not ok:
+            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
+                             f"0 < backoff_factor < 1 and an int growth_interval >= 1")
+    return scale
+
+
+_LOW_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "half": "float16", "float32": None, "fp32": None, "float": None}
+
+
+def check_compute_dtype(value: Any, where: str = "compute_dtype") -> str | None:
+    """The canonical name ("bfloat16", "float16") of a compute dtype, or None for fp32 (no rewrite).
+
+    Accepts a name (any case; bf16, fp16, half, float32, ...), a torch dtype or None.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.").lower() if not isinstance(value, str) else value.lower()
+    if name not in _LOW_DTYPES:
+        raise ValueError(f"{where}={value!r}: use 'bfloat16' or 'float16' (or None / 'float32' for no mixed "
+                         f"precision)")
+    return _LOW_DTYPES[name]
+
+
+def blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
+    """`names` as a tuple of strs; TypeError for anything but an iterable of non-empty strs."""
+    if names is None:
+        return ()
+    listed = () if isinstance(names, str) else tuple(names)
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in listed):
+        raise TypeError(f"{what} must be a list of blob names, got {names!r}")
+    return tuple(str(n) for n in listed)
+
+
+# ---- checks: (value, caller) -> canonical value --------------------------------------------------
+
+
+def _function(name: str) -> Check:
+    def check(value: Any, caller: str) -> Any:
+        if not callable(value):
+            raise TypeError(f"{caller}: {name} must be a function, got {type(value).__name__}")
+        return value
+    return check
+
+
+def _int(name: str, low: int, note: str = "") -> Check:
+    """An int (not a bool) >= low; ParallelizeError '<caller>: <name> must be an int >= <low><note>, got ...'."""
+    def check(value: Any, caller: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ParallelizeError(f"{caller}: {name} must be an int >= {low}{note}, got {value!r}")
+        return value
+    return check
+
+
+def _bytes(name: str, low: int) -> Check:
+    """None, or an int number of bytes >= low (TypeError for a non-int)."""
+    def check(value: Any, caller: str) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{caller}: {name} must be an int number of bytes, got {value!r}")
+        if value < low:
+            raise ParallelizeError(f"{caller}: {name} must be >= {low} byte, got {value}")
+        return value
+    return check
+
+
+def _positive(name: str, unit: str) -> Check:
+    """A number (not a bool) > 0; None stays None."""
+    def check(value: Any, caller: str) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ParallelizeError(f"{caller}: {name} must be a number of {unit} > 0, got {value!r}")
+        return value
+    return check
+
+
+def _flag(value: Any, caller: str) -> bool:
+    return bool(value)
+
+
+def _spatial_bn(value: Any, caller: str) -> bool | str:
+    if value not in (True, False, "shard"):
+        raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False or 'shard' (statistics over "
+                               f"this shard's devices only), got {value!r}")
+    return value
+
+
+def _names(name: str) -> Check:
+    return lambda value, caller: blob_names(value, name)
+
+
+def _low_dtype(name: str) -> Check:
+    def check(value: Any, caller: str) -> str | None:
+        try:
+            return check_compute_dtype(value, f"{caller}: {name}")
+        except ValueError as exc:
+            raise ParallelizeError(str(exc)) from None
+    return check
+
+
+def _loss_scale(value: Any, caller: str) -> LossScale | None:
+    try:
+        return check_loss_scale(value)
+    except ValueError as exc:
+        raise ParallelizeError(str(exc)) from None
+
+
+def _seconds(value: Any, caller: str) -> float:
+    return float(_positive("barrier_net_timeout_sec", "seconds")(value, caller))
+
+
+# ---- the declarations ------------------------------------------------------------------------------
+
+_REQUIRED = MISSING
+
+
+def option(default: Any, doc: str, check: Check | None = None) -> Any:
+    """A field of ParallelizeOptions: one Parallelize argument, its default (`_REQUIRED`: none), the check
+    its given value goes through (None: kept as given) and its doc (the docstring's Args entry)."""
+    metadata = {"doc": textwrap.dedent(doc).strip(), "check": check}
+    return field(metadata=metadata) if default is _REQUIRED else field(default=default, metadata=metadata)
+
+
+def derived(default: Any, doc: str) -> Any:
+    """A field of ParallelizeOptions that Parallelize derives from other options (not an argument)."""
+    return field(default=default, metadata={"doc": doc, "check": None, "derived": True})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelizeOptions:
+    """Parallelize's options after checking (see the module docstring); built by name."""
+
+    input_builder_fun: Builder = option(_REQUIRED, """
+        `f(model)`, per device, inside the device's scopes (may add nothing).""", _function("input_builder_fun"))
+    forward_pass_builder_fun: Builder = option(_REQUIRED, """
+        `f(model, loss_scale) -> [loss, ...]`, per device, scoped; the user multiplies each loss by
+        `loss_scale` = 1/len(devices). Training needs a list of BlobReferences.""",
+        _function("forward_pass_builder_fun"))
+    param_update_builder_fun: Builder | None = option(None, """
+        `f(model)` per device, scoped: records that replica's updates.""")
+    optimizer_builder_fun: Builder | None = option(None, """
+        `f(model)` once, unscoped (e.g. `optimizer.build_sgd`); its result is kept as `model._optimizer`.
+        At most one of the two update builders; none = forward only.""")
+    post_sync_builder_fun: Builder | None = option(None, """
+        `f(model)` per device, scoped, after the initial sync was added.""")
+    pre_grad_net_transformer_fun: Builder | None = option(None, """
+        `f(model)` once, before the gradient ops are added.""")
+    net_transformer_fun: Builder | None = option(None, """
+        `f(model, num_devices, prefix, device_type)` exactly once, after the gradient ops (train and test
+        models alike).""")
+    devices: tuple[int, ...] | None = option(None, """
+        device ids (need not start at 0); default all CUDA devices, or `os.cpu_count()` CPU devices with
+        `cpu_device`.""")
+    rendezvous: Rendezvous | None = option(None, """
+        train over several processes (shards, on one machine or many), each owning `devices`: Caffe2's
+        dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler", ...}` (engine default:
+        NCCL on real CUDA devices when torch has it, else GLOO; see `graphpar.distributed.parse_rendezvous`;
+        `kv_handler` a torch.distributed Store, the name of a blob written by FileStoreHandlerCreate /
+        TCPStoreHandlerCreate, or None for torch.distributed's default group or env://). loss_scale
+        becomes 1/(devices * num_shards); every gradient (or bucket) is summed onto the first device,
+        all-reduced across shards and copied back; computed params, the initial sync, AddBlobSync and
+        FinalizeAfterCheckpoint broadcast from shard 0's first device (average_computed_params averages
+        over every replica of every shard). `RunInitNet` checks that every shard built the same model and
+        ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse gradients
+        are gathered across shards (`Allgather`). Not with shared_model.""")
+    net_type: str = option("dag", """
+        the train net's executor type.""")
+    broadcast_computed_params: bool = option(True, """
+        copy computed params (BN running stats) from the first device to the others every iteration.""")
+    optimize_gradient_memory: bool = option(False, """
+        each replica's gradient blobs whose lifetimes do not overlap share one name (Caffe2's memonger,
+        `passes.memonger`), so a step holds fewer of them; param gradients are never shared. Same results;
+        may be combined with dynamic_memory_management (Caffe2 refused the combination).""")
+    dynamic_memory_management: bool = option(False, """
+        the train net frees every intermediate right after its last use within a step and keeps only
+        persistent blobs (params, optimizer state, fed inputs, counters), each replica's losses and
+        `blobs_to_keep` (see `graphpar.executor.frame`); fetching a freed blob afterwards raises an error
+        naming the option. Same results.""")
+    blobs_to_keep: tuple[str, ...] = option(None, """
+        unscoped names kept on every replica under dynamic_memory_management.""", _names("blobs_to_keep"))
+    use_nccl: bool = option(False, """
+        all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.""")
+    max_concurrent_distributed_ops: int = option(16, """
+        with a rendezvous, the communicators cross-shard collectives take turns on: up to that many are in
+        flight at once (an int >= 1).""", _int("max_concurrent_distributed_ops", 1))
+    cpu_device: bool = option(False, """
+        replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.""")
+    ideep: bool = option(False, """
+        Caffe2's MKL-DNN CPU devices; here the same as `cpu_device=True` (torch's CPU kernels use oneDNN
+        themselves), replicas named `cpu_<id>`.""")
+    num_threads_per_device: int = option(4, """
+        `num_workers = len(devices) * num_threads_per_device` for the train net's executor.""",
+        _int("num_threads_per_device", 1))
+    shared_model: bool = option(False, """
+        CPU only: every replica reads the first device's params (one copy updated).""")
+    combine_spatial_bn: bool | str = option(False, """
+        training batch norm uses the statistics of the whole global batch (interleaved replicas,
+        per-device sums and value counts all-reduced, so devices fed batches of different sizes still get
+        the whole batch's statistics); forward-only models ignore it. "shard": the statistics of this
+        shard's devices only (SyncBatchNorm with a process group of one process), the gradients still
+        all-reduced over every shard.""", _spatial_bn)
+    barrier_net_timeout_sec: float = option(300, """
+        with a rendezvous, how long RunInitNet's barrier waits for the others.""", _seconds)
+    gradient_bucket_bytes: int | None = option(None, """
+        None (default): on real CUDA devices buckets of DDP's default 25 MiB (`bucket_cap_mb=25`, the
+        first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU
+        devices, CUDA simulated on the CPU) each gradient on its own; 0: each gradient on its own on CUDA
+        too. An int >= 1 all-reduces them in buckets, as PyTorch DDP does: in the same reverse creation
+        order, the gradients are packed into buckets of at most this many bytes (the first bucket of at
+        most `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
+        dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat), the buffers
+        are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and reshaped back into
+        the gradient blobs. Sizes come from shape inference on the ops of param_init_net that create each
+        param; a param whose size it cannot tell raises ParallelizeError naming it. See
+        `graphpar.passes.bucketing`.""", _bytes("gradient_bucket_bytes", 0))
+    first_bucket_bytes: int = option(1024 * 1024, """
+        the first bucket's limit (default 1 MiB, DDP's), an int >= 1, so the first collective can start
+        early; used only with buckets.""", _bytes("first_bucket_bytes", 1))
+    bucket_cap_mb: float | None = option(None, """
+        DDP's name for the bucket size, in MiB (a number > 0); instead of gradient_bucket_bytes, not with
+        it.""", _positive("bucket_cap_mb", "MiB"))
+    average_computed_params: bool = option(False, """
+        instead (whatever broadcast_computed_params says), replace every replica's computed params by their
+        mean over the replicas every iteration (all-reduce, then Scale by 1/N), at the same place in the
+        net. Off by default, as in Caffe2.""")
+    uneven_batches: bool = option(False, """
+        allow `graphpar.data.feed` to give devices chunks of different sizes (a batch that is not a
+        multiple of the device count): each replica's loss gradient is multiplied by its fed
+        `_batch_weight` blob, N·n_d/n, so the gradients are those of the whole batch. `feed` must then
+        feed every step (the train net reads the blob).""", _flag)
+    check_finite_loss: bool | None = option(None, """
+        stop every step whose loss is NaN or infinite before it updates anything: a `CheckFinite` op per
+        replica on its losses (placed before the gradients) makes RunNet raise an OperatorError naming
+        the loss, with params, optimizer state and counters unchanged. It reads each loss on the host (one
+        device sync per replica and step), so the default (None) is on for training CPU replicas, where
+        that costs a few µs per step (docs/errors.md), and off on CUDA, where the sync would stall the
+        step's queue, and for models without an optimizer (an evaluation reports a NaN loss); pass True
+        or False to choose. See docs/errors.md.""")
+    accumulate_gradients: int = option(1, """
+        k >= 1 micro-batches per update (DDP's `no_sync`): `model._accumulate_net` runs forward and
+        backward and adds the gradients to running sums (no all-reduce); the train net adds its own
+        micro-batch, all-reduces the mean once and updates. Run the accumulate net k - 1 times, then
+        `RunNet` (engine.Trainer does); the same update as one step on the k-times batch. See
+        `graphpar.passes.accumulate`.""", _int("accumulate_gradients", 1, " (micro-batches per update)"))
+    cpu_update_once: bool = option(True, """
+        (default on) CPU replicas of one process (not shared_model) run each update once, on the first
+        device: the other replicas' params, optimizer state and summed gradients become aliases of the
+        first device's tensors (no copies, no repeated updates; see `graphpar.passes.cpu_update_once`).
+        Same results, bit for bit; a value fed to one replica's param or state alone is replaced by the
+        first device's at the next step. Ignored on CUDA and across shards.""", _flag)
+    cuda_graph: bool = option(False, """
+        capture the whole train step in a CUDA graph after warm-up and replay it on every RunNet (net type
+        "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""")
+    compute_dtype: str | None = option(None, """
+        "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
+        docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
+        that dtype; params stay fp32 masters; losses, softmax, batch-norm statistics, reductions, the
+        gradient all-reduce and the updates stay fp32. None (default) or "float32": no rewrite.""",
+        _low_dtype("compute_dtype"))
+    loss_scale: LossScale | None = option(None, """
+        scale the loss gradients for float16 (`graphpar.passes.loss_scale`): a number S > 0 (static, as
+        Caffe2's trainer), "dynamic" (torch.amp.GradScaler's policy: start at 2**16, double after 2000
+        good steps, halve on overflow) or a dict of `LossScale` fields. Gradients are divided by S after
+        the all-reduce; a step whose gradients hold an inf or a NaN on any replica or shard is skipped
+        everywhere (RunNet logs a warning; params, optimizer state and the iteration counter unchanged)
+        and, when dynamic, S shrinks. S is replica state (checkpointed).""", _loss_scale)
+    channels_last: bool = option(False, """
+        keep an NCHW model's activations in torch.channels_last memory format (cuDNN's fast path): the
+        input of the first Conv is converted once, and no conversion is left between consecutive convs
+        (`graphpar.passes.channels_last`). Same values and shapes.""", _flag)
+    allreduce_dtype: str | None = option(None, """
+        "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype (half the bytes, as
+        DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
+        before the update. None (default): gradients are all-reduced in their own dtype (fp32 masters:
+        fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+    auto_buckets: bool = derived(False, "gradient_bucket_bytes is the CUDA default: per gradient if sizes are "
+                                        "unknown")
+
+    @property
+    def num_shards(self) -> int:
+        """How many processes train the model together (1 without a rendezvous)."""
+        return 1 if self.rendezvous is None else self.rendezvous.num_shards
+
+    @property
+    def training(self) -> bool:
+        """Whether the model gets gradients and updates (an update builder was given)."""
+        return self.param_update_builder_fun is not None or self.optimizer_builder_fun is not None
+
+
+def declared() -> list[Field]:
+    """The options Parallelize takes as arguments, in its signature's order."""
+    return [f for f in fields(ParallelizeOptions) if not f.metadata.get("derived")]
+
+
+def checked(values: Mapping[str, Any], caller: str) -> dict[str, Any]:
+    """Every option's value: as given in `values` (option name -> value) or its default, after its check;
+    `caller` names the function in the errors."""
+    options = {}
+    for f in declared():
+        value = values[f.name] if f.name in values or f.default is MISSING else f.default
+        options[f.name] = value if f.metadata["check"] is None else f.metadata["check"](value, caller)
+    return options
+
+
+def parameters() -> list[inspect.Parameter]:
+    """Parallelize's parameters after `model_helper_obj`, from the declarations."""
+    return [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              default=inspect.Parameter.empty if f.default is MISSING else f.default)
+            for f in declared()]
+
+
+def args_doc(indent: str = "        ", width: int = 108) -> str:
+    """The docstring's Args entries of the options, from the declarations."""
+    return "\n".join(textwrap.fill(f"{f.name}: {' '.join(f.metadata['doc'].split())}", width, initial_indent=indent,
+                                   subsequent_indent=indent + "    ") for f in declared())

@@ -1,0 +1,94 @@
+"""Parallelize's options: one declaration each (`passes.options`), from which Parallelize's signature,
+docstring and argument checks come."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from graphpar import data_parallel_model as dpm
+from graphpar import model_helper
+from graphpar.errors import ParallelizeError
+from graphpar.models import mlp
+from graphpar.passes.options import ParallelizeOptions, checked, declared
+
+# Caffe2's data_parallel_model.Parallelize, in its order, with its defaults (graphpar's options follow)
+CAFFE2 = [
+    ("model_helper_obj", inspect.Parameter.empty), ("input_builder_fun", inspect.Parameter.empty),
+    ("forward_pass_builder_fun", inspect.Parameter.empty), ("param_update_builder_fun", None),
+    ("optimizer_builder_fun", None), ("post_sync_builder_fun", None), ("pre_grad_net_transformer_fun", None),
+    ("net_transformer_fun", None), ("devices", None), ("rendezvous", None), ("net_type", "dag"),
+    ("broadcast_computed_params", True), ("optimize_gradient_memory", False),
+    ("dynamic_memory_management", False), ("blobs_to_keep", None), ("use_nccl", False),
+    ("max_concurrent_distributed_ops", 16), ("cpu_device", False), ("ideep", False),
+    ("num_threads_per_device", 4), ("shared_model", False), ("combine_spatial_bn", False),
+    ("barrier_net_timeout_sec", 300),
+]
+
+
+def test_parallelize_takes_caffe2s_arguments_first_then_every_declared_option():
+    parameters = list(inspect.signature(dpm.Parallelize).parameters.values())
+    assert [(p.name, p.default) for p in parameters[:len(CAFFE2)]] == CAFFE2
+    assert [p.name for p in parameters[1:]] == [f.name for f in declared()]
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
+
+
+def test_the_docstring_documents_every_declared_option_once_in_order():
+    doc = inspect.getdoc(dpm.Parallelize)
+    args = doc[doc.index("Args:"):doc.index("Warns")]
+    entries = [line.split(":")[0].strip() for line in args.splitlines()[1:] if line.startswith("    ")
+               and not line.startswith("        ")]
+    assert entries == ["model_helper_obj", *(f.name for f in declared())]
+    assert all(f.metadata["doc"] for f in declared())
+
+
+def test_options_are_built_by_name_and_every_default_passes_its_check():
+    with pytest.raises(TypeError):
+        ParallelizeOptions(print, print)  # type: ignore[misc] - keyword-only
+    builders = dict(input_builder_fun=print, forward_pass_builder_fun=print)
+    defaults = checked(builders, "Parallelize")
+    assert set(defaults) == {f.name for f in declared()} and defaults["blobs_to_keep"] == ()
+    assert ParallelizeOptions(**defaults) == ParallelizeOptions(**{**defaults, **checked(defaults, "Parallelize")})
+    assert "auto_buckets" not in defaults  # derived by Parallelize, not an argument
+
+
+def _parallelize(*args, **options) -> None:  # noqa: ANN002
+    model = model_helper.ModelHelper(name="opts")
+    dpm.Parallelize(model, lambda m: None, lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2), *args,
+                    **{"devices": [0, 1], "cpu_device": True, **options})
+
+
+def test_a_bad_call_raises_pythons_type_error_naming_parallelize():
+    with pytest.raises(TypeError, match=r"Parallelize\(\) got an unexpected keyword argument 'devicez'"):
+        _parallelize(devicez=[0])
+    with pytest.raises(TypeError, match=r"Parallelize\(\) multiple values for argument 'devices'"):
+        _parallelize(None, None, None, None, None, [0])
+    with pytest.raises(TypeError, match="missing a required argument: 'forward_pass_builder_fun'"):
+        dpm.Parallelize(model_helper.ModelHelper(name="few"), lambda m: None)
+
+
+@pytest.mark.parametrize(("option", "value", "error", "message"), [
+    ("num_threads_per_device", 0, ParallelizeError, "Parallelize: num_threads_per_device must be an int >= 1, got 0"),
+    ("barrier_net_timeout_sec", -1, ParallelizeError, "barrier_net_timeout_sec must be a number of seconds > 0"),
+    ("bucket_cap_mb", 0, ParallelizeError, "bucket_cap_mb must be a number of MiB > 0, got 0"),
+    ("blobs_to_keep", "fc1", TypeError, "blobs_to_keep must be a list of blob names"),
+    ("compute_dtype", "int8", ParallelizeError, "Parallelize: compute_dtype='int8'"),
+    ("allreduce_dtype", "int8", ParallelizeError, "Parallelize: allreduce_dtype='int8'"),
+    ("loss_scale", -1.0, ParallelizeError, "loss_scale: .* needs 0 < init_scale"),
+])
+def test_each_declared_check_raises_its_message(option: str, value: object, error: type, message: str):
+    with pytest.raises(error, match=message):
+        _parallelize(**{option: value})
+
+
+def test_the_checked_options_are_canonical():
+    model = model_helper.ModelHelper(name="canon")
+    dpm.Parallelize(model, lambda m: None, lambda m, s: mlp(m, s, dim_in=4, hidden=(3,), num_classes=2),
+                    devices=[1, 0], ideep=True, blobs_to_keep=["fc1"], barrier_net_timeout_sec=10,
+                    compute_dtype="bf16", uneven_batches=1)
+    options = model._parallel.options
+    assert (options.devices, options.cpu_device, options.blobs_to_keep, options.barrier_net_timeout_sec,
+            options.compute_dtype, options.uneven_batches) == ((1, 0), True, ("fc1",), 10.0, "bfloat16", True)
+    assert dataclasses.fields(options)[-1].name == "auto_buckets" and options.check_finite_loss is False
