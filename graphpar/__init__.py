@@ -1,8 +1,8 @@
 """graphpar: a Caffe2-style graph-building data-parallel compiler whose operators run on PyTorch kernels.
 
-`import graphpar` is cheap and torch-free: it loads `core` and wires the operator library into it
-(loaded at the first op lookup); other submodules load on first use, so `from graphpar import brew`
-and `graphpar.Parallelize` work as usual.
+`import graphpar` is cheap and torch-free: it installs the finder of moved modules and the providers
+core calls for the operator library and Caffe2's protobufs and plans; submodules load on first use,
+so `from graphpar import brew` and `graphpar.Parallelize` work as usual.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from graphpar import _moved
+from graphpar import _moved, _providers
 
 _moved.install()
 
@@ -26,13 +26,17 @@ def _proto_converter() -> ModuleType:
     return convert
 
 
-from graphpar import core  # noqa: E402 - the finder of moved modules comes first
-from graphpar.caffe2 import plan as _caffe2_plan  # noqa: E402
+def _caffe2_plans() -> ModuleType:
+    from graphpar.caffe2 import plan
 
-# Core is passive: it gets the operator library, the protobuf conversion and Caffe2's execution plans here.
-core.schema.set_operator_library(_load_operators)
-core.ir.set_proto_converter(_proto_converter)
-core.ExecutionStep, core.Plan = _caffe2_plan.ExecutionStep, _caffe2_plan.Plan
+    return plan
+
+
+# Core imports no layer above it: it gets the operator library, the protobuf conversion and Caffe2's
+# execution plans through these slots, all loaded on first use.
+_providers.load_operators = _load_operators
+_providers.proto_converter = _proto_converter
+_providers.caffe2_plans = _caffe2_plans
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "graphpar"
 LAYER_OF = {
     "graphpar": "root",  # lazy re-exports of the public modules and names: may import anything
     "graphpar._moved": "base",
+    "graphpar._providers": "base",
     "graphpar.errors": "base",
     "graphpar.core": "core",
     "graphpar.platform": "platform",

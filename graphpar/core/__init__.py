@@ -1,12 +1,13 @@
 """The IR, scopes, the Net builder, graph views and autodiff (Caffe2's `core`).
 
-Core imports neither the operator library nor Caffe2's protobuf layer: the package root installs
-both (`schema.set_operator_library`, `ir.set_proto_converter`) and adds Caffe2's execution plans
-(`graphpar.caffe2.plan`) here as `core.ExecutionStep` and `core.Plan`.
+Core imports neither the operator library nor Caffe2's layer: the package root provides the operators,
+the protobuf conversion and Caffe2's execution plans (`graphpar._providers`); `core.Plan` and
+`core.ExecutionStep` are those of `graphpar.caffe2.plan`.
 """
 
 from typing import Any
 
+from graphpar import _providers
 from graphpar.core.ir import (
     CPU,
     CUDA,
@@ -41,7 +42,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`core._REGISTERED_OPERATORS`, read when asked for (registering loads the operator library)."""
+    """`core.Plan` and `core.ExecutionStep` (Caffe2's execution plans, provided by the package root), and
+    `core._REGISTERED_OPERATORS`, read when asked for (registering loads the operator library)."""
+    if name in ("Plan", "ExecutionStep"):
+        return getattr(_providers.caffe2_plans(), name)
     if name == "_REGISTERED_OPERATORS":  # Caffe2's set of registered op types, read by its tests
         from graphpar.core.schema import registered_types
 

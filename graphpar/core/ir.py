@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 from collections import namedtuple
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
+
+from graphpar import _providers
 
 
 class DeviceType(IntEnum):
@@ -202,25 +203,10 @@ def _arguments(args: dict[str, Any]) -> list[Argument]:
     return [Argument(name, value) for name, value in args.items()]
 
 
-def _no_converter() -> Any:
-    raise RuntimeError("no protobuf converter is installed: import graphpar (its package root installs "
-                       "graphpar.caffe2.proto.convert)")
-
-
-_load_converter: Callable[[], Any] = _no_converter
-
-
-def set_proto_converter(load: Callable[[], Any]) -> None:
-    """Install `load()`, which returns the module converting to and from Caffe2's protobuf messages
-    (`to_proto`, `from_proto`). The IR does not depend on protobuf: the package root installs
-    `graphpar.caffe2.proto.convert`, loaded on first use."""
-    global _load_converter
-    _load_converter = load
-
-
 def proto_converter() -> Any:
-    """The installed protobuf converter module (`set_proto_converter`)."""
-    return _load_converter()
+    """The module converting to and from Caffe2's protobuf messages (`to_proto`, `from_proto`), which
+    the package root provides (`graphpar._providers`): the IR does not depend on protobuf."""
+    return _providers.proto_converter()
 
 
 class _MessageLike:

@@ -1,7 +1,7 @@
 """The operator registry: one registration per op type holds its schema, traits, kernel, gradient and doc.
 
 This module is torch-free: `core` knows schemas, never kernels. The op library (`graphpar/ops/`)
-registers into it on first use: the package root installs it (`set_operator_library`), and its modules
+registers into it on first use: the package root provides it (`graphpar._providers`), and its modules
 are discovered (see `graphpar.ops`). A registration reads
 top to bottom in one screen (see `graphpar/ops/tensor.py`):
 
@@ -60,6 +60,7 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from graphpar import _providers
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.naming import grad_name
 from graphpar.errors import UnknownOperatorError
@@ -477,23 +478,8 @@ def scoped_registry() -> Iterator[None]:
         _passed.clear()
 
 
-def _no_library() -> None:
-    """The operator library before one is installed: none, only what was registered explicitly."""
-
-
-_load_library: Callable[[], None] = _no_library
-
-
-def set_operator_library(load: Callable[[], None]) -> None:
-    """Install `load()`, which registers the operator library; the registry calls it before its first
-    lookup of an unknown type (and for the full list). Core never imports operators itself: the package
-    root installs `graphpar.ops`."""
-    global _load_library
-    _load_library = load
-
-
 def _ensure_loaded() -> None:
-    _load_library()
+    _providers.load_operators()
 
 
 def is_registered(type_: str) -> bool:
