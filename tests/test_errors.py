@@ -268,7 +268,7 @@ def test_a_loss_not_multiplied_by_loss_scale_is_warned_about(caplog: pytest.LogC
                                      {"dynamic_memory_management": True, "optimize_gradient_memory": True}],
                          ids=["combine_spatial_bn", "buckets", "memory"])
 def test_check_finite_loss_with_batch_norm_and_other_options_stops_before_any_update(options) -> None:
-    from tests.test_data_parallel_model import feed as feed_batch
+    from tests.parallel.test_data_parallel_model import feed as feed_batch
     from tests.test_reliability import BN_DATA, trained
 
     model = trained(check_finite_loss=True, **options)

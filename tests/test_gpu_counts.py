@@ -24,8 +24,8 @@ ONCE_FAILED_WITH_A_GPU = [  # the 1-GPU run's failures (the 2-process test_train
     # and those that failed with a faked GPU (GRAPHPAR_FAKE_GPUS=1, the whole suite): they assumed none
     "tests/caffe2/test_workspace.py::test_gpu_names",
     "tests/executor/test_plan.py::test_missing_cuda_device_fails_at_create_net",
-    "tests/test_data_parallel_model.py::test_cuda_devices_default_to_none_without_a_gpu",
-    "tests/test_workspace.py::test_feed_to_missing_cuda_device_explains_simulation",
+    "tests/parallel/test_data_parallel_model.py::test_cuda_devices_default_to_none_without_a_gpu",
+    "tests/runtime/test_workspace.py::test_feed_to_missing_cuda_device_explains_simulation",
 ]
 
 

@@ -16,7 +16,15 @@ from graphpar.devices import cuda_on_cpu
 from graphpar.errors import CheckpointError, MissingBlobError, OperatorError, ParallelizeError
 from graphpar.executor import get_executor
 from tests.executor import toy_ops
-from tests.test_data_parallel_model import MLP, MLP_PARAMS, _bn_forward, batches, feed, fetch_params, sgd
+from tests.parallel.test_data_parallel_model import (
+    MLP,
+    MLP_PARAMS,
+    _bn_forward,
+    batches,
+    feed,
+    fetch_params,
+    sgd,
+)
 
 BN_DATA = batches(3, 4, (2, 3, 3))
 MLP_DATA = batches(3, 4, (6,))

@@ -12,9 +12,9 @@ from graphpar.core.graph import dependency_graph
 from graphpar.core.schema import Trait, has_trait
 from graphpar.engine import Trainer
 from graphpar.models import mlp
-from tests.test_accumulate import K, _micro_batches
-from tests.test_accumulate import _model as accumulating
-from tests.test_engine import CASES, MODELS, assert_identical, train
+from tests.executor.test_engine import CASES, MODELS, assert_identical, train
+from tests.parallel.test_accumulate import K, _micro_batches
+from tests.parallel.test_accumulate import _model as accumulating
 
 ON = {"cpu_update_once": True}
 UPDATE_CASES = {

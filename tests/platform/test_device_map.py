@@ -23,7 +23,7 @@ from graphpar.feeder import CudaCopier
 from graphpar.model_helper import ModelHelper
 from tests import test_sync_bn
 from tests.fake_gpus import fake_gpus
-from tests.test_sync_bn import _compare, _conv_bn_net, _parallelize, _train
+from tests.parallel.test_sync_bn import _compare, _conv_bn_net, _parallelize, _train
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from graphpar.engine import Trainer
 from graphpar.errors import ParallelizeError
 from graphpar.model_helper import ModelHelper
 from graphpar.passes.analyze import is_cross_device_op
-from tests.test_trainer import _mlp
+from tests.training.test_trainer import _mlp
 
 _names = iter(range(10**6))
 K, MICRO = 3, 8

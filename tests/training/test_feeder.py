@@ -20,7 +20,7 @@ from graphpar.devices import cuda_on_cpu
 from graphpar.engine import HookBase, IterationTimer, LRScheduler, PeriodicWriter, Trainer
 from graphpar.feeder import CudaCopier
 from graphpar.model_helper import ModelHelper
-from tests.test_trainer import _batches, _model, _params
+from tests.training.test_trainer import _batches, _model, _params
 
 _names = iter(range(10**6))
 
