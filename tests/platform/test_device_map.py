@@ -21,8 +21,8 @@ from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.errors import ParallelizeError
 from graphpar.feeder import CudaCopier
 from graphpar.model_helper import ModelHelper
-from tests import test_sync_bn
 from tests.fake_gpus import fake_gpus
+from tests.parallel import test_sync_bn
 from tests.parallel.test_sync_bn import _compare, _conv_bn_net, _parallelize, _train
 
 
