@@ -41,18 +41,11 @@ from graphpar.training.batches import (
     prepare,
     scatter,
 )
+from graphpar.training.feeder import DeviceFeeder
 
-__all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",  # noqa: F822
+__all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",
            "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
            "TrainingSampler", "minibatches", "prepare", "scatter", "split_batch"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DeviceFeeder":  # imported on first use: it needs threads and torch
-        from graphpar.training.feeder import DeviceFeeder
-
-        return DeviceFeeder
-    raise AttributeError(f"module 'graphpar.data' has no attribute {name!r}")
 
 
 # ---- feeding ---------------------------------------------------------------------------------------
