@@ -138,8 +138,18 @@ def one_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        if not _interrupted.is_set():
+        if _interrupted.is_set():
+            _forget_escaped_interrupt()
+        else:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def _forget_escaped_interrupt() -> None:
+    """CPython notes a KeyboardInterrupt that leaves an `exec` of a string (dataclasses, torch and numpy
+    build functions from source so) as unhandled even when code above it catches it, and `python -m`
+    then ends the process by SIGINT at exit (status -2, not our 130). Each `exec` of a string clears the
+    note; an interrupt that really escapes sets it again."""
+    exec("None", {})  # noqa: S102 - a constant, for its side effect on the interpreter's note
 
 
 def guard(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
