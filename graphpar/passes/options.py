@@ -269,6 +269,13 @@ class ParallelizeOptions:
         all-reduced over every shard.""", _spatial_bn)
     barrier_net_timeout_sec: float = option(300, """
         with a rendezvous, how long RunInitNet's barrier waits for the others.""", _seconds)
+    static_shapes: bool = option(False, """
+        (later Caffe2 versions' argument) promise that every step feeds inputs of one shape and dtype: the
+        nets RunNet runs carry the net argument `static_shapes` (`core.naming.STATIC_SHAPES_ARG`), so the
+        engine may compile the step for those shapes, and running them refuses a fed input whose shape or
+        dtype differs from the one it had at CreateNet (or, fed later, at the first run): a ValueError
+        naming the blob, before anything changes. Feed full batches (a loader's `drop_last=True`).""",
+        _flag)
     gradient_bucket_bytes: int | None = option(None, """
         None (default): on real CUDA devices buckets of DDP's default 25 MiB (`bucket_cap_mb=25`, the
         first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU
