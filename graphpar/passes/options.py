@@ -281,9 +281,9 @@ class ParallelizeOptions:
         first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU
         devices, CUDA simulated on the CPU) each gradient on its own; 0: each gradient on its own on CUDA
         too. An int >= 1 all-reduces them in buckets, as PyTorch DDP does: in the same reverse creation
-        order, the gradients are packed into buckets of at most this many bytes (the first bucket of at
-        most `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
-        dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat), the buffers
+        order, the gradients are packed into buckets that close once they hold at least this many
+        bytes (the first bucket `first_bucket_bytes`; each dtype fills buckets of its own: DDP's
+        assignment, `passes.bucketing.plan_buckets`); per device each bucket is flattened into one buffer (FlattenToVec + Concat), the buffers
         are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and reshaped back into
         the gradient blobs. Sizes come from shape inference on the ops of param_init_net that create each
         param; a param whose size it cannot tell raises ParallelizeError naming it. See
