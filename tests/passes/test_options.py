@@ -92,3 +92,18 @@ def test_the_checked_options_are_canonical():
     assert (options.devices, options.cpu_device, options.blobs_to_keep, options.barrier_net_timeout_sec,
             options.compute_dtype, options.uneven_batches) == ((1, 0), True, ("fc1",), 10.0, "bfloat16", True)
     assert dataclasses.fields(options)[-1].name == "auto_buckets" and options.check_finite_loss is False
+
+
+def test_combine_spatial_bn_takes_groups_of_shards_or_a_process_group(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from graphpar.passes.options import _spatial_bn
+
+    assert _spatial_bn([[0, 2], (1,)], "P") == ((0, 2), (1,)) and _spatial_bn("shard", "P") == "shard"
+    assert _spatial_bn(True, "P") is True and _spatial_bn(0, "P") == 0
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert _spatial_bn(dist.new_group([0]), "P") == ((0,),)  # SyncBatchNorm's process_group
+    finally:
+        dist.destroy_process_group()
