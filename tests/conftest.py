@@ -51,6 +51,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def deterministic_cudnn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that need a GPU run with cuDNN's deterministic kernels and no autotuning: cuDNN's atomics
+    otherwise make two runs of one step differ in their last bits, which no bit-identity check of
+    graphpar (captured == uncaptured, N devices == 1) is about."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    import torch
+
+    cudnn = torch.backends.cudnn
+    old = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
+
+
+@pytest.fixture(autouse=True)
 def faked_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """With GRAPHPAR_FAKE_GPUS=<n>, every test runs as if the machine had n GPUs (tests/fake_gpus.py)."""
     count = os.environ.get("GRAPHPAR_FAKE_GPUS")
