@@ -128,6 +128,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     shared_model: bool = False,
     combine_spatial_bn: bool | str = False,
     barrier_net_timeout_sec: float = 300,
+    static_shapes: bool = False,
     # graphpar's own options
     gradient_bucket_bytes: int | None = None,
     first_bucket_bytes: int = 1024 * 1024,

@@ -328,7 +328,7 @@ class ParallelizeOptions:
         engine may compile the step for those shapes, and running them refuses a fed input whose shape or
         dtype differs from the one it had at CreateNet (or, fed later, at the first run): a ValueError
         naming the blob, before anything changes. Feed full batches (a loader's `drop_last=True`).""",
-        _flag)
+        _flag("static_shapes"))
     gradient_bucket_bytes: int | None = option(None, """
         None (default): on real CUDA devices buckets of DDP's default 25 MiB (`bucket_cap_mb=25`, the
         first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU

@@ -109,6 +109,7 @@ BAD_VALUES = {
     "shared_model": (None, TypeError, "shared_model must be True or False, got None"),
     "combine_spatial_bn": ("yes", ParallelizeError, "combine_spatial_bn must be True, False or 'shard'"),
     "barrier_net_timeout_sec": (-1, ParallelizeError, "barrier_net_timeout_sec must be a number of seconds > 0"),
+    "static_shapes": ("yes", *_FLAG),
     "gradient_bucket_bytes": ("1", TypeError, "gradient_bucket_bytes must be an int number of bytes"),
     "first_bucket_bytes": (0, ParallelizeError, "first_bucket_bytes must be >= 1 byte, got 0"),
     "bucket_cap_mb": (0, ParallelizeError, "bucket_cap_mb must be a number of MiB > 0, got 0"),
