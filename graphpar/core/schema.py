@@ -81,9 +81,19 @@ REQUIRED = _Marker("REQUIRED")
 NO_GRADIENT = _Marker("NO_GRADIENT")  # gradients stop here: the op's inputs get none (fills, StopGradient)
 NOT_DIFFERENTIABLE = _Marker("NOT_DIFFERENTIABLE")  # raise if a gradient reaches the op (Caffe2 SHOULD_NOT_DO)
 
-# Arguments Caffe2 code passes freely that graphpar accepts and ignores on ops that do not declare them.
-IGNORED_ARGS = frozenset({"order", "use_cudnn", "cudnn_exhaustive_search", "exhaustive_search",
-                          "ws_nbytes_limit", "float16_compute", "random_seed"})
+# The arguments Caffe2 accepted on any op and ignored (its ops read only the arguments they knew), which
+# Caffe2 code and tutorials pass freely: graphpar accepts and ignores them on ops that do not declare them
+# (an op that declares one reads it). Each changes no result: it picks a kernel or a buffer, or its
+# behaviour is Caffe2's default here. docs/caffe2_migration.md lists them; any other unknown argument is
+# an error.
+IGNORED_ARGS = frozenset({
+    "order",  # on ops without a layout (Caffe2's brew passes the model's arg_scope everywhere)
+    "use_cudnn", "cudnn_exhaustive_search", "exhaustive_search", "ws_nbytes_limit", "enable_tensor_core",
+    "deterministic", "cudnn_state", "shared_buffer",  # cuDNN algorithm search and workspace, shared buffers
+    "float16_compute",  # fp16 math in Caffe2's FP16 FC; graphpar's precision is Parallelize(compute_dtype=...)
+    "random_seed",  # an op-level seed; graphpar's seeds are the workspace's (SetSeed)
+    "run_once",  # fills: "fill only on the first run", dropped by Caffe2 long ago; tutorials pass run_once=0
+})
 
 ARG_KINDS = ("int", "float", "bool", "str", "ints", "floats", "strs", "net", "any")
 

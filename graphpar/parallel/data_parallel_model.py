@@ -42,7 +42,8 @@ from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobNam
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
+from graphpar.errors import (CheckpointError, DeviceScopeError, GradientOverflowError, MissingBlobError,
+                             ParallelizeError)
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.model.model_helper import ModelHelper
@@ -204,8 +205,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
         "check_finite_loss": _finite_loss_check(given["check_finite_loss"], cpu_device, training)})
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
-                    "model that shares a training model's params should use ModelHelper(init_params=False), "
-                    "or running its init net will overwrite the trained params", model.name)
+                    "model that shares the params of a training model in this workspace should use "
+                    "ModelHelper(init_params=False), or running its init net will overwrite the trained "
+                    "params (to predict from a checkpoint in a fresh process, see docs/inference.md)",
+                    model.name)
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
@@ -450,13 +453,15 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized.
         RuntimeError: the model's nets were created already (RunInitNet or CreateNet was called).
-        MissingBlobError: an input of a net is neither fed nor created by an init net.
+        MissingBlobError: an input of a net is neither fed nor created by an init net (for a model
+            built with init_params=False: its params, which no init net creates).
         CheckpointError: a checkpoint was loaded before RunInitNet (`graphpar.resume`).
         Workspace errors of the runs propagate, with the workspace unchanged.
     """
     state = _state_of(model)
     ws = workspace.get_workspace()
     defined = {*ws.blobs, *ws.objects}
+    _check_shared_params(model, defined, "RunInitNet")
     for net in state.init_nets:
         netdef = net.Proto()
         check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
@@ -494,8 +499,23 @@ def _check_can_create(model: ModelHelper, ws: workspace.Workspace, defined: set[
                            f"model was initialised already (a second RunInitNet would reset its trained params, "
                            f"optimizer state and counters). To start again, ResetWorkspace() first; to only "
                            f"recompile, CreateNet(model, overwrite=True)")
+    _check_shared_params(model, defined, what)
     for netdef in netdefs:
         check_inputs_exist(netdef, set(defined), ws.name, what)
+
+
+def _check_shared_params(model: ModelHelper, defined: set[str], what: str) -> None:
+    """A model built with init_params=False creates none of its params: they must exist already."""
+    if model.init_params:
+        return
+    missing = [name for name in map(str, model.GetParams("")) if name not in defined]
+    if missing:
+        raise MissingBlobError(
+            f"{what}({model.name!r}): its params do not exist ({', '.join(map(repr, missing[:3]))}"
+            f"{' ...' if len(missing) > 3 else ''}), and the model was built with init_params=False, so no init "
+            f"net creates them. init_params=False is for a model that shares the params of a training model "
+            f"in this workspace: run that model's RunInitNet first. To predict from a checkpoint in a fresh "
+            f"process, extract a forward-only net and load the checkpoint's params into it (docs/inference.md)")
 
 
 def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
