@@ -107,7 +107,7 @@ BAD_VALUES = {
     "ideep": (2, TypeError, "Parallelize: ideep must be True or False, got 2"),
     "num_threads_per_device": (0, ParallelizeError, "Parallelize: num_threads_per_device must be an int >= 1, got 0"),
     "shared_model": (None, TypeError, "shared_model must be True or False, got None"),
-    "combine_spatial_bn": ("yes", ParallelizeError, "combine_spatial_bn must be True, False or 'shard'"),
+    "combine_spatial_bn": ("yes", ParallelizeError, "combine_spatial_bn must be True, False, 'shard' or groups"),
     "barrier_net_timeout_sec": (-1, ParallelizeError, "barrier_net_timeout_sec must be a number of seconds > 0"),
     "static_shapes": ("yes", *_FLAG),
     "gradient_bucket_bytes": ("1", TypeError, "gradient_bucket_bytes must be an int number of bytes"),
