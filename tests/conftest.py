@@ -1,9 +1,11 @@
-"""Shared test settings: a deterministic hypothesis profile and fresh workspaces."""
+"""Shared test settings: a deterministic hypothesis profile, fresh workspaces, and each test in its own
+empty directory."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -31,6 +33,13 @@ def fresh_workspace() -> None:
 
 
 @pytest.fixture(autouse=True)
+def own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own empty temporary directory: no test reads or writes the directory pytest
+    started in (the project root, where the main job leaves its checkpoint, say)."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def reuse_small_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let reuse kernels run on the tests' small tensors too (outside tests only values of
     `REUSE_MIN_BYTES` and up are reused), so every test exercises the riskier path."""
@@ -48,6 +57,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def deterministic_cudnn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that need a GPU run with cuDNN's deterministic kernels and no autotuning: cuDNN's atomics
+    otherwise make two runs of one step differ in their last bits, which no bit-identity check of
+    graphpar (captured == uncaptured, N devices == 1) is about."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    import torch
+
+    cudnn = torch.backends.cudnn
+    old = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
 
 
 @pytest.fixture(autouse=True)
