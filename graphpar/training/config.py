@@ -87,7 +87,8 @@ def _defaults() -> CfgNode:
     c.TEST.EVAL_PERIOD = 0  # 0: evaluate after training only
 
     c.OUTPUT_DIR = "./output"
-    c.SEED = 0  # the workspace's random streams and the training sampler (< 0: the workspace's seed is left alone)
+    c.SEED = 0  # the workspace's random streams and the training sampler (< 0: the workspace's seed is left
+    # alone and the sampler takes a random seed every process shares)
     return c
 
 

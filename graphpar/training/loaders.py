@@ -231,7 +231,7 @@ def single_device_batch_size(total_batch_size: int, num_devices: int, world: int
 
 def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None, total_batch_size: int | None = None,
                        sampler: Any = None, aspect_ratio_grouping: bool = False, num_workers: int = 0,
-                       seed: int = 0, num_devices: int = 1, *, collate_fn: Callable[[list], Any] | None = None,
+                       seed: int | None = 0, num_devices: int = 1, *, collate_fn: Callable[[list], Any] | None = None,
                        drop_last: bool = True, single_gpu_batch_size: int | None = None) -> Any:
     """An infinite loader of this process's share of each global batch, each `collate`d from
     `mapper(sample)`s, as Detectron2's `build_detection_train_loader`.
@@ -239,7 +239,7 @@ def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None,
     The batch: `total_batch_size` over every device of every process (checked by
     `single_device_batch_size`), or `single_gpu_batch_size` samples per device (not both). `dataset`
     is a list (of dicts; serialized, see `DatasetFromList`), a map-style dataset read in the order of
-    `sampler` (default a `TrainingSampler` seeded with `seed`), or an iterable dataset read as it
+    `sampler` (default a `TrainingSampler` seeded with `seed`; None: a random seed every process shares), or an iterable dataset read as it
     yields (its sampler must be None; it shards itself over processes and workers). `collate_fn`
     turns this process's list of samples into a batch (default `graphpar.data.collate`, split per
     device); `drop_last=False` keeps a short last batch of a finite sampler. The batches do not depend
