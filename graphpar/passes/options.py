@@ -43,8 +43,8 @@ def check_loss_scale(value: Any) -> LossScale | None:
     dict of LossScale's fields (dynamic unless it says otherwise) or a LossScale.
 
     Raises:
-        ValueError / TypeError: any other value, a scale <= 0 or not finite, growth_factor <= 1,
-            backoff_factor outside (0, 1), growth_interval < 1.
+        ValueError / TypeError: any other value, a scale <= 0 or not finite, a growth_factor <= 1 or not
+            finite, backoff_factor outside (0, 1), growth_interval < 1.
     """
     if value is None or isinstance(value, LossScale):
         scale = value
@@ -61,10 +61,11 @@ def check_loss_scale(value: Any) -> LossScale | None:
         raise TypeError(f"loss_scale={value!r}: use a number > 0 (static), 'dynamic', a dict of "
                         f"graphpar.passes.loss_scale.LossScale fields, or None")
     if scale is not None:
-        ok = (0 < scale.init_scale < float("inf") and scale.growth_factor > 1 and 0 < scale.backoff_factor < 1
-              and isinstance(scale.growth_interval, int) and scale.growth_interval >= 1)
+        ok = (0 < scale.init_scale < float("inf") and 1 < scale.growth_factor < float("inf")
+              and 0 < scale.backoff_factor < 1 and isinstance(scale.growth_interval, int)
+              and scale.growth_interval >= 1)
         if not ok:
-            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
+            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, 1 < growth_factor < inf, "
                              f"0 < backoff_factor < 1 and an int growth_interval >= 1")
     return scale
 

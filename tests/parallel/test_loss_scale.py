@@ -164,6 +164,22 @@ def test_the_scale_round_trips_through_a_checkpoint_with_the_masters(tmp_path):
         np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/conv1_w"), saved["cpu_0/conv1_w"])
 
 
+def test_the_scale_grows_only_while_it_stays_finite():
+    """Issue 32 item 10: a scale that growth makes non-finite (growth_factor=inf was accepted) skipped
+    every later step. As torch._amp_update_scale_, a growth that would leave float32's range is not
+    applied (the good-step count restarts), so the scale stays finite and training goes on."""
+    from tests.ops.helpers import run_kernel
+
+    scale, good = torch.tensor(2.0 ** 120), torch.tensor(1, dtype=torch.int64)
+    grown, count = run_kernel("UpdateLossScale", [scale, good], growth_factor=2.0 ** 10, growth_interval=2)
+    assert grown.item() == 2.0 ** 120 and count.item() == 0
+    grown, count = run_kernel("UpdateLossScale", [torch.tensor(8.0), good], growth_factor=4.0, growth_interval=2)
+    assert grown.item() == 32.0 and count.item() == 0
+    reference, tracker = torch.tensor([2.0 ** 120]), torch.tensor([1], dtype=torch.int32)  # GradScaler's update
+    torch._amp_update_scale_(reference, tracker, torch.zeros(1), 2.0 ** 10, 0.5, 2)
+    assert reference.item() == 2.0 ** 120 and tracker.item() == 0
+
+
 @pytest.mark.parametrize("value, expected", [
     (None, None), (2.0 ** 10, LossScale(1024.0, dynamic=False)), ("dynamic", LossScale()),
     ({"init_scale": 4.0}, LossScale(4.0))])
@@ -172,7 +188,9 @@ def test_loss_scale_values(value, expected):
 
 
 @pytest.mark.parametrize("value, error", [(0.0, ValueError), ({"init": 2.0}, TypeError), ("auto", TypeError),
-                                          ({"backoff_factor": 2.0}, ValueError), (True, TypeError)])
+                                          ({"backoff_factor": 2.0}, ValueError), (True, TypeError),
+                                          ({"growth_factor": float("inf")}, ValueError),
+                                          ({"growth_factor": float("nan")}, ValueError)])
 def test_bad_loss_scales_raise_before_the_model_changes(value, error):
     model = model_helper.ModelHelper(name="bad_loss_scale")
     with pytest.raises((error, ParallelizeError)):
