@@ -255,6 +255,21 @@ class MultiTensor(NamedTuple):
     updated: tuple[int, ...]
 
 
+class Elementwise(NamedTuple):
+    """An op that computes every element of each output from the same element of its `tensors` inputs
+    (one shape, which every output has) and whole scalar inputs (the others: learning rates, counters,
+    1-element weights). It gives the same bits on any flat piece of its tensors as on the whole, so
+    `passes.shard_updates` runs it on each replica's shard. `tensors`: input indices, or a function of
+    the op's input count (ops with a variable number of inputs)."""
+
+    tensors: tuple[int, ...] | Callable[[int], tuple[int, ...]]
+
+    def of(self, num_inputs: int) -> tuple[int, ...]:
+        """The tensor inputs of an op with `num_inputs` inputs."""
+        given = self.tensors(num_inputs) if callable(self.tensors) else self.tensors
+        return tuple(i for i in given if i < num_inputs)
+
+
 @dataclass(frozen=True)
 class Effects:
     """What an op type does to its inputs beyond computing outputs, for passes (see the module docstring).
@@ -265,6 +280,7 @@ class Effects:
     name). `momentum`: the input holding a momentum buffer (BMUF zeroes it after each block).
     `multi_tensor`: how a group of this op fuses. `cross_device(op)`: whether this one op reads or
     writes several replicas' blobs (for types that do so only sometimes; Trait.CROSS_DEVICE is always).
+    `elementwise`: the op works element by element on some of its inputs (see `Elementwise`).
     """
 
     aliases: frozenset[tuple[int, int]] = frozenset()
@@ -273,6 +289,7 @@ class Effects:
     momentum: int | None = None
     multi_tensor: MultiTensor | None = None
     cross_device: Callable[[OperatorDef], bool] | None = None
+    elementwise: Elementwise | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", frozenset(self.aliases))

@@ -131,7 +131,10 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
             cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
-            loss_scale with shared_model, allreduce_dtype with a rendezvous. The model is left as it was.
+            loss_scale with shared_model, allreduce_dtype with a rendezvous, shard_optimizer_state with
+            shared_model, sparse gradients or an update it cannot split (`passes.shard_updates`),
+            shard_gradients with buckets, allreduce_dtype or (across shards) loss_scale. The model is
+            left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
             non-int gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict
             with unknown keys).
@@ -148,8 +151,10 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
     net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
     _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
                    given["shared_model"], net_type)
-    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"], cuda)
+    given["shard_optimizer_state"] = given["shard_optimizer_state"] or given["shard_gradients"]  # stage 2 has 1's
     _check_combinations(given)
+    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"],
+                                               cuda and not given["shard_gradients"])
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
     layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
@@ -172,7 +177,8 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
-                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
+                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring",
+                               rdv.shard_id if rdv else 0)
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
@@ -202,6 +208,22 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
     if given["allreduce_dtype"] is not None and given["rendezvous"] is not None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+    if given["shard_optimizer_state"] and given["shared_model"]:
+        raise ParallelizeError("Parallelize: shard_optimizer_state is not supported with shared_model (the replicas "
+                               "share one copy of the params and state, which the first device updates)")
+    if not given["shard_gradients"]:
+        return
+    stage2 = "Parallelize: shard_gradients=True (each replica keeps only its part of the summed gradients)"
+    if given["gradient_bucket_bytes"] is not None or given["bucket_cap_mb"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with gradient buckets, which all-reduce whole flat buffers; "
+                               f"drop gradient_bucket_bytes / bucket_cap_mb, or use shard_optimizer_state=True "
+                               f"alone (ZeRO stage 1 all-reduces the gradients, in buckets too)")
+    if given["allreduce_dtype"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with allreduce_dtype; use shard_optimizer_state=True alone")
+    if given["loss_scale"] is not None and given["rendezvous"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with loss_scale across shards: a gradient overflow in one "
+                               f"shard's parts would skip the step there only; use shard_optimizer_state=True "
+                               f"alone (every shard then checks the whole summed gradients)")
 
 
 def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
@@ -242,6 +264,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
     check_finite_loss: bool | None = None,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -266,6 +290,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         check_finite_loss: as Parallelize's (default on for CPU replicas): a NaN or infinite loss on
             any replica makes RunNet raise before any local update, and the global update does not
             run (no replica, no global model changes).
+        shard_optimizer_state, shard_gradients: refused (ParallelizeError): each replica trains alone
+            between global updates, with its whole optimizer state, and the global update averages
+            whole params.
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -276,6 +303,10 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
+    if shard_optimizer_state or shard_gradients:
+        raise ParallelizeError("Parallelize_BMUF: shard_optimizer_state / shard_gradients are not supported: each "
+                               "replica runs its own local updates with its whole optimizer state between "
+                               "the global updates, so there is no state to share out; use Parallelize")
     rdv = _check_rendezvous(rendezvous, "Parallelize_BMUF", default_engine=default_engine(not cpu_device))
     model = _check_model(model_helper_obj)
     if not callable(param_update_builder_fun):

@@ -9,12 +9,15 @@ Caffe2 keeps reading them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphpar.core.ir import DeviceOption, GradientSlice
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.options import ParallelizeOptions
 from graphpar.passes.reducers import Reducer
+
+if TYPE_CHECKING:
+    from graphpar.passes.shards import Sharding
 
 Blob = str | GradientSlice
 
@@ -47,6 +50,8 @@ class ParallelState:
     nets: list[Any] = field(default_factory=list)
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
+    updates_start: tuple[int, int] = (0, 0)  # init and train net op counts before build_updates: the updates follow
+    sharding: Sharding | None = None  # shard_optimizer_state with several replicas (passes.shards)
 
     @property
     def training(self) -> bool:
