@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
-from graphpar.core.naming import shard_name, stripBlobName
+from graphpar.core.naming import DYNAMIC_MEMORY_ARG, KEEP_ARG, shard_name, stripBlobName
 from graphpar.errors import ParallelizeError
 from graphpar.passes.bucketing import param_specs
 from graphpar.passes.common import DeviceLayout, declare_external_inputs
@@ -110,7 +110,7 @@ def state_gather_net(name: str, state: ParallelState, names: Iterable[str]) -> N
         param = sharding.state[blob]
         ops += state.reducer.gather_shards(blob, _parts(layout, blob), [layout.scoped(layout.master, blob)],
                                            sharding.sizes[param], sharding.shapes[param])
-    return _net(name, ops)
+    return _net(name, ops, [layout.scoped(layout.master, blob) for blob in names])
 
 
 def state_scatter_net(name: str, state: ParallelState, names: Iterable[str]) -> NetDef:
@@ -120,7 +120,7 @@ def state_scatter_net(name: str, state: ParallelState, names: Iterable[str]) -> 
     for blob in names:
         ops += state.reducer.scatter_shards(blob, layout.scoped(layout.master, blob), _parts(layout, blob),
                                             sharding.sizes[sharding.state[blob]])
-    return _net(name, ops)
+    return _net(name, ops, [part for blob in names for part in _parts(layout, blob)])
 
 
 def _sharding(state: ParallelState) -> Sharding:
@@ -134,8 +134,10 @@ def _parts(layout: DeviceLayout, blob: str) -> list[str]:
     return [shard_name(layout.scoped(d, blob)) for d in layout.devices]
 
 
-def _net(name: str, ops: list[OperatorDef]) -> NetDef:
-    net = NetDef(name, ops)
+def _net(name: str, ops: list[OperatorDef], keep: list[str]) -> NetDef:
+    """A net of `ops` that keeps only `keep` (and what it reads) once it ran: no temporary copy of the
+    state outlives it."""
+    net = NetDef(name, ops, args={DYNAMIC_MEMORY_ARG: 1, KEEP_ARG: keep})
     chain_collectives(net.ops)
     declare_external_inputs(net)
     return net
