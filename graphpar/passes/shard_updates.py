@@ -135,14 +135,20 @@ class _Rewrite:
         """An op that is not element-wise may read our blobs while they are whole and current."""
         stale = [b for b in op.inputs if b in self.stale]
         if stale:
-            why = ("with shard_gradients=True only each replica's part of the summed gradient exists"
-                   if stale[0] in self.unsummed else "an element-wise update before it wrote only each replica's "
-                                                     "part of it")
+            blob = stale[0]
+            if blob in self.unsummed:
+                why, fix = ("with shard_gradients=True only each replica's part of the summed gradient exists",
+                            "shard_gradients=False (whole summed gradients)")
+            elif blob in self.state_fills:
+                why, fix = "it is optimizer state, of which each replica keeps only its part", "no state sharding"
+            else:
+                why, fix = ("an element-wise update before it wrote only each replica's part of it",
+                            "no state sharding")
             raise ParallelizeError(
-                f"{_WHERE}: {_label(op)} reads the whole of {stale[0]!r}, but {why}; {op.type} does not work "
-                f"element by element (Effects.elementwise), so it cannot run on parts. Use "
-                f"shard_gradients=False (whole gradients) or shard_optimizer_state=False, or an optimizer "
-                f"without it (LARS and gradient clipping read whole gradients)")
+                f"{_WHERE}: {_label(op)} reads the whole of {blob!r}, but {why}; {op.type} does not work element "
+                f"by element (Effects.elementwise), so it cannot run on parts. Use {fix} "
+                f"(shard_optimizer_state=False), or an optimizer without it (LARS and gradient clipping read "
+                f"whole gradients)")
         written = [b for b in op.outputs if b in self.owner]
         if written:
             raise ParallelizeError(f"{_WHERE}: {_label(op)} writes {written[0]!r} whole, but {op.type} does not work "

@@ -84,13 +84,14 @@ def plan_shards(state: ParallelState) -> None:
     if copies(reducer) < 2:
         log.info("Parallelize(%r): one replica, nothing to shard", model.name)
         return
-    sparse = [name for name in state.grad_names if any(isinstance(g, GradientSlice) for g in state.grouped[name].values())]
+    master = layout.master
+    sparse = [stripBlobName(str(p)) for p, g in model.param_to_grad.items()
+              if isinstance(g, GradientSlice) and layout.replica_of(str(p)) == master]
     if sparse:
         raise ParallelizeError(f"Parallelize: shard_optimizer_state does not support sparse (GradientSlice) "
-                               f"gradients, and {sparse} are sparse (embedding lookups); their rows are updated "
-                               f"where they are looked up, which no fixed cut of the param follows. Use "
-                               f"shard_optimizer_state=False for this model")
-    master = layout.master
+                               f"gradients, and params {sparse} have sparse ones (embedding lookups): their rows "
+                               f"are updated where they are looked up, which no fixed cut of the param follows. "
+                               f"Use shard_optimizer_state=False for this model")
     param_of_grad = {stripBlobName(str(g)): stripBlobName(str(p)) for p, g in model.param_to_grad.items()
                      if layout.replica_of(str(p)) == master and stripBlobName(str(g)) in state.grad_names}
     needs = ("shard_optimizer_state", "use shard_optimizer_state=False")
