@@ -42,8 +42,8 @@ from graphpar.passes import (
     precision,
     reduce_scatter,
     shard_updates,
-    shared_model,
     shards,
+    shared_model,
     sync,
 )
 from graphpar.passes.state import ParallelState

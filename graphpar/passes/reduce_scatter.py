@@ -26,7 +26,8 @@ def reduce_scatter_gradients(state: ParallelState) -> None:
     if sharding is None:
         return
     for name in reversed(state.grad_names):
-        group = checked_group(name, state.grouped[name], state.layout, reducer.num_shards > 1)
+        copies = {device: str(blob) for device, blob in state.grouped[name].items()}  # dense: plan_shards checked
+        group = checked_group(name, copies, state.layout, reducer.num_shards > 1)
         if group is None:
             continue
         shards = [shard_name(blob) for blob in group]

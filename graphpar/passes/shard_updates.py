@@ -160,10 +160,9 @@ class _Rewrite:
         writers = self.writers.get(blob, [])
         fill = writers[0] if len(writers) == 1 else None
         whole_param = self.layout.scoped(device, param)
-        ok = (fill is not None and self.layout.replica_of(blob) == device and has_trait(fill, Trait.FILL)
-              and not has_trait(fill, Trait.RANDOM) and not fill.args.get("input_as_shape")
-              and not fill.args.get("extra_shape") and set(fill.inputs) <= {whole_param})
-        if not ok:
+        if fill is None or not (self.layout.replica_of(blob) == device and has_trait(fill, Trait.FILL)
+                                and not has_trait(fill, Trait.RANDOM) and not fill.args.get("input_as_shape")
+                                and not fill.args.get("extra_shape") and set(fill.inputs) <= {whole_param}):
             made = (f"created by {len(writers)} ops" if len(writers) > 1 else
                     f"created by {_label(fill)}" if fill is not None else
                     "not created by the update builder in param_init_net")

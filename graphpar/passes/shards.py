@@ -17,7 +17,7 @@ parts, so a checkpoint moves between sharded and unsharded runs and between devi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
