@@ -1,8 +1,8 @@
 """Sharded state: the cut of each param, and the reducers' reduce-scatter, gather and scatter run on data.
 
 The reduce-scatter's parts must hold the all-reduce's bits (every element added in the same order), for
-tree counts (4, 8) and flat ones (2, 3, 5), with parts of every size down to empty ones; the gather
-and the scatter must give back exactly what was cut.
+a tree count (8) and a flat one (3), and NCCL's (4), with uneven parts; the gather and the scatter must
+give back exactly what was cut.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ def _filled(lay, name: str, values: np.ndarray) -> list[OperatorDef]:  # noqa: A
             for i, d in enumerate(lay.devices)]
 
 
-@pytest.mark.parametrize("count", [2, 3, 4, 5, 8])
-@pytest.mark.parametrize("use_nccl", [False, True])
+@pytest.mark.parametrize("count, use_nccl", [(3, False), (8, False), (4, True)])
 def test_reduce_scatter_parts_hold_the_all_reduces_bits(count, use_nccl):
     lay = layout(list(range(1, 1 + count)), gpu=use_nccl)
     rng = np.random.default_rng(count)
@@ -54,7 +53,7 @@ def test_reduce_scatter_parts_hold_the_all_reduces_bits(count, use_nccl):
     np.testing.assert_array_equal(np.concatenate(got), whole)
 
 
-@pytest.mark.parametrize("count", [3, 4])
+@pytest.mark.parametrize("count", [3])
 def test_scatter_then_gather_gives_back_the_first_devices_blob_on_every_device(count):
     lay = layout(list(range(count)))
     value = np.arange(10, dtype=np.float32).reshape(2, 5) * 1.5
