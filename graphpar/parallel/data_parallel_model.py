@@ -133,7 +133,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     ideep: bool = False,
     num_threads_per_device: int = 4,
     shared_model: bool = False,
-    combine_spatial_bn: bool | str = False,
+    combine_spatial_bn: bool | str | Sequence[Sequence[int]] = False,
     barrier_net_timeout_sec: float = 300,
     static_shapes: bool = False,
     # graphpar's own options
@@ -203,6 +203,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                                cuda and not given["shard_gradients"])
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
+    _check_bn_groups(given["combine_spatial_bn"], rdv)
     layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
     if not cpu_device and given["use_nccl"] and shares_a_gpu(layout.devices):
         raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
@@ -262,6 +263,18 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError(f"{stage2} does not go with loss_scale across shards: a gradient overflow in one "
                                f"shard's parts would skip the step there only; use shard_optimizer_state=True "
                                f"alone (every shard then checks the whole summed gradients)")
+
+
+def _check_bn_groups(combine: Any, rdv: Rendezvous | None) -> None:
+    """combine_spatial_bn's groups of shards name shards of the rendezvous, this one among them."""
+    if not isinstance(combine, tuple):
+        return
+    shard, shards = (0, 1) if rdv is None else (rdv.shard_id, rdv.num_shards)
+    outside = sorted(r for group in combine for r in group if r >= shards)
+    if outside or not any(shard in group for group in combine):
+        raise ParallelizeError(f"Parallelize: combine_spatial_bn's groups {[list(g) for g in combine]} must name "
+                               f"shards 0..{shards - 1} of the rendezvous ({shards} shard(s)), this shard "
+                               f"({shard}) among them" + (f"; {outside} are not shards" if outside else ""))
 
 
 def _variant(base: Callable[P, None], name: str, doc: str, **fixed: bool) -> Callable[P, None]:
@@ -607,8 +620,9 @@ def skipped_steps(model: ModelHelper) -> int:
 
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
-    shrinks it (`passes.loss_scale`)."""
+    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
+    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
+    (the running sums, which may hold an inf, are zeros again)."""
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
@@ -619,6 +633,20 @@ def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
+        reset_accumulated_gradients(model)
+
+
+def reset_accumulated_gradients(model: ModelHelper) -> None:
+    """With `accumulate_gradients` > 1: make the running sums of the micro-batches' gradients zeros
+    again, dropping the micro-batches run since the last update (after a step that raised: its
+    micro-batches were added, its update did not run). Without accumulation: nothing.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    reset = _state_of(model).reset_accumulated_net
+    if reset is not None:
+        workspace.RunNetOnce(reset)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------
