@@ -21,8 +21,9 @@ only where the schema says so (in-place pairs, `Effects.aliases`): in-place upda
 Effects (`Effects`, `effects=` at registration) say what an op does to its inputs' tensors and values
 that passes must know without naming its type: which outputs are an input's tensor (`aliases`) or equal
 its value (`same_value`), which in-place inputs the kernel rebinds instead of writing (`rebinds`), its
-momentum buffer, how a group of it fuses into one multi-tensor op, and when one op of the type crosses
-replicas. Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
+momentum buffer, how a group of it fuses into one multi-tensor op, when one op of the type crosses
+replicas, and which inputs it works on element by element (`Elementwise`: sharded updates run it on
+parts). Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
 
 Gradient makers follow Caffe2: `maker(op, grad_outputs) -> (grad_ops, grad_inputs)`, where
 `grad_outputs[i]` is the gradient blob of `op.outputs[i]` (or None) and `grad_inputs[i]` is the
