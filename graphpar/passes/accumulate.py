@@ -62,4 +62,3 @@ def accumulate_gradients(state: ParallelState) -> None:
                         make_op("ConstantFill", [grad], [acc], option, value=0.0)]
     declare_external_inputs(micro)
     state.accumulate_net = Net(micro)
-    model._accumulate_net = state.accumulate_net
