@@ -91,6 +91,7 @@ class ParallelState:
     init_nets: list[Net] = field(default_factory=list)  # what RunInitNet runs
     nets: list[Net | tuple[Net, int]] = field(default_factory=list)  # what RunNet runs (BMUF's global net once)
     accumulate_net: Net | None = None  # accumulate_gradients > 1: forward, backward and the running sums
+    reset_accumulated_net: Net | None = None  # accumulate_gradients > 1: the running sums made zeros again
     loss_scale_backoff_net: Net | None = None  # dynamic loss_scale: what RunNet runs after a skipped step
     bmuf: BmufNets | None = None  # Parallelize_BMUF's global nets
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
