@@ -93,16 +93,17 @@ def number(minimum: float = 0.0, inclusive: bool = False) -> Callable[[str], flo
 
 
 def file_path(text: str) -> Path:
-    """An argparse `type`: a path a file can be written at: not empty, not a directory, in a directory
-    that exists."""
+    """An argparse `type`: a path a file can be written at: not empty, not a directory, and no part of
+    its directory an existing file (a missing directory is created when the file is written)."""
     path = Path(text)
     if not text.strip():
         raise argparse.ArgumentTypeError("must be a file path, got ''")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory: name a file in it, e.g. "
                                          f"{str(path / 'model.safetensors')!r}")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: the directory {str(path.parent)!r} does not exist")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(blocking)!r} is not a directory")
     return path
 
 

@@ -140,9 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --epoch_size: must be at least --batch_size {args.batch_size} (an epoch is "
                      f"epoch_size // batch_size steps), got {args.epoch_size}")
     args.epoch_iters = args.epoch_size // args.batch_size
-    folder = Path(args.save_model_name).parent
-    if not folder.is_dir():
-        parser.error(f"argument --save_model_name: the directory {str(folder)!r} does not exist")
+    try:
+        cli.file_path(str(checkpoint_path(args, 1)))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --save_model_name: {exc}")
     args.start_epoch = 0
     if args.load_model_path:
         try:
@@ -245,6 +246,7 @@ def _main(argv: list[str] | None) -> int:
         for epoch, path in saved_checkpoints(args.save_model_name):
             if epoch > args.start_epoch:
                 path.unlink()
+    Path(args.save_model_name).parent.mkdir(parents=True, exist_ok=True)
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     model = build(args, devices, cpu, args.epoch_iters)

@@ -219,7 +219,8 @@ def _without_import_times(err: str) -> tuple[list[str], bool]:
     (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
     (["--checkpoint", "/"], "argument --checkpoint: '/' is a directory: name a file in it"),
     (["--checkpoint", ""], "argument --checkpoint: must be a file path, got ''"),
-    (["--checkpoint", "no/such/dir/c.safetensors"], "the directory 'no/such/dir' does not exist"),
+    (["--checkpoint", "/dev/null/c.safetensors"], "argument --checkpoint: '/dev/null/c.safetensors': '/dev/null' "
+                                                  "is not a directory"),
     (["--num-processes", "0"], "argument --num-processes: must be an integer >= 1, got '0'"),
     (["--epochs"], "argument --epochs: expected one argument"),
 ])
