@@ -35,10 +35,9 @@ import numpy as np
 import torch
 
 from graphpar.core.ir import CUDA
-from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
+from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
 from graphpar.parallel import data_parallel_model as dpm
-from graphpar.passes import finish
 from graphpar.runtime import checkpoint, workspace
 from graphpar.training.data import Fed, feed
 
@@ -459,17 +458,12 @@ class Trainer:
 
     def _free_memory(self) -> None:
         """Turn on the memory options `lean_memory` asks for, before RunInitNet creates the nets."""
-        state = self.model._parallel
         if self.model.net.Proto().name in workspace.get_workspace().nets:
             log.warning("Trainer: lean_memory is ignored, the train net was created already (RunInitNet "
                         "ran); pass the memory options to Parallelize instead")
             return
-        if not state.options.optimize_gradient_memory:
-            dpm.OptimizeGradientMemory(self.model, {}, [], recycle_activations=False)
-        if not state.options.dynamic_memory_management:
-            finish.free_intermediates(state)
-            args = self.model.net.Proto().args  # and the learning rate, which LRScheduler records
-            args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *dpm.GetLearningRateBlobNames(self.model)]))
+        # through Parallelize's pipeline; the learning rate, which LRScheduler records, is kept
+        dpm.enable_memory_options(self.model, keep=dpm.GetLearningRateBlobNames(self.model))
 
     def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
         """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the
