@@ -47,6 +47,7 @@ __all__ = ["ITERATIONS_DONE", "Config", "EvalHook", "EventStorage", "HookBase", 
 log = logging.getLogger(__name__)
 
 RECORD_PERIOD = 20  # iterations between host reads of the losses on CUDA replicas (Trainer's record_period)
+TOTAL_LOSS = "total_loss"  # the sum of an iteration's losses, recorded beside them (Detectron2's name)
 
 
 # ---- storage ---------------------------------------------------------------------------------------
@@ -270,9 +271,11 @@ class EvalHook(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Every `period` iterations (and at the end) writes the latest scalars: a console line (with the
-    ETA from the median step time), a JSON line in `directory/metrics.json`, and TensorBoard events
-    in `directory` when `tensorboard` is installed (`tensorboard=None`: when available)."""
+    """Every `period` iterations (and at the end) writes the latest scalars: a console line (the
+    iteration, the ETA from the median step time, `total_loss` (and the losses it sums when there are
+    several), then the other scalars: `time`, `lr`, ...), a JSON line in `directory/metrics.json`
+    (every scalar), and TensorBoard events in `directory` when `tensorboard` is installed
+    (`tensorboard=None`: when available)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, period: int = 20,
                  console: bool = True, tensorboard: bool | None = None) -> None:
@@ -321,8 +324,16 @@ class PeriodicWriter(HookBase):
             left = self.trainer.max_iter - iteration - 1
             step = storage.median("time")
             eta = f"  eta {_duration(left * step)}" if not math.isnan(step) and left > 0 else ""
-            values = "  ".join(f"{k} {v:.4g}" for k, v in latest.items())
-            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {values}", flush=True)
+            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {self._console_values(latest)}", flush=True)
+
+    def _console_values(self, latest: dict[str, float]) -> str:
+        """`total_loss` first; the losses it sums only if there are several (one equals it); then the rest."""
+        losses = getattr(self.trainer, "loss_names", [])
+        shown = [TOTAL_LOSS] if TOTAL_LOSS in latest else []
+        if len(losses) > 2 or TOTAL_LOSS not in latest:
+            shown += [name for name in losses if name in latest and name != TOTAL_LOSS]
+        shown += [name for name in latest if name not in losses]
+        return "  ".join(f"{name} {latest[name]:.4g}" for name in shown)
 
 
 def _duration(seconds: float) -> str:
@@ -587,9 +598,17 @@ class Trainer:
         if done % self.record_period == 0 or done >= self.max_iter:
             self.record_losses()
 
+    @property
+    def loss_names(self) -> list[str]:
+        """The names the losses are recorded under: the unscoped names of the blobs the forward builder
+        returned (each the mean over the global batch), and `total_loss`, their sum."""
+        names = next(iter(self.model._parallel.losses_by_device.values()))
+        return [unscoped_name(str(n)) for n in names] + [TOTAL_LOSS]
+
     def record_losses(self) -> None:
         """Read the losses of the iterations run since the last call on the host (under a rendezvous,
-        gathered from every shard: every shard must call it together) and record their global means.
+        gathered from every shard: every shard must call it together) and record their global means,
+        and `total_loss`, their sum (Detectron2's scalar).
 
         Raises:
             FloatingPointError: a loss is not finite (the values of earlier iterations are recorded).
@@ -601,11 +620,14 @@ class Trainer:
         values = iter(self._global_losses(local))
         for iteration, held in unrecorded:
             steps = [next(values) for _ in held]
+            total = 0.0
             for name in steps[-1]:
                 value = sum(v[name] for v in steps) / len(steps)
                 if not math.isfinite(value):
                     raise FloatingPointError(f"loss {name!r} became {value} at iteration {iteration}")
                 self.storage.put_scalar(name, value, iteration)
+                total += value
+            self.storage.put_scalar(TOTAL_LOSS, total, iteration)
 
     def _record_quietly(self) -> None:
         """record_losses after a failed step: the losses of the iterations before it still count."""
