@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -425,3 +426,20 @@ def test_a_yaml_config_whose_top_level_is_not_a_mapping_is_refused_naming_the_fi
     (tmp_path / "empty.yaml").write_text("")
     cfg.merge_from_file(str(tmp_path / "empty.yaml"))
     assert cfg == get_cfg()
+
+
+def test_training_prints_a_line_every_20_iterations_with_the_total_loss(tmp_path, capsys) -> None:
+    """Detectron2's CommonMetricPrinter (issue 35 item 8): iteration, ETA, the loss under Detectron2's
+    name `total_loss` (the model's one loss is `scaled_loss`, a blob name: not shown twice), time, lr."""
+    trainer = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "40", "TEST.EVAL_PERIOD", "0"))
+    trainer.resume_or_load(resume=False)
+    capsys.readouterr()
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    assert [line.split()[1] for line in lines[:2]] == ["20/40", "40/40"]  # then the evaluation's, at the end
+    assert re.fullmatch(r"iter 20/40  eta \d+:\d\d:\d\d  total_loss [0-9.]+  (lr|time) [0-9.e-]+  (lr|time) [0-9.e-]+",
+                        lines[0]) and " time " in lines[0] and " lr " in lines[0]
+    assert "scaled_loss" not in lines[1] and " total_loss " in lines[1]
+    history = trainer.storage.history
+    assert history["total_loss"] == history["scaled_loss"] and len(history["total_loss"]) == 40
+    assert float(lines[1].split("total_loss ")[1].split()[0]) == pytest.approx(history["total_loss"][-1][1], rel=1e-3)
