@@ -435,8 +435,10 @@ class ParallelizeOptions:
     allreduce_dtype: str | None = option(None, """
         "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype (half the bytes, as
         DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
-        before the update. None (default): gradients are all-reduced in their own dtype (fp32 masters:
-        fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+        before the update. float16 holds at most 65504: with a loss_scale an overflowing step is skipped
+        as any overflow; without one the sums are checked (one host read per step) and a step that
+        overflowed raises before any update. None (default): gradients are all-reduced in their own dtype
+        (fp32 masters: fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
     shard_optimizer_state: bool = option(False, """
         ZeRO stage 1 (`graphpar.passes.shard_updates`, docs/sharding.md): every replica of every shard keeps
         1/N of the optimizer state (N replicas in all) and updates only its part of each flattened param,

@@ -242,3 +242,40 @@ def test_the_trainer_records_nothing_for_a_skipped_step():
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 3
     assert [it for it, _ in trainer.storage.history["scaled_loss"]] == [1, 2, 3]
     assert len(trainer.storage.history["lr"]) == 3
+
+
+def test_a_float16_all_reduce_that_overflows_stops_the_step_or_skips_it_with_a_loss_scale(caplog):
+    """Issue 32 item 4: allreduce_dtype="float16" cast finite fp32 gradients above 65504 to inf and the
+    update turned the params into inf, silently. Without a loss scale the step now stops (nothing
+    changed, the error says what to use instead); with a dynamic loss scale it is skipped and the scale
+    backs off. fp32 all-reduce: the same batch gives finite params (the gradients were finite)."""
+    from graphpar.errors import OperatorError
+
+    devices = (0, 1)
+    for options in ({}, {"allreduce_dtype": "float16"}, {"allreduce_dtype": "float16", "loss_scale": "dynamic"}):
+        workspace.ResetWorkspace()
+        model = _build(devices, **options)
+        _feed(devices, 0)
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)  # a good step
+        before = _state(model, devices)
+        rng = np.random.default_rng(1)
+        for d in devices:  # finite fp32 gradients far beyond float16's 65504
+            workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((2, 1, 16, 16), dtype=np.float32) * 1e7)
+            workspace.FeedBlob(f"cpu_{d}/label", np.array([1, 2], dtype=np.int32))
+        grads = None
+        if "allreduce_dtype" not in options:
+            dpm.RunNet(model, 1)
+            grads = [workspace.FetchBlob(f"cpu_0/{p}_grad") for p in ("conv1_w", "pred_w")]
+            assert all(np.isfinite(g).all() for g in grads) and max(np.abs(g).max() for g in grads) > 65504
+            assert all(np.isfinite(v).all() for v in _state(model, devices).values())
+            continue
+        if "loss_scale" in options:
+            with caplog.at_level(logging.WARNING, logger="graphpar.data_parallel_model"):
+                dpm.RunNet(model, 1)
+            assert "step skipped" in caplog.text and workspace.FetchBlob("cpu_0/_loss_scale") == np.float32(2.0 ** 15)
+        else:
+            with pytest.raises(OperatorError, match=r"\(CheckFinite\).*not finite.*float16 all-reduce .*bfloat16"):
+                dpm.RunNet(model, 1)
+        for name, value in _state(model, devices).items():
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
