@@ -1,0 +1,238 @@
+"""Run a group of processes on torch's elastic agent (torchrun's `LocalElasticAgent`), with graphpar's additions.
+
+The agent starts the processes with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID, ...), watches them, meets the other
+machines' agents through the rendezvous (static: node 0's address; c10d: one endpoint, no shared file
+system), starts the whole group again when a process dies (up to `max_restarts` times), and stops every
+process when the launcher gets a signal (that signal, then SIGKILL after the shutdown timeout). `run`
+adds what graphpar promises on top of it:
+
+- a line naming the rank that failed, its pid, how it ended, its command and what happens next (the group
+  restarts, or the others were stopped);
+- graphpar's handler for SIGTERM, SIGINT, SIGHUP and SIGQUIT: the first stops the group as the agent's
+  own handler would; a second one other than Ctrl-C's kills the processes at once (a second Ctrl-C is
+  ignored while they finish their step), where the agent's handler would have broken off its own
+  shutdown; the caller's handlers come back afterwards (`launch.launch` runs inside a user's process);
+- processes of a Python function start with SIGINT blocked and unblock it in their entry point, so a
+  Ctrl-C during their start-up (their interpreter, their imports) reaches them once they can stop
+  cleanly instead of printing a traceback from the middle of an import;
+- torch's elastic logs kept quiet (graphpar says what happened) unless LOGLEVEL asks for them, as
+  torchrun's are, and the agent's error files in a temporary directory removed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = ["SIGNALS", "LaunchConfig", "RendezvousError", "Signalled", "first_failure", "run", "threads_per_process"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+class Signalled(Exception):
+    """The launcher got signal `signum`; every process of the group has ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"got {signal.Signals(signum).name}")
+        self.signum = int(signum)
+
+
+def threads_per_process(processes: int) -> str:
+    """OMP_NUM_THREADS for each of `processes` processes on this machine: the one set, else an equal
+    share of the cores this process may use (gloo's and PyTorch's threads of several processes
+    oversubscribe the CPU otherwise)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // max(1, processes)))
+
+
+def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any], command: str,
+        report: Callable[[str, bool], None], block_sigint: bool = False) -> RunResult:
+    """Run `entrypoint(*args)` (a function, or a program and its arguments) as `config` says, on torch's
+    agent, until the group succeeds or fails for good. `command` names what runs in the line
+    `report(line, final)` gets for each failure (`final`: no restart follows). `block_sigint`: the
+    processes start with SIGINT blocked (processes of a function, whose entry point unblocks it).
+
+    Raises:
+        Signalled: the launcher got one of SIGNALS; the processes got it and have ended.
+        RuntimeError: the rendezvous was closed by another agent.
+        torch's RendezvousError: the rendezvous failed (timeout, endpoint unreachable).
+    """
+    run_id = config.run_id or str(uuid.uuid4())
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    addr, port = (None, None)
+    if config.rdzv_backend == "static":  # the processes meet at node 0's store, as torchrun's static rendezvous
+        addr, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rendezvous_registry.get_rendezvous_handler(params),
+                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                      master_addr=addr, master_port=port, local_addr=config.local_addr)
+    logs = tempfile.mkdtemp(prefix="graphpar_launch_")
+    signals = _Signals()
+    agent = _Agent(spec, DefaultLogsSpecs(log_dir=logs), config.start_method, config.shutdown_timeout or 0,
+                   command, report, signals)
+    signals.agent = agent
+    closed = True  # the rendezvous is closed at the end, unless a signal stopped this agent (as torchrun)
+    try:
+        with _quiet_torch_logs(), signals, _sigint_blocked() if block_sigint else contextlib.nullcontext():
+            result = agent.run()
+    except SignalException as exc:
+        closed = False
+        raise Signalled(exc.sigval) from None
+    finally:
+        if closed:
+            with contextlib.suppress(Exception):
+                spec.rdzv_handler.shutdown()
+        shutil.rmtree(logs, ignore_errors=True)
+    if result is None:  # the agent left a rendezvous another agent closed
+        raise RuntimeError("the rendezvous was closed by another node's launcher before this one's processes ran")
+    return result
+
+
+def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """(global rank, failure) of the process that failed first, as far as the agent can tell: the earliest
+    (torch's timestamps count seconds; ties in rank order) of those that did not end by the agent's own
+    SIGTERM (it stops the others after a failure)."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    return min(own.items(), key=lambda item: item[1].timestamp)
+
+
+def describe(rank: int, failure: ProcessFailure, command: str, restarts_left: int, max_restarts: int) -> str:
+    """The line said when a process fails: who, how, its command, and what happens next."""
+    raised = failure.message.get("message") if isinstance(failure.message, dict) else None
+    how = (f"raised {raised}" if raised else f"exited with {failure.exitcode}" if failure.exitcode >= 0
+           else f"was killed by {failure.signal_name()}")
+    if restarts_left > 0:
+        then = f"restarting the group (restart {max_restarts - restarts_left + 1} of {max_restarts})"
+    else:
+        then = "stopped the others" + (f" after {max_restarts} restart(s)" if max_restarts else "")
+    return f"graphpar.launch: rank {rank} (pid {failure.pid}) {how}; its command: {command}; {then}"
+
+
+class _Agent(LocalElasticAgent):
+    """torch's agent, saying which process failed before it restarts or stops the group, taking the
+    signals back after each start (the agent's process context sets its own), and able to kill its
+    processes at once."""
+
+    def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, start_method: str, shutdown_timeout: int,
+                 command: str, report: Callable[[str, bool], None], signals: _Signals) -> None:
+        super().__init__(spec, logs, start_method, shutdown_timeout=shutdown_timeout)
+        self._command, self._report, self._signals = command, report, signals
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self._signals.install()
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and result.failures:
+            rank, failure = first_failure(result.failures)
+            self._report(describe(rank, failure, self._command, self._remaining_restarts,
+                                  worker_group.spec.max_restarts), self._remaining_restarts == 0)
+        return result
+
+    def kill_now(self) -> None:
+        """SIGKILL every process of the group (a command's whole process group: it leads its own session)."""
+        context = self._pcontext
+        if context is None:
+            return
+        for pid in context.pids().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+
+
+class _Signals:
+    """graphpar's handler of SIGNALS while a group runs (main thread only; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.agent: _Agent | None = None
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.getsignal(s) for s in SIGNALS}
+            self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def install(self) -> None:
+        if self.previous:  # on the main thread, inside the block
+            for signum in SIGNALS:
+                signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum  # the agent sends it to every process, kills the ones left after its timeout
+            raise SignalException(f"graphpar.launch got {signal.Signals(signum).name}", signal.Signals(signum))
+        if signum != signal.SIGINT and self.agent is not None:
+            self.agent.kill_now()
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this (main) thread, so the processes it starts inherit the block, and received
+    meanwhile by a helper thread: Python still runs the handler here, at most one monitoring interval
+    later."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stop = threading.Event()
+    receiver = threading.Thread(target=stop.wait, name="graphpar-launch-signals", daemon=True)
+    receiver.start()  # before the block: its mask keeps SIGINT open
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        stop.set()
+        receiver.join()
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch's elastic loggers print nothing inside (graphpar reports failures itself), unless LOGLEVEL
+    is set, which torchrun users set to see them."""
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    saved = []
+    for name in _TORCH_LOGGERS:
+        logger = logging.getLogger(name)
+        quiet = logging.NullHandler()
+        saved.append((logger, logger.propagate, quiet))
+        logger.addHandler(quiet)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate, quiet in saved:
+            logger.removeHandler(quiet)
+            logger.propagate = propagate
