@@ -29,6 +29,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -45,6 +46,8 @@ from torch.distributed.launcher.api import LaunchConfig
 __all__ = ["SIGNALS", "LaunchConfig", "RendezvousError", "Signalled", "first_failure", "run", "threads_per_process"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+PEER_GRACE_SEC = 5.0  # once one process has ended after a signal, how long the others get
+_TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals torch's process context takes over
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
@@ -65,11 +68,14 @@ def threads_per_process(processes: int) -> str:
 
 
 def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any], command: str,
-        report: Callable[[str, bool], None], block_sigint: bool = False) -> RunResult:
+        report: Callable[[str, bool], None], block_sigint: bool = False,
+        shutdown_timeout: float | None = None) -> RunResult:
     """Run `entrypoint(*args)` (a function, or a program and its arguments) as `config` says, on torch's
     agent, until the group succeeds or fails for good. `command` names what runs in the line
     `report(line, final)` gets for each failure (`final`: no restart follows). `block_sigint`: the
     processes start with SIGINT blocked (processes of a function, whose entry point unblocks it).
+    `shutdown_timeout`: seconds the processes get to exit after a signal (default: torch's,
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).
 
     Raises:
         Signalled: the launcher got one of SIGNALS; the processes got it and have ended.
@@ -89,8 +95,8 @@ def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequen
                       master_addr=addr, master_port=port, local_addr=config.local_addr)
     logs = tempfile.mkdtemp(prefix="graphpar_launch_")
     signals = _Signals()
-    agent = _Agent(spec, DefaultLogsSpecs(log_dir=logs), config.start_method, config.shutdown_timeout or 0,
-                   command, report, signals)
+    grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) if shutdown_timeout is None else shutdown_timeout
+    agent = _Agent(spec, DefaultLogsSpecs(log_dir=logs), config.start_method, grace, command, report, signals)
     signals.agent = agent
     closed = True  # the rendezvous is closed at the end, unless a signal stopped this agent (as torchrun)
     try:
@@ -130,19 +136,18 @@ def describe(rank: int, failure: ProcessFailure, command: str, restarts_left: in
 
 
 class _Agent(LocalElasticAgent):
-    """torch's agent, saying which process failed before it restarts or stops the group, taking the
-    signals back after each start (the agent's process context sets its own), and able to kill its
-    processes at once."""
+    """torch's agent, saying which process failed before it restarts or stops the group, stopping its
+    processes with a grace for peers left waiting on one that ended, and able to kill them at once."""
 
-    def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, start_method: str, shutdown_timeout: int,
+    def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, start_method: str, shutdown_timeout: float,
                  command: str, report: Callable[[str, bool], None], signals: _Signals) -> None:
-        super().__init__(spec, logs, start_method, shutdown_timeout=shutdown_timeout)
+        super().__init__(spec, logs, start_method)
         self._command, self._report, self._signals = command, report, signals
+        self._grace = shutdown_timeout
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids = super()._start_workers(worker_group)
-        self._signals.install()
-        return pids
+        with self._signals.deferred():  # a stop half-way through starting them would leave some behind
+            return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -152,48 +157,115 @@ class _Agent(LocalElasticAgent):
                                   worker_group.spec.max_restarts), self._remaining_restarts == 0)
         return result
 
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
+        """Stop the processes: `death_sig` to each, then wait for them all, for at most the shutdown timeout,
+        or PEER_GRACE_SEC once one has ended (a process blocked in C++ on a peer that left, e.g. in a
+        rendezvous, sees no SIGINT); SIGKILL the ones left; then torch's clean-up."""
+        context = self._pcontext
+        # Processes of a function that has returned wait until the agent has read its value (torch's
+        # MultiprocessContext); a group being stopped has none to read: let them exit now.
+        finished = getattr(context, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()
+        pids = list(context.pids().values()) if context is not None else []
+        for pid in pids:
+            _send(pid, death_sig)
+        deadline = time.monotonic() + self._grace
+        while pids and not all(_ended(pid) for pid in pids) and time.monotonic() < deadline:
+            if any(_ended(pid) for pid in pids):
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_SEC)
+            time.sleep(0.05)
+        self.kill_now()
+        super()._shutdown(death_sig, *args, **kwargs)  # torch's: waits for nothing now, closes the logs
+
     def kill_now(self) -> None:
-        """SIGKILL every process of the group (a command's whole process group: it leads its own session)."""
+        """SIGKILL every live process of the group (a command's whole process group: it leads its own session)."""
         context = self._pcontext
         if context is None:
             return
         for pid in context.pids().values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
+            if not _ended(pid):
+                _send(pid, signal.SIGKILL)
 
 
 class _Signals:
-    """graphpar's handler of SIGNALS while a group runs (main thread only; see the module docstring)."""
+    """graphpar's handler of SIGNALS while a group runs (main thread only; see the module docstring).
+    torch's process context would set its own handler before it starts the processes
+    (TORCHELASTIC_SIGNALS_TO_HANDLE, emptied meanwhile), one that stops the agent half-way through
+    starting them; graphpar's waits until they have all started."""
 
     def __init__(self) -> None:
         self.agent: _Agent | None = None
-        self.received: int | None = None
+        self.received: int | None = None  # the first signal
+        self.raised = False  # ... and whether it stopped the agent yet
+        self.starting = False
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
+        self.environment = os.environ.get(_TORCH_SIGNALS)
+        os.environ[_TORCH_SIGNALS] = ""
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.getsignal(s) for s in SIGNALS}
-            self.install()
+            for signum in SIGNALS:
+                signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if self.environment is None:
+            os.environ.pop(_TORCH_SIGNALS, None)
+        else:
+            os.environ[_TORCH_SIGNALS] = self.environment
 
-    def install(self) -> None:
-        if self.previous:  # on the main thread, inside the block
-            for signum in SIGNALS:
-                signal.signal(signum, self._handle)
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Inside, a first signal only is noted; it stops the agent on leaving."""
+        self.starting = True
+        try:
+            yield
+        finally:
+            self.starting = False
+        self._stop()
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is None:
             self.received = signum  # the agent sends it to every process, kills the ones left after its timeout
-            raise SignalException(f"graphpar.launch got {signal.Signals(signum).name}", signal.Signals(signum))
-        if signum != signal.SIGINT and self.agent is not None:
+            if not self.starting:
+                self._stop()
+        elif signum != signal.SIGINT and self.agent is not None:
             self.agent.kill_now()
+
+    def _stop(self) -> None:
+        if self.received is not None and not self.raised:
+            self.raised = True
+            signum = signal.Signals(self.received)
+            raise SignalException(f"graphpar.launch got {signum.name}", signum)
+
+
+def _send(pid: int, signum: int) -> None:
+    """`signum` to process `pid`, and to its process group when it leads one (a command the agent started
+    in a session of its own, with whatever it started), as torch's agent sends it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except OSError:  # gone, or no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -127,6 +128,13 @@ def rendezvous(engine: str | None = None, timeout_sec: float | None = None) -> d
     return found if timeout_sec is None else {**found, "timeout_sec": timeout_sec}
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_machines: int = 1,
            machine_rank: int = 0, dist_url: str = "auto", args: Sequence[Any] = (),
            timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str | None = None, max_restarts: int = 0) -> None:
@@ -185,7 +193,7 @@ def _log_restart(line: str, final: bool) -> None:
 
 
 def _config(per_machine: int, machines: int, machine_rank: int, rendezvous: tuple[str, str, str], max_restarts: int,
-            rendezvous_timeout: int = 900, shutdown_timeout: int | None = None) -> Any:
+            rendezvous_timeout: int = 900) -> Any:
     """torch's LaunchConfig: `machines` x `per_machine` processes meeting at `rendezvous` (backend,
     endpoint, run id; this machine is `machine_rank` of the static one), spawned as torchrun does."""
     from graphpar.parallel import agent
@@ -194,8 +202,7 @@ def _config(per_machine: int, machines: int, machine_rank: int, rendezvous: tupl
     return agent.LaunchConfig(min_nodes=machines, max_nodes=machines, nproc_per_node=per_machine, run_id=run_id,
                               rdzv_backend=backend, rdzv_endpoint=endpoint, max_restarts=max_restarts,
                               rdzv_configs={"timeout": rendezvous_timeout,
-                                            **({"rank": machine_rank} if backend == "static" else {})},
-                              shutdown_timeout=shutdown_timeout)
+                                            **({"rank": machine_rank} if backend == "static" else {})})
 
 
 def _rendezvous_of(dist_url: str, num_machines: int) -> tuple[str, str, str]:
@@ -322,13 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphpar.parallel import agent  # torch loads here, after --help and the checks
 
     os.environ["OMP_NUM_THREADS"] = agent.threads_per_process(options.nproc_per_node)  # the agent passes it on
-    config = _config(options.nproc_per_node, options.nnodes, options.node_rank, rendezvous, options.max_restarts,
-                     shutdown_timeout=options.shutdown_timeout)
+    config = _config(options.nproc_per_node, options.nnodes, options.node_rank, rendezvous, options.max_restarts)
     program = os.environ.get("PYTHON_EXEC", sys.executable)  # what torchrun runs: python -u [-m] script args
     program_args = ["-u", *(["-m"] if options.module else []), options.script, *options.script_args]
     try:
         result = agent.run(config, program, program_args, shlex.join([program, *program_args]),
-                           lambda line, final: _say(line))
+                           lambda line, final: _say(line), shutdown_timeout=options.shutdown_timeout)
     except agent.Signalled as signalled:
         return 128 + signalled.signum
     except (agent.RendezvousError, RuntimeError) as exc:  # one line, as for a process that failed
