@@ -87,9 +87,11 @@ open(os.path.join(sys.argv[1], f"env{rank}_{attempt}"), "w").write(" ".join(os.e
     "OMP_NUM_THREADS")))
 if sys.argv[2] == "fail" and rank == 1:
     sys.exit(7)
-if sys.argv[2] == "faults" and (rank, attempt) == (1, 0):
-    os.kill(os.getpid(), signal.SIGKILL)         # a killed rank: the group restarts
-if sys.argv[2] == "faults" and (rank, attempt) == (0, 1):
+if sys.argv[2] == "faults" and (rank, attempt) in ((1, 0), (0, 1)):
+    while not os.path.exists(os.path.join(sys.argv[1], f"env{1 - rank}_{attempt}")):
+        time.sleep(0.05)                             # the other one has started
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)         # a killed rank: the group restarts
     raise RuntimeError("an exception on purpose")  # an exception in a rank: it restarts again
 if sys.argv[2] == "fail" or (sys.argv[2] == "faults" and attempt < 2):
     time.sleep(60)                                 # the others are stopped, not waited for
