@@ -8,6 +8,10 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Parallelize validates every net after each pass in tests: the default PassContext (read when graphpar is
+# imported, so it holds in every thread) and the processes tests start (launcher, example, multi-host runs).
+os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
+
 settings.register_profile("graphpar", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "graphpar"))
@@ -47,6 +51,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def deterministic_cudnn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that need a GPU run with cuDNN's deterministic kernels and no autotuning: cuDNN's atomics
+    otherwise make two runs of one step differ in their last bits, which no bit-identity check of
+    graphpar (captured == uncaptured, N devices == 1) is about."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    import torch
+
+    cudnn = torch.backends.cudnn
+    old = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
+
+
+@pytest.fixture(autouse=True)
 def faked_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """With GRAPHPAR_FAKE_GPUS=<n>, every test runs as if the machine had n GPUs (tests/fake_gpus.py)."""
     count = os.environ.get("GRAPHPAR_FAKE_GPUS")
@@ -77,10 +100,9 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list:
 
 @pytest.fixture(autouse=True, scope="session")
 def checked_passes() -> Iterator[None]:
-    """Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline); the
-    environment variable carries that into the processes tests start (launcher, example and multi-host runs)."""
+    """Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline), even
+    where the environment said GRAPHPAR_CHECK_PASSES=0."""
     from graphpar.passes.pipeline import PassContext
 
-    os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
     with PassContext(check=True):
         yield

@@ -111,6 +111,9 @@ LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection`
 DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free intermediates at their last use
 KEEP_ARG = "blobs_to_keep"  # net argument: blobs a run keeps whatever else holds
 FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the first run serially
+# net argument: every run feeds inputs of the shapes and dtypes they had at CreateNet (or the first run);
+# RunNet refuses others (runtime.static_shapes), so an executor may compile without dynamic shapes
+STATIC_SHAPES_ARG = "static_shapes"
 # net argument: replica state that a run rebinds to the first device's tensors (passes.cpu_update_once):
 # written without being read, yet persistent, and its loaded value is in use (graphpar.resume)
 ALIASED_STATE_ARG = "aliased_state"

@@ -890,7 +890,7 @@ def _log_built(state: ParallelState) -> None:
              "training" if state.training else "forward only")
     reduced = "no gradients" if not state.training else (
         f"{len(state.grad_names)} gradients all-reduced by {type(state.reducer).__name__} ("
-        + (f"buckets of <= {options.gradient_bucket_bytes} bytes)" if options.gradient_bucket_bytes
+        + (f"buckets closing at {options.gradient_bucket_bytes} bytes)" if options.gradient_bucket_bytes
            else "one collective per gradient)"))
     log.info("Parallelize(%r): %d params, %d computed params, %s; %d cross-device ops in net %r (%d "
              "collectives), %d ops in all, type %r, %d workers", state.model.name, len(state.param_names),

@@ -269,14 +269,21 @@ class ParallelizeOptions:
         all-reduced over every shard.""", _spatial_bn)
     barrier_net_timeout_sec: float = option(300, """
         with a rendezvous, how long RunInitNet's barrier waits for the others.""", _seconds)
+    static_shapes: bool = option(False, """
+        (later Caffe2 versions' argument) promise that every step feeds inputs of one shape and dtype: the
+        nets RunNet runs carry the net argument `static_shapes` (`core.naming.STATIC_SHAPES_ARG`), so the
+        engine may compile the step for those shapes, and running them refuses a fed input whose shape or
+        dtype differs from the one it had at CreateNet (or, fed later, at the first run): a ValueError
+        naming the blob, before anything changes. Feed full batches (a loader's `drop_last=True`).""",
+        _flag)
     gradient_bucket_bytes: int | None = option(None, """
         None (default): on real CUDA devices buckets of DDP's default 25 MiB (`bucket_cap_mb=25`, the
         first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU
         devices, CUDA simulated on the CPU) each gradient on its own; 0: each gradient on its own on CUDA
         too. An int >= 1 all-reduces them in buckets, as PyTorch DDP does: in the same reverse creation
-        order, the gradients are packed into buckets of at most this many bytes (the first bucket of at
-        most `first_bucket_bytes`; a larger gradient gets a bucket of its own, and a bucket holds one
-        dtype); per device each bucket is flattened into one buffer (FlattenToVec + Concat), the buffers
+        order, the gradients are packed into buckets that close once they hold at least this many
+        bytes (the first bucket `first_bucket_bytes`; each dtype fills buckets of its own: DDP's
+        assignment, `passes.bucketing.plan_buckets`); per device each bucket is flattened into one buffer (FlattenToVec + Concat), the buffers
         are all-reduced by one collective (Sum tree or NCCLAllreduce), then split and reshaped back into
         the gradient blobs. Sizes come from shape inference on the ops of param_init_net that create each
         param; a param whose size it cannot tell raises ParallelizeError naming it. See

@@ -281,8 +281,9 @@ def test_batch_norm_running_stats_can_be_averaged_over_the_devices(gpu):
 # ---- gradient bucketing -------------------------------------------------------------------------------
 
 # The MLP's gradients in reverse creation order: pred_b 12 bytes, pred_w 60, fc1_b 20, fc1_w 120; these
-# limits make three buckets: [pred_b] (the small first one), [pred_w, fc1_b], [fc1_w].
-BUCKETS = dict(gradient_bucket_bytes=100, first_bucket_bytes=16)
+# limits make three buckets, each closing once it holds its limit: [pred_b] (the small first one),
+# [pred_w, fc1_b], [fc1_w].
+BUCKETS = dict(gradient_bucket_bytes=80, first_bucket_bytes=12)
 
 
 @pytest.mark.parametrize("devices", [[0, 1], [2, 3, 4], [1, 2, 3, 4], list(range(8))])
