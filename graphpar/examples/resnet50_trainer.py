@@ -8,9 +8,10 @@ sees the same batches as an uninterrupted one). The model, optimizer and schedul
 ResNet-50 (or 18, `--num_layers`), SGD with Nesterov momentum 0.9, weight decay on the weights, the
 learning rate scaled by the global batch / 256 and x0.1 every 30 epochs. A checkpoint
 `<save_model_name>_<epoch>.safetensors` (default name `resnet<num_layers>_model`) is written after
-every epoch; `--load_model_path` resumes from one. Caffe2's flags for LMDB input and multi-host
-rendezvous are accepted and refused with a message when set; `--width` (the stem's channels, 64 in
-ResNet-50) is graphpar's, for tiny test runs.
+every epoch; `--load_model_path` resumes from one, and a process the launcher's agent restarted
+(`python -m graphpar.launch --max-restarts N`) resumes from the last one its job wrote. Caffe2's
+flags for LMDB input and multi-host rendezvous are accepted and refused with a message when set;
+`--width` (the stem's channels, 64 in ResNet-50) is graphpar's, for tiny test runs.
 
 Precision (docs/precision.md): `--dtype float16` is Caffe2's recipe: float16 Conv/FC params made by
 `PseudoFP16Initializer` with float32 masters updated by `build_multi_precision_sgd` (`build_fp16_sgd`
@@ -22,6 +23,7 @@ for a static one). `--dtype bfloat16` keeps fp32 params and computes Conv/FC in 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ import numpy as np  # noqa: E402
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.models import resnet  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
+from graphpar.parallel import elastic  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
 from graphpar.training.data import feed_batch  # noqa: E402
@@ -144,6 +147,18 @@ def checkpoint_path(args: argparse.Namespace, epoch: int) -> Path:
     return Path(f"{args.save_model_name}_{epoch}.safetensors")
 
 
+def restart_checkpoint(args: argparse.Namespace) -> Path | None:
+    """In a process the launcher's agent restarted: the last epoch's checkpoint this job wrote, where the
+    run continues (`--load_model_path` named where the job began); else None."""
+    if not elastic.restart_count():
+        return None
+    name = Path(args.save_model_name)
+    pattern = re.compile(rf"{re.escape(name.name)}_(\d+)\.safetensors")
+    found = sorted((int(m.group(1)), path) for path in name.parent.glob(f"{name.name}_*.safetensors")
+                   if (m := pattern.fullmatch(path.name)))
+    return elastic.last_of_this_job(path for _, path in found)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
     return cli.guard(_main, argv)
@@ -152,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     cli.setup_logger(args.verbose)
+    restarted = restart_checkpoint(args)
+    if restarted is not None:
+        log.info("restart %d of this job: continuing from %s", elastic.restart_count(), restarted)
+        args.load_model_path = str(restarted)
     devices, cpu = devices_of(args)
     if args.batch_size % len(devices):
         raise SystemExit(f"--batch_size {args.batch_size} must be divisible by the {len(devices)} devices")
@@ -179,7 +198,7 @@ def _main(argv: list[str] | None) -> int:
                 losses.append(np.mean([float(workspace.FetchBlob(f"{prefix}_{d}/loss")) for d in devices]))
         images_per_s = epoch_iters * args.batch_size / (time.perf_counter() - start)
         path = checkpoint_path(args, epoch + 1)
-        checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1})
+        checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1, **elastic.job_metadata()})
         log.info("epoch %d/%d: loss %.4f, %.1f images/s, checkpoint %s", epoch + 1, args.num_epochs,
                  float(np.mean(losses)) if losses else float("nan"), images_per_s, path)
     return 0

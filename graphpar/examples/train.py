@@ -34,7 +34,7 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --
 import numpy as np  # noqa: E402
 
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
-from graphpar.parallel import comm, launch  # noqa: E402
+from graphpar.parallel import comm, elastic, launch  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -131,6 +131,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     parser.add_argument("--num-processes", type=int, default=1,
                         help="processes (shards) on this machine, each with --devices devices (gloo)")
     args = parser.parse_args(argv)
+    if elastic.restart_count() and elastic.written_by_this_job(args.checkpoint):
+        args.resume, args.overwrite = True, False  # the launcher's agent restarted this job: continue it
     if args.num_processes < 1:
         parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
     shards = max(args.num_processes, launch.get_world_size())
@@ -224,7 +226,8 @@ class EpochEnd(HookBase):
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
         if self.say:  # one process writes the checkpoint (atomically); every process can load it
             checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
-                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size})
+                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size,
+                                      **elastic.job_metadata()})
             log.info("epoch %2d  loss %.4f  test accuracy %.2f%%", done // self.steps, np.mean(losses),
                      100 * self.accuracy)
 
@@ -331,7 +334,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
             if say:
-                log.info("resumed from %s at epoch %d", args.checkpoint, trainer.iter // steps_per_epoch)
+                again = f" (restart {elastic.restart_count()} of this job)" if elastic.restart_count() else ""
+                log.info("resumed from %s at epoch %d%s", args.checkpoint, trainer.iter // steps_per_epoch, again)
         try:
             trainer.train()
         except KeyboardInterrupt:

@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
+from graphpar.parallel.elastic import restart_count
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 log = logging.getLogger(__name__)
 
@@ -70,12 +72,6 @@ def get_world_size() -> int:
 def get_local_rank() -> int:
     """This process's rank on its machine (LOCAL_RANK, else 0)."""
     return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def restart_count() -> int:
-    """How many times the launcher's agent has restarted this process's group (TORCHELASTIC_RESTART_COUNT,
-    else 0): above 0, the job already ran and should continue from the last checkpoint it wrote."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
 
 
 def is_main_process() -> bool:

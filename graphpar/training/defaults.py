@@ -289,7 +289,11 @@ class DefaultTrainer(Trainer):
     def resume_or_load(self, resume: bool = True, path: Any = None) -> int:
         """With `resume` and a checkpoint in OUTPUT_DIR: continue from the last one (params, optimizer
         state, and `state_dict`). Otherwise start from MODEL.WEIGHTS' params, if set, at iteration 0.
-        Returns the iteration training starts at."""
+        A process the launcher's agent restarted continues from the last checkpoint its job wrote in
+        OUTPUT_DIR (see `Trainer.resume_or_load`). Returns the iteration training starts at."""
+        restarted = self.restart_checkpoint()
+        if restarted is not None:
+            resume, path = True, restarted
         found = checkpoints(self.cfg.OUTPUT_DIR) if resume and path is None else []
         target = path if path is not None else (found[-1] if found else None)
         if resume and target is not None:
