@@ -48,6 +48,7 @@ __all__ = ["SIGNALS", "LaunchConfig", "RendezvousError", "Signalled", "first_fai
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PEER_GRACE_SEC = 5.0  # once one process has ended after a signal, how long the others get
 _TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals torch's process context takes over
+_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": a new store for the processes of each attempt
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
@@ -100,7 +101,8 @@ def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequen
     signals.agent = agent
     closed = True  # the rendezvous is closed at the end, unless a signal stopped this agent (as torchrun)
     try:
-        with _quiet_torch_logs(), signals, _sigint_blocked() if block_sigint else contextlib.nullcontext():
+        with _quiet_torch_logs(), _environment(config), signals, \
+                _sigint_blocked() if block_sigint else contextlib.nullcontext():
             result = agent.run()
     except SignalException as exc:
         closed = False
@@ -190,9 +192,9 @@ class _Agent(LocalElasticAgent):
 
 class _Signals:
     """graphpar's handler of SIGNALS while a group runs (main thread only; see the module docstring).
-    torch's process context would set its own handler before it starts the processes
-    (TORCHELASTIC_SIGNALS_TO_HANDLE, emptied meanwhile), one that stops the agent half-way through
-    starting them; graphpar's waits until they have all started."""
+    torch's process context would set its own handler before it starts the processes (see
+    `_environment`), one that stops the agent half-way through starting them; graphpar's waits until
+    they have all started."""
 
     def __init__(self) -> None:
         self.agent: _Agent | None = None
@@ -202,8 +204,6 @@ class _Signals:
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
-        self.environment = os.environ.get(_TORCH_SIGNALS)
-        os.environ[_TORCH_SIGNALS] = ""
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.getsignal(s) for s in SIGNALS}
             for signum in SIGNALS:
@@ -213,10 +213,6 @@ class _Signals:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        if self.environment is None:
-            os.environ.pop(_TORCH_SIGNALS, None)
-        else:
-            os.environ[_TORCH_SIGNALS] = self.environment
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -286,6 +282,27 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         stop.set()
         receiver.join()
+
+
+@contextlib.contextmanager
+def _environment(config: LaunchConfig) -> Iterator[None]:
+    """Inside, torch's process context sets no signal handler of its own (TORCHELASTIC_SIGNALS_TO_HANDLE
+    empty: graphpar's `_Signals` handle them), and with restarts the c10d rendezvous gives each attempt
+    a fresh store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE: in the one store torch shares across attempts, a
+    restarted group met the keys the previous attempt's processes left, and init_process_group hung)."""
+    values = {_TORCH_SIGNALS: ""}
+    if config.max_restarts > 0 and config.rdzv_backend == "c10d":
+        values[_SHARED_STORE] = "1"
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -46,6 +46,9 @@ from urllib.parse import urlparse
 from graphpar.parallel.elastic import restart_count
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_STATIC_RESTARTS = ("torch's static rendezvous keeps one store for every attempt, where a restarted group meets the "
+                    "keys of the processes it replaces and cannot start; for restarts across machines use "
+                    "--rdzv-backend c10d --rdzv-endpoint HOST:PORT (one machine: leave --dist-url at auto)")
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
@@ -159,6 +162,8 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
         main_func(*args)
         return
     backend_of, endpoint, run_id = _rendezvous_of(dist_url, num_machines)
+    if max_restarts and backend_of == "static":
+        raise ValueError(f"launch: {_STATIC_RESTARTS}")
     from graphpar.parallel import agent
 
     config = _config(num_processes_per_machine, num_machines, machine_rank, (backend_of, endpoint, run_id),
@@ -368,6 +373,8 @@ def _rendezvous_options(options: argparse.Namespace) -> tuple[str, str, str]:
     if url != "auto" and endpoint:
         raise ValueError("--dist-url and --rdzv-endpoint both give the rendezvous' address: pass one of them")
     if url != "auto" or endpoint:
+        if options.max_restarts:
+            raise ValueError(f"--max-restarts with --dist-url / --rdzv-endpoint: {_STATIC_RESTARTS}")
         if options.standalone:
             raise ValueError("--standalone starts its own rendezvous: drop --dist-url / --rdzv-endpoint")
         run_id = options.rdzv_id
