@@ -12,9 +12,10 @@ like one device on the whole batch. After every epoch it prints the mean loss an
 (over 95% after the default 12 epochs, on every test sample) and writes a checkpoint that
 `--resume` continues from, learning-rate schedule included, and `metrics.json` beside it (with
 `--plot`, a loss/accuracy PNG beside them at the end). An existing checkpoint is never replaced
-silently: continue it with `--resume`, or start over with `--overwrite`. Batches are loaded on a
-background thread (`DeviceFeeder`) while the devices compute; the loop is `graphpar.engine.Trainer`
-with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
+silently: continue it with `--resume`, or start over with `--overwrite`; a process that
+`python -m graphpar.launch --max-restarts N` restarted continues the checkpoint its job wrote, with
+the same command line. Batches are loaded on a background thread (`DeviceFeeder`) while the devices
+compute; the loop is `graphpar.engine.Trainer` with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
 (`--verbose`: with its traceback).
 """
 

@@ -141,8 +141,9 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
     `machine_rank` of `num_machines`), each inside torch.distributed's default group (`backend`, default
     `default_backend`: NCCL with a GPU per process, else gloo; joined at `dist_url` within `timeout`,
     see `init_process_group`). One process in all: `main_func` runs here. The processes run on torch's
-    elastic agent, as the command's (which runs a Python function in processes started by
-    torch.multiprocessing's spawn): with `max_restarts` it starts them all again when one fails.
+    elastic agent, as the command's do (it starts the processes of a Python function with
+    torch.multiprocessing's spawn); with `max_restarts` (the c10d rendezvous: dist_url "auto") it
+    starts them all again when one fails.
 
     Raises:
         ValueError: bad counts or dist_url.
@@ -164,12 +165,12 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
     backend_of, endpoint, run_id = _rendezvous_of(dist_url, num_machines)
     if max_restarts and backend_of == "static":
         raise ValueError(f"launch: {_STATIC_RESTARTS}")
+    import torch.multiprocessing as mp
+
     from graphpar.parallel import agent
 
     config = _config(num_processes_per_machine, num_machines, machine_rank, (backend_of, endpoint, run_id),
                      max_restarts, rendezvous_timeout=int(timeout.total_seconds()))
-    import torch.multiprocessing as mp
-
     name = f"{getattr(main_func, '__module__', '?')}.{getattr(main_func, '__qualname__', main_func)}"
     raised = mp.get_context("spawn").SimpleQueue()  # what each process raised, and when
     work = (main_func, tuple(args), backend or default_backend(num_processes_per_machine), timeout,
@@ -189,7 +190,8 @@ def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_ma
 
 
 def _log_restart(line: str, final: bool) -> None:
-    if not final:  # a final failure is raised
+    """`launch`'s report of a failure: logged when the group restarts (a final one is raised)."""
+    if not final:
         log.warning("%s", line)
 
 

@@ -12,8 +12,10 @@ a `DeviceFeeder`'s prepared batches), runs the train net once, records the losse
 called on it, or on its `sampler`, when present). Scalars go to `trainer.storage` (one value per
 iteration and name) where the writers read them; under a rendezvous the losses are the global batch's
 (gathered from every shard, as Detectron2's `comm.reduce_dict`), the same on every shard, while `time`
-is this process's step time. `auto_scale_workers` applies Detectron2's linear
-scaling rule to a config for a new device count.
+is this process's step time. A process the launcher's agent restarted (`--max-restarts`)
+continues from the last checkpoint its job's PeriodicCheckpointer wrote (`resume_or_load`, or `train`
+on its own). `auto_scale_workers` applies Detectron2's linear scaling rule to a config for a new
+device count.
 """
 
 from __future__ import annotations
