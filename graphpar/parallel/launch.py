@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "or tcp://HOST:PORT of machine 0 (the static rendezvous)")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                         help="times to start the whole group again when a process fails")
-    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=("static", "c10d"),
                         help="torchrun's rendezvous: 'static' (--dist-url) or 'c10d' (--rdzv-endpoint)")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                         help="HOST:PORT of the rendezvous (c10d: the same on every machine; no shared file system)")
@@ -394,10 +394,13 @@ def _say(line: str) -> None:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows each option's default (not a flag's False) and the description's line breaks."""
+    """--help shows each option's default (not a flag's False, nor an empty one) and the description's line
+    breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        return (action.help or "") if action.default is False else super()._get_help_string(action) or ""
+        if action.default is False or action.default == "":
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 if __name__ == "__main__":

@@ -255,6 +255,9 @@ def test_launch_help_shows_the_command_and_the_defaults(capsys):
         launch.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: python -m graphpar.launch ") and "(default: auto)" in out and "(default: 1)" in out
+    for option in ("--max-restarts MAX_RESTARTS", "--rdzv-backend {static,c10d}", "--rdzv-endpoint RDZV_ENDPOINT",
+                   "--standalone", "when a process fails (default: 0)", "before they are killed (default: 30)"):
+        assert option in out, option  # torchrun's options (issue 33 item 1), with their defaults
 
 
 # ---- logging ------------------------------------------------------------------------------------------
