@@ -219,6 +219,7 @@ class _Rewrite:
         """Each sharded state blob's fill fills only its replica's part (same value, dtype and device);
         `sharding.state` names them."""
         specs = infer_specs(init, wanted=list(self.state_fills))
+        position = {id(op): i for i, op in enumerate(init.ops)}
         for blob, fill in self.state_fills.items():
             param, device = self.owner[blob]
             spec = specs.get(blob)
@@ -228,7 +229,7 @@ class _Rewrite:
             start, end = self.sharding.bounds(param, self.layout.devices.index(device))
             args = {**fill.args, "shape": [end - start], "dtype": str(spec.dtype).removeprefix("torch.")}
             part = make_op(fill.type, [], [shard_name(blob)], fill.device_option, fill.name, **args)
-            init.ops[next(i for i, op in enumerate(init.ops) if op is fill)] = part
+            init.ops[position[id(fill)]] = part
             self.sharding.state[stripBlobName(blob)] = param
 
 
