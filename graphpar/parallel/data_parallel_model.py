@@ -42,8 +42,13 @@ from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobNam
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import (CheckpointError, DeviceScopeError, GradientOverflowError, MissingBlobError,
-                             ParallelizeError)
+from graphpar.errors import (
+    CheckpointError,
+    DeviceScopeError,
+    GradientOverflowError,
+    MissingBlobError,
+    ParallelizeError,
+)
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.model.model_helper import ModelHelper
