@@ -47,7 +47,6 @@ import importlib
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
@@ -59,7 +58,7 @@ from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef
 from graphpar.core.naming import ALIASED_STATE_ARG
 from graphpar.core.scope import CurrentDeviceScope
 from graphpar.core.shapes import infer_specs
-from graphpar.errors import MissingBlobError, ShapeInferenceError
+from graphpar.errors import MissingBlobError, OperatorError, ShapeInferenceError
 from graphpar.executor import CompiledNet, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
 from graphpar.platform.devices import (
@@ -92,9 +91,9 @@ class Workspace:
         self._running: set[str] = set()  # the nets running now (in some thread)
         self._running_lock = threading.Lock()
         # the input shapes each created net with `static_shapes` keeps (runtime.static_shapes), by plan
-        self._promises: weakref.WeakKeyDictionary[CompiledNet, ShapePromise] = weakref.WeakKeyDictionary()
-        # the nets created while their blobs did not fit their shapes, checked before their next run (_compile)
-        self._unchecked: weakref.WeakKeyDictionary[CompiledNet, None] = weakref.WeakKeyDictionary()
+        self._promises: dict[int, tuple[CompiledNet, ShapePromise]] = {}  # by id(plan)
+        # the plans (by id) created while their blobs did not fit their shapes, checked before they run (_compile)
+        self._unchecked: dict[int, CompiledNet] = {}
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
@@ -141,13 +140,17 @@ class Workspace:
         self.objects.clear()
         self.nets.clear()
         self.loaded.clear()
+        self._promises.clear()
+        self._unchecked.clear()
         self._restart_streams()
 
     @contextmanager
     def unchanged_on_error(self) -> Iterator[None]:
         """Put back the blobs (the same tensors), text blobs, nets, load records and random-stream state if
         the block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
-        saved = [(m, dict(m)) for m in (self.blobs, self.objects, self.nets, self.loaded)]
+        mappings: tuple[dict[Any, Any], ...] = (self.blobs, self.objects, self.nets, self.loaded, self._promises,
+                                                self._unchecked)
+        saved = [(m, dict(m)) for m in mappings]
         compiles = self._compiles
         try:
             yield
@@ -266,8 +269,12 @@ class Workspace:
                                f"overwrite=True to replace it.")
         with self.unchanged_on_error():  # a failed compile must not advance the random streams
             plan = self._compile(netdef)
+        replaced = self.nets.get(netdef.name)
+        if replaced is not None:
+            self._promises.pop(id(replaced), None)
+            self._unchecked.pop(id(replaced), None)
         if promises_static_shapes(plan):
-            self._promises[plan] = ShapePromise(plan, self.blobs)
+            self._promises[id(plan)] = (plan, ShapePromise(plan, self.blobs))
         self.nets[netdef.name] = plan
         return plan
 
@@ -302,7 +309,8 @@ class Workspace:
         try:
             if num_iter:
                 self._check_shapes(plan)
-            promise = self._promises.get(plan) if num_iter else None
+            entry = self._promises.get(id(plan)) if num_iter and self._promises else None
+            promise = entry[1] if entry is not None and entry[0] is plan else None
             first_shapes = promise.check(self.blobs) if promise is not None else None
             if self.loaded and num_iter:
                 self._check_load_order(plan)
@@ -336,8 +344,11 @@ class Workspace:
             return compile_net(netdef, self, self.keep_all)
         except ShapeInferenceError as exc:
             self._compiles = compiles  # the compile that failed drew no random stream
-            plan = compile_net(netdef, self, self.keep_all, infer_shapes=False)
-            self._unchecked[plan] = None
+            try:
+                plan = compile_net(netdef, self, self.keep_all, infer_shapes=False)
+            except OperatorError:  # a kernel refuses its args too: the shape rule's error says more
+                raise exc from None
+            self._unchecked[id(plan)] = plan
             log.info("CreateNet(%r): its blobs do not fit its shapes yet; checked again before it runs: %s",
                      netdef.name, exc)
             return plan
@@ -345,9 +356,9 @@ class Workspace:
     def _check_shapes(self, plan: CompiledNet) -> None:
         """Raise ShapeInferenceError, before anything runs, if `plan`'s net was created with blobs that did
         not fit it and the workspace's blobs still do not (`_compile`)."""
-        if plan in self._unchecked:
+        if self._unchecked and self._unchecked.get(id(plan)) is plan:
             infer_specs(plan.netdef, self.blobs)
-            del self._unchecked[plan]
+            del self._unchecked[id(plan)]
 
     def _check_load_order(self, plan: CompiledNet) -> None:
         """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
