@@ -378,6 +378,22 @@ def test_amp_on_cuda_devices_is_float16_with_a_dynamic_loss_scale() -> None:
     assert DefaultTrainer.precision_options(cfg, cpu=True) == {"compute_dtype": "bfloat16"}
 
 
+def test_cuda_asked_without_a_gpu_raises_with_the_fix_or_runs_on_logical_gpus(monkeypatch) -> None:
+    """torch's DataParallel falls back to the CPU silently; graphpar says what to do, and
+    GRAPHPAR_CUDA_ON_CPU=1 is the opt-in fallback (the same program on logical CUDA devices)."""
+    from graphpar.devices import cuda_on_cpu
+    from graphpar.training.defaults import devices_of
+    from tests.fake_gpus import fake_gpus
+
+    fake_gpus(monkeypatch, 0)
+    cfg = get_cfg()
+    cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.NUM_DEVICES", "2"])
+    with pytest.raises(ValueError, match="no GPU is visible .* MODEL.DEVICE to 'cpu' .* GRAPHPAR_CUDA_ON_CPU=1"):
+        devices_of(cfg)
+    with cuda_on_cpu():
+        assert devices_of(cfg) == ([0, 1], False)
+
+
 if "defaults_test17" not in DatasetCatalog:
     DatasetCatalog.register("defaults_test17", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[31:], Y[31:])])
     DatasetCatalog.register("defaults_test10", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[:10], Y[:10])])
