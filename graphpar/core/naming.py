@@ -111,6 +111,8 @@ LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection`
 DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free intermediates at their last use
 KEEP_ARG = "blobs_to_keep"  # net argument: blobs a run keeps whatever else holds
 FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the first run serially
+COMPILE_BACKEND_ARG = "compile_backend"  # net argument of a "compiled" net: torch.compile's backend
+COMPILE_MODE_ARG = "compile_mode"  # net argument of a "compiled" net: inductor's mode ("reduce-overhead", ...)
 # net argument: replica state that a run rebinds to the first device's tensors (passes.cpu_update_once):
 # written without being read, yet persistent, and its loaded value is in use (graphpar.resume)
 ALIASED_STATE_ARG = "aliased_state"

@@ -113,6 +113,12 @@ class Trait(str, Enum):
     HOST_SYNC = "host_sync"
 
 
+# What keeps a kernel out of a compiled program (`executor.compiled`) unless its registration says
+# `traceable=True`: a host read of tensor values (torch.compile would bake the value in or break the
+# graph), per-run random streams, another process, or the host-side iteration counter.
+UNTRACEABLE_TRAITS = frozenset({Trait.HOST_SYNC, Trait.RANDOM, Trait.DISTRIBUTED, Trait.COUNTER})
+
+
 class Precision(str, Enum):
     """How an op takes part in mixed precision (`passes.precision`); see `PrecisionRule`."""
 
@@ -305,6 +311,9 @@ class OpSchema:
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
     precision: PrecisionRule | None = None  # mixed precision (None: PRECISION_TABLE's rule or FP32)
     effects: Effects = NO_EFFECTS  # what passes must know of its inputs' tensors (see `Effects`)
+    # traceable(op): whether the kernel runs inside a compiled program (torch.compile) without a graph
+    # break or a recompilation per run; the compiled executor runs the others eagerly between regions
+    traceable: Callable[[OperatorDef], bool] = field(default=lambda op: True)
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -363,6 +372,7 @@ def register_op(
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
     precision: PrecisionRule | None = None,
     effects: Effects = NO_EFFECTS,
+    traceable: bool | Callable[[OperatorDef], bool] | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -380,6 +390,11 @@ def register_op(
     only where a net writes the op in place on that input (so the op must allow that).
     `precision` is the op's mixed-precision rule (`PrecisionRule`; default `PRECISION_TABLE`'s or FP32).
     `effects` declares aliasing, equal values, rebound inputs and fusion for passes (see `Effects`).
+    `traceable` says whether the kernel can run inside a compiled program (`executor.compiled`): no
+    host read of tensor values, no Python decision on them, nothing that changes per run but tensors;
+    a function of the op where its arguments decide (a fill reads values only with `input_as_shape`).
+    None derives it: traceable unless the op has one of `UNTRACEABLE_TRAITS`; an op with such a trait
+    whose kernel takes a traceable path under `torch.compiler.is_compiling()` says True.
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -395,13 +410,20 @@ def register_op(
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
-        reuse=reuse and InputReuse(*reuse), precision=precision, effects=effects)
+        reuse=reuse and InputReuse(*reuse), precision=precision, effects=effects,
+        traceable=_traceable_rule(not traits & UNTRACEABLE_TRAITS if traceable is None else traceable))
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:
             schema.reuse = schema.reuse._replace(kernel=_checked_kernel(schema.reuse.kernel, check))
     _REGISTRY[type_] = schema
     return schema
+
+
+def _traceable_rule(spec: bool | Callable[[OperatorDef], bool]) -> Callable[[OperatorDef], bool]:
+    if callable(spec):
+        return spec
+    return (lambda op: True) if spec else (lambda op: False)
 
 
 def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]],
@@ -438,10 +460,15 @@ def same_shape(*groups: Iterable[int] | Callable[[int], Iterable[Iterable[int]]]
     Indices past the op's inputs (optional inputs) are skipped.
     """
 
-    @functools.cache
+    known: dict[int, tuple[tuple[int, ...], ...]] = {}  # by input count (a dict: compilers trace it, not a cache)
+
     def expanded(count: int) -> tuple[tuple[int, ...], ...]:
-        flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
-        return tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat) if len(kept) > 1)
+        found = known.get(count)
+        if found is None:
+            flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
+            found = known[count] = tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat)
+                                         if len(kept) > 1)
+        return found
 
     def check(_args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
         for indices in expanded(len(inputs)):  # the run-time cost: a few shape comparisons

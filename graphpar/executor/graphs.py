@@ -54,7 +54,7 @@ from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
 from graphpar.executor.failure import op_location, recorded_at
-from graphpar.executor.program import StepFailed, straight_line
+from graphpar.executor.program import StepFailed, step_runs, straight_line
 from graphpar.executor.run import run_plan, serial
 from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.platform.devices import cuda_is_simulated
@@ -227,8 +227,8 @@ class Captured:
         self.frame: list = list(self.template)
         # what the run takes from the captured frame: the captured steps' outputs and the static inputs
         self.written = sorted({slot for j in cut.captured for slot in plan.steps[j].outputs} | set(cut.loads))
-        phase = plan.phases[0]._replace(steps=cut.captured, staged=False)
-        program = straight_line(plan, phase, plan.frame.frees_memory)
+        frees = plan.frame.frees_in(cut.prologue + cut.captured) if plan.frame.frees_memory else None
+        program = straight_line(plan, cut.captured, frees, "captured")
         captured_frame, template = self.frame, self.template
 
         def body() -> None:
@@ -277,7 +277,7 @@ class _Replay:
         self.done = True
         plan, runtime, frame = self.plan, self.runtime, self.frame
         cut: Split = runtime.graph_split
-        runs = plan.runs
+        runs = step_runs(plan)
         for j in cut.prologue:
             try:
                 runs[j](frame)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from graphpar.executor.compiled import CompiledExecutor
 from graphpar.executor.dag import DagExecutor
 from graphpar.executor.graphs import CudaGraphExecutor
 from graphpar.executor.simple import SimpleExecutor
@@ -58,3 +59,4 @@ register_executor("simple", SimpleExecutor())
 register_executor("dag", DagExecutor())
 register_executor("async_scheduling", get_executor("dag"))  # Caffe2's name for its concurrent executor
 register_executor("cuda_graph", CudaGraphExecutor())  # a step captured once in a CUDA graph, then replayed
+register_executor("compiled", CompiledExecutor())  # each phase compiled by torch.compile into a few programs

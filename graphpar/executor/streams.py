@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from graphpar.core.ir import CUDA, DeviceOption
+from graphpar.executor.program import step_runs
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class RunStreams:
 
     def __init__(self, backend: StreamBackend, plan: CompiledNet, frame: list) -> None:
         self.backend, self.plan, self.frame = backend, plan, frame
+        self.runs = step_runs(plan)
         self.events: list[Any] = [None] * len(plan.steps)  # the event after each step that ran on a stream
         self.streams: list[Any] = [None] * len(plan.steps)
         self.start: dict[DeviceOption, Any] = {}  # per device: the default stream's event before the run
@@ -150,7 +152,7 @@ class RunStreams:
         if step.option.device_type != CUDA or not backend.active(step.device):
             for i in before:  # a host step reading what a stream computed
                 backend.synchronize(self.events[i])
-            self.plan.runs[index](self.frame)
+            self.runs[index](self.frame)
             return
         stream = worker_streams.get(step.option)
         if stream is None:
@@ -169,7 +171,7 @@ class RunStreams:
             if isinstance(value, torch.Tensor):
                 backend.keep_alive(value, stream)
         with backend.use(stream):
-            self.plan.runs[index](frame)
+            self.runs[index](frame)
         self.events[index] = backend.record(stream)
         self.streams[index] = stream
         self.used[id(stream)] = (stream, step.device)

@@ -145,7 +145,12 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
     if given["cuda_graph"] and cpu_device:
         raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
                                "cpu_device=True")
-    net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
+    if given["cuda_graph"] and given["compile"]:
+        raise ParallelizeError("Parallelize: cuda_graph=True and compile=... both replace the train net's executor; "
+                               "use compile='reduce-overhead' for inductor's CUDA graphs, or cuda_graph=True alone")
+    net_type = "cuda_graph" if given["cuda_graph"] else "compiled" if given["compile"] else given["net_type"]
+    if given["compile"]:
+        given["dynamic_memory_management"] = True  # intermediates stay inside the compiled program
     _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
                    given["shared_model"], net_type)
     bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"], cuda)

@@ -14,6 +14,7 @@ from graphpar.executor import get_executor, net_types, register_executor
 from graphpar.executor import registry as executor_registry
 from graphpar.executor.frame import commit, open_frame
 from graphpar.executor.plan import CompiledNet
+from graphpar.executor.program import step_runs
 from graphpar.executor.simple import SimpleExecutor
 
 
@@ -31,7 +32,7 @@ class ShuffledExecutor:
         pending = list(range(len(plan.steps)))
         while pending:
             j = self.rng.choice([j for j in pending if done.issuperset(plan.dependencies[j])])
-            plan.steps[j].run(frame)
+            step_runs(plan)[j](frame)
             done.add(j)
             order.append(j)
             pending.remove(j)
