@@ -58,6 +58,9 @@ class IdleGraphs:
     def check(self, net_name: str, devices: object) -> None:
         return None
 
+    def warming(self, devices: object) -> Any:
+        return nullcontext()
+
     def capture(self, body: Callable[[], None], devices: object) -> Callable[[], None]:
         return lambda: None
 

@@ -1,12 +1,18 @@
-"""Shared test settings: a deterministic hypothesis profile and fresh workspaces."""
+"""Shared test settings: a deterministic hypothesis profile, fresh workspaces, and each test in its own
+empty directory."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Parallelize validates every net after each pass in tests: the default PassContext (read when graphpar is
+# imported, so it holds in every thread) and the processes tests start (launcher, example, multi-host runs).
+os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
 
 settings.register_profile("graphpar", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -27,6 +33,13 @@ def fresh_workspace() -> None:
 
 
 @pytest.fixture(autouse=True)
+def own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own empty temporary directory: no test reads or writes the directory pytest
+    started in (the project root, where the main job leaves its checkpoint, say)."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def reuse_small_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let reuse kernels run on the tests' small tensors too (outside tests only values of
     `REUSE_MIN_BYTES` and up are reused), so every test exercises the riskier path."""
@@ -44,6 +57,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def deterministic_cudnn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that need a GPU run with cuDNN's deterministic kernels and no autotuning: cuDNN's atomics
+    otherwise make two runs of one step differ in their last bits, which no bit-identity check of
+    graphpar (captured == uncaptured, N devices == 1) is about."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    import torch
+
+    cudnn = torch.backends.cudnn
+    old = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
 
 
 @pytest.fixture(autouse=True)
@@ -77,10 +109,9 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list:
 
 @pytest.fixture(autouse=True, scope="session")
 def checked_passes() -> Iterator[None]:
-    """Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline); the
-    environment variable carries that into the processes tests start (launcher, example and multi-host runs)."""
+    """Parallelize validates every net after each of its passes in tests (graphpar.passes.pipeline), even
+    where the environment said GRAPHPAR_CHECK_PASSES=0."""
     from graphpar.passes.pipeline import PassContext
 
-    os.environ.setdefault("GRAPHPAR_CHECK_PASSES", "1")
     with PassContext(check=True):
         yield

@@ -204,12 +204,12 @@ def test_parallelize_init_and_syncs_log_what_they_did(caplog: pytest.LogCaptureF
         by_logger.setdefault(record.name, []).append(record.getMessage())
     built = "\n".join(by_logger["graphpar.parallel.data_parallel_model"])  # one logger per module
     assert "Parallelize('misuse'): 2 replica(s) cpu_0/, cpu_1/ on CPU; training" in built
-    assert "4 gradients all-reduced by TreeReducer (buckets of <= 100 bytes)" in built
+    assert "4 gradients all-reduced by TreeReducer (buckets closing at 100 bytes)" in built
     assert "then broadcasts 8 blobs from cpu_0/ to cpu_1/" in built
     assert re.search(r"RunInitNet\('misuse'\): ran \['misuse\w*'\] .* created \['misuse\w*'\]", built)
     assert "FinalizeAfterCheckpoint('misuse'): broadcast 8 blobs from cpu_0/ to cpu_1/" in built
     assert by_logger["graphpar.passes.bucketing"] == [
-        "gradient buckets: 4 gradients in 3 buckets of [12, 80, 120] bytes (limit 100, first 50)"]
+        "gradient buckets: 4 gradients in 2 buckets of [72, 140] bytes (limit 100, first 50)"]
 
 
 # ---- also expected: feeding only some devices ---------------------------------------------------

@@ -52,7 +52,7 @@ from typing import Any
 
 from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, OperatorDef, same_device
 from graphpar.core.naming import autosplit_grad_name, grad_name
-from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema
+from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema, stops_gradient
 from graphpar.errors import GradientError
 
 Gradient = str | GradientSlice | None
@@ -239,7 +239,7 @@ class _BackwardPass:
     def _check_stop_gradients(self) -> None:
         read = {blob for op in self.ops for blob in op.inputs}
         for index, op in enumerate(self.ops):
-            if op.type == "StopGradient" and op.outputs and op.outputs[0] not in read:
+            if stops_gradient(op) and op.outputs and op.outputs[0] not in read:
                 raise GradientError(
                     f"{self._describe(index)}: its output {op.outputs[0]!r} is never read, so it stops "
                     f"no gradient. Run it in place (StopGradient({op.inputs[0]!r}, {op.inputs[0]!r})) or "

@@ -7,6 +7,10 @@ them with one call. A net of type `"cuda_graph"` (`Parallelize(..., cuda_graph=T
 allocator) happens outside the capture. The next run captures the step and replays it; every later
 run replays it.
 
+The warm-up runs launch on the stream the capture will use (`GraphBackend.warming`, as
+`torch.cuda.make_graphed_callables` warms up on its side stream): what kernels initialise per stream
+(cuBLAS workspaces) then exists before the capture.
+
 A step is split once, when the net first runs (`split`):
 - the *host prologue*: the steps that read only host values (blobs that live on the CPU, such as the
   iteration counter, and what such steps compute), e.g. `Iter` and `LearningRate`. They run eagerly
@@ -28,8 +32,16 @@ op. A blob fed with another shape or dtype than at capture raises a ValueError n
 replays fixed shapes: recreate the net). There is no silent fallback, with one exception: where no
 CUDA graph backend exists (no GPU, or logical CUDA devices placed on the CPU), the net runs as
 "simple" after logging why once. torch.cuda graphs hold one device's work, so on real GPUs a step
-on several devices is refused at the first run (`TorchGraphs.check`); the split, the static buffers
-and the replay handle several devices, as the tests show with a stand-in.
+on several physical devices is refused at the first run (`TorchGraphs.check`); replicas that a
+device map puts on one GPU are one device there and are captured together. The split, the static
+buffers and the replay handle several devices, as the tests show with a stand-in.
+
+A capture that fails (an op's kernel raises while being captured) is closed and its memory pool
+released before the op's error is raised, naming the op as for any failed run; the next run tries
+the capture again. Before capturing, the run drops its references to the previous run's values of
+the blobs the captured steps write (a net that keeps every blob would otherwise hold them and the
+graph's own copies at once), and `TorchGraphs` returns the cached blocks to the driver for the
+graph's pool, as `torch.cuda.graph` does.
 
 Results are bit-identical to "simple": the same kernels run in the same order on the same values
 (`program.straight_line` over the captured steps). After a run, the blobs the captured steps wrote
@@ -43,9 +55,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -75,8 +87,13 @@ class GraphBackend(Protocol):
         """Raise ValueError if a step launching on `devices` cannot be captured (at the net's first run)."""
         ...
 
+    def warming(self, devices: Sequence[torch.device]) -> AbstractContextManager[Any]:
+        """The context the warm-up runs launch in: on the stream(s) the capture will use."""
+        ...
+
     def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
-        """Capture what `body` launches on `devices`; return the replay."""
+        """Capture what `body` launches on `devices`; return the replay. If `body` raises, close the
+        capture, release what it allocated and re-raise `body`'s exception."""
         ...
 
 
@@ -85,7 +102,12 @@ class TorchGraphs:
 
     PyTorch's graphs hold one device's work: memory that a capture allocates on another device does
     not go to the graph's private pool, so the allocator could hand it out again while the graph still
-    uses it (pytorch/pytorch#153025). Steps on several devices are refused."""
+    uses it (pytorch/pytorch#153025). Steps on several devices are refused. The warm-up runs and the
+    capture use one side stream per device, which first waits for the caller's current stream; the
+    caller's stream waits for the warm-up's work, and replays launch on the caller's stream."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
 
     def check(self, net_name: str, devices: Sequence[torch.device]) -> None:
         if len(devices) > 1:
@@ -94,14 +116,67 @@ class TorchGraphs:
                 f"({', '.join(map(str, devices))}); torch.cuda graphs capture one device's work "
                 f"(pytorch/pytorch#153025). Use one device per process, or net type 'dag'")
 
-    def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
-        graph = torch.cuda.CUDAGraph()
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    @contextmanager
+    def warming(self, devices: Sequence[torch.device]) -> Iterator[None]:
         (device,) = devices
-        # thread_local: other threads (a DeviceFeeder's copies) may use CUDA while this one captures
-        with torch.cuda.device(device), torch.cuda.graph(graph, stream=torch.cuda.Stream(device),
-                                                         capture_error_mode="thread_local"):
-            body()
+        stream, caller = self._stream(device), torch.cuda.current_stream(device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
+
+    def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
+        (device,) = devices
+        graph, pool, stream = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), self._stream(device)
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # what the run let go of becomes free for the graph's pool
+            with torch.cuda.stream(stream):
+                # thread_local: other threads (a DeviceFeeder's copies) may use CUDA while this one captures
+                graph.capture_begin(pool, capture_error_mode="thread_local")
+                try:
+                    body()
+                except BaseException:
+                    _abandon(graph, device, pool)
+                    raise
+                try:
+                    graph.capture_end()
+                except BaseException:
+                    _release_pool(device, pool)
+                    raise
         return graph.replay
+
+
+def _abandon(graph: Any, device: torch.device, pool: Any) -> None:
+    """Close a capture whose body raised and release its memory pool (the body's error is what the
+    caller raises: the capture's own, e.g. `operation not permitted when stream is capturing`, is
+    only a consequence). A capture that still ends cleanly is reset, which releases its pool."""
+    try:
+        graph.capture_end()
+    except Exception as exc:  # an invalidated capture: the graph never owned its pool
+        log.debug("closing a failed CUDA graph capture: %s", exc)
+        _release_pool(device, pool)
+    else:
+        graph.reset()
+
+
+def _release_pool(device: torch.device, pool: Any) -> None:
+    """Stop routing allocations to a failed capture's private pool and release it (a capture that
+    never ended does not release it: `CUDAGraph::reset` only does after `capture_end`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # capture_end got that far before failing
+        pass
+    torch._C._cuda_releasePool(index, pool)
 
 
 TORCH_GRAPHS = TorchGraphs()
@@ -134,7 +209,7 @@ class Split:
     captured: tuple[int, ...]  # in plan order
     loads: tuple[int, ...]  # workspace blobs the captured steps read: their slots
     from_prologue: tuple[int, ...]  # prologue outputs the captured steps read: their slots
-    devices: tuple[torch.device, ...]  # one per logical device of the captured steps, in order of first use
+    devices: tuple[torch.device, ...]  # the physical devices of the captured steps, in order of first use
 
 
 def split(plan: CompiledNet) -> Split:
@@ -181,10 +256,8 @@ def split(plan: CompiledNet) -> Split:
         if any(slot in prologue_out for slot in step.outputs):
             _refuse(plan, j, "it rewrites a blob the host prologue writes")
         written.update(step.outputs)
-    used: dict[DeviceOption, torch.device] = {}
-    for j in captured:
-        used.setdefault(plan.steps[j].option, plan.steps[j].device)
-    return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used.values()))
+    used = dict.fromkeys(plan.steps[j].device for j in captured)  # replicas mapped onto one GPU: one device
+    return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used))
 
 
 def _reads_device_values(op: OperatorDef) -> bool:
@@ -284,6 +357,11 @@ class _Replay:
             except Exception as exc:
                 raise StepFailed(j) from exc
         if runtime.graph is None:
+            loads = set(cut.loads)
+            for j in cut.captured:  # the previous run's values: the capture allocates the graph's own
+                for slot in plan.steps[j].outputs:
+                    if slot not in loads:
+                        frame[slot] = None
             runtime.graph = Captured(plan, cut, frame, self.backend)
             log.info("net %r: captured its step in a CUDA graph (%d ops; %d on the host before each replay)",
                      plan.name, len(cut.captured), len(cut.prologue))
@@ -313,6 +391,7 @@ class CudaGraphExecutor:
                 self._told.add(plan.name)
                 log.warning("net %r (type 'cuda_graph'): no CUDA graphs here (no GPU, or CUDA devices placed on "
                             "the CPU); it runs as 'simple'", plan.name)
-            run_plan(plan, blobs, serial)
+            with nullcontext() if backend is None else backend.warming(runtime.graph_split.devices):
+                run_plan(plan, blobs, serial)
             return
         run_plan(plan, blobs, lambda plan, runtime, frame: _Replay(plan, runtime, frame, backend, blobs))

@@ -3,11 +3,13 @@
 CUDA kernels launch asynchronously on a stream. When the "dag" executor runs a plan's CUDA steps on
 several worker threads, each worker launches on a stream of its own for each device, so steps of
 different workers overlap on the GPU too. Order is kept by events: a step waits for the events of
-its predecessors that ran on another stream; every stream first waits for the device's default
-stream (where the values the run reads were produced); a tensor read on another stream than the one
-that made it is marked with `record_stream`, so the caching allocator does not reuse its memory
-early; at the end of the run every device's default stream waits for all the streams the run used,
-so the workspace's blobs are ready for whatever runs next.
+its predecessors that ran on another stream; every stream first waits for the caller's current
+stream on its device (where the values the run reads were produced: the default stream, or the
+stream the caller made current with `torch.cuda.stream`), taken when the run starts, in the calling
+thread (current streams are per thread); a tensor read on another stream than the one that made it
+is marked with `record_stream`, so the caching allocator does not reuse its memory early; at the
+end of the run the caller's stream on every device waits for all the streams the run used, so the
+workspace's blobs are ready for whatever the caller runs next.
 
 The backend is injectable (`stream_backend`): `TorchStreams` on real GPUs, `NO_STREAMS` elsewhere
 (logical CUDA devices placed on the CPU run like CPU ones), and a recording fake in the tests.
@@ -48,12 +50,8 @@ class StreamBackend(Protocol):
 
     def wait(self, stream: Any, event: Any) -> None: ...
 
-    def default_event(self, device: torch.device) -> Any:
-        """An event recorded now on `device`'s default stream."""
-        ...
-
-    def join_default(self, device: torch.device, event: Any) -> None:
-        """Make `device`'s default stream wait for `event`."""
+    def current_stream(self, device: torch.device) -> Any:
+        """The calling thread's current stream on `device`."""
         ...
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -83,11 +81,8 @@ class TorchStreams:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
-    def default_event(self, device: torch.device) -> torch.cuda.Event:
-        return torch.cuda.default_stream(device).record_event()
-
-    def join_default(self, device: torch.device, event: torch.cuda.Event) -> None:
-        torch.cuda.default_stream(device).wait_event(event)
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
 
     def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         if tensor.is_cuda:
@@ -115,10 +110,7 @@ class NoStreams:
     def wait(self, stream: Any, event: Any) -> None:
         return None
 
-    def default_event(self, device: torch.device) -> None:
-        return None
-
-    def join_default(self, device: torch.device, event: Any) -> None:
+    def current_stream(self, device: torch.device) -> None:
         return None
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -137,13 +129,19 @@ class RunStreams:
     """The streams and events of one run of a plan on a stream backend (see the module docstring)."""
 
     def __init__(self, backend: StreamBackend, plan: CompiledNet, frame: list) -> None:
+        """Made in the calling thread, when the run starts: it takes the caller's current streams."""
         self.backend, self.plan, self.frame = backend, plan, frame
         self.runs = step_runs(plan)
         self.events: list[Any] = [None] * len(plan.steps)  # the event after each step that ran on a stream
         self.streams: list[Any] = [None] * len(plan.steps)
-        self.start: dict[DeviceOption, Any] = {}  # per device: the default stream's event before the run
-        self.ready: set[int] = set()  # streams (by id) that waited for their device's default stream
-        self.used: dict[int, tuple[Any, torch.device]] = {}
+        self.caller: dict[DeviceOption, Any] = {}  # per device: the caller's current stream
+        self.start: dict[DeviceOption, Any] = {}  # per device: an event on it before the run
+        for step in plan.steps:
+            if step.option.device_type == CUDA and step.option not in self.caller and backend.active(step.device):
+                self.caller[step.option] = backend.current_stream(step.device)
+                self.start[step.option] = backend.record(self.caller[step.option])
+        self.ready: set[int] = set()  # streams (by id) that waited for the caller's stream
+        self.used: dict[int, tuple[Any, DeviceOption]] = {}
 
     def run(self, index: int, worker_streams: dict[DeviceOption, Any]) -> None:
         """Run step `index` on this worker's stream for its device (a host step: after its inputs)."""
@@ -158,8 +156,6 @@ class RunStreams:
         if stream is None:
             stream = worker_streams[step.option] = backend.new_stream(step.device)
         if id(stream) not in self.ready:
-            if step.option not in self.start:
-                self.start[step.option] = backend.default_event(step.device)
             backend.wait(stream, self.start[step.option])
             self.ready.add(id(stream))
         for i in before:
@@ -174,12 +170,12 @@ class RunStreams:
             self.runs[index](frame)
         self.events[index] = backend.record(stream)
         self.streams[index] = stream
-        self.used[id(stream)] = (stream, step.device)
+        self.used[id(stream)] = (stream, step.option)
 
     def finish(self) -> None:
-        """Make every device's default stream wait for all the streams this run used."""
-        for stream, device in self.used.values():
-            self.backend.join_default(device, self.backend.record(stream))
+        """Make the caller's stream on every device wait for all the streams this run used."""
+        for stream, option in self.used.values():
+            self.backend.wait(self.caller[option], self.backend.record(stream))
 
 
 def current_streams() -> StreamBackend:

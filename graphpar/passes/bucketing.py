@@ -2,8 +2,9 @@
 
 Many small collectives cost more than a few large ones (each Sum, Copy or NCCL launch has a fixed
 overhead), so gradients are packed, in the order they are reduced (reverse creation order, the last
-layer first), into buckets: the first one small (`first_bucket_bytes`, DDP's 1 MiB, so the first
-collective starts early), the others up to `bucket_bytes`. Per bucket and device the gradients are
+layer first), into buckets as DDP assigns them (`plan_buckets`): the first one small
+(`first_bucket_bytes`, DDP's 1 MiB, so the first collective starts early), the others of
+`bucket_bytes`, each closing once it holds at least its limit. Per bucket and device the gradients are
 flattened (`FlattenToVec`) and concatenated (`Concat`) into one flat buffer, the buffers are summed
 by the reducer's all-reduce (`passes.reducers`: Sum tree and Copy back, or one `NCCLAllreduce`), and
 each device cuts its buffer back (`Split`) and restores every gradient's shape (`Reshape`) into the gradient blob, so the update ops read what they read without buckets.
@@ -60,24 +61,32 @@ def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
 
 def plan_buckets(names: Sequence[str], specs: Mapping[str, BlobSpec], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
-    """Cut `names` (in order) into buckets: the first of at most `first_bucket_bytes`, the others of at
-    most `bucket_bytes`. A gradient larger than the limit gets a bucket of its own, and so does an empty
-    one; a bucket holds one dtype (a change of dtype starts a new bucket).
+    """Cut `names` (in the order their gradients are reduced) into buckets as PyTorch DDP does
+    (`torch.distributed._compute_bucket_assignment_by_size`, with the gradients in ready order, as
+    DDP's Reducer rebuilds its buckets after the first iteration).
+
+    Each (dtype, device) fills a bucket of its own: a gradient joins the open bucket of its kind, and
+    the bucket closes once it holds at least its limit (so it may pass it: a gradient larger than the
+    limit closes the bucket it joined). The first bucket of each kind has the limit
+    `first_bucket_bytes`, the others `bucket_bytes`. Buckets come in the order they close, then the
+    ones still open, by their first gradient.
     """
     buckets: list[list[str]] = []
-    current: list[str] = []
-    filled, limit = 0, first_bucket_bytes
+    open_: dict[tuple, tuple[list[str], int]] = {}  # kind -> (its open bucket, the bytes it holds)
+    closed: set[tuple] = set()  # the kinds that closed a bucket already (their limit is bucket_bytes)
     for name in names:
         spec = specs[name]
-        if current and (filled + spec.nbytes > limit or spec.dtype != specs[current[0]].dtype
-                        or spec.numel == 0 or specs[current[0]].numel == 0):
-            buckets.append(current)
-            current, filled, limit = [], 0, bucket_bytes
-        current.append(name)
+        kind = (spec.dtype, spec.device)
+        bucket, filled = open_.pop(kind, ([], 0))
+        bucket.append(name)
         filled += spec.nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+        if filled >= (bucket_bytes if kind in closed else first_bucket_bytes):
+            buckets.append(bucket)
+            closed.add(kind)
+        else:
+            open_[kind] = (bucket, filled)
+    order = {name: k for k, name in enumerate(names)}
+    return buckets + sorted((bucket for bucket, _ in open_.values()), key=lambda bucket: order[bucket[0]])
 
 
 def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], params: Mapping[str, str],

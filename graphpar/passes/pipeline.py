@@ -13,6 +13,7 @@ does; an error names the pass), `dump_dir=<dir>` writes each net after each pass
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -179,8 +180,8 @@ def edited(pipeline: Sequence[Pass], remove: Iterable[str] = (),
 
 @dataclass(frozen=True)
 class PassContext:
-    """How `run_pipeline` runs its passes: a context manager (the innermost `with` holds, process-wide)
-    or an argument of `run_pipeline`.
+    """How `run_pipeline` runs its passes: a context manager (the innermost `with` of the current thread,
+    or asyncio task, holds) or an argument of `run_pipeline`.
 
     Args:
         check: validate every net (structure and schemas) after every pass that ran; the error names
@@ -192,7 +193,8 @@ class PassContext:
 
     Outside every `with`, the default context holds: `check` is on when the environment variable
     `GRAPHPAR_CHECK_PASSES` was set (not to 0) when graphpar was imported, and `dump_dir` is
-    `GRAPHPAR_DUMP_PASSES`.
+    `GRAPHPAR_DUMP_PASSES`. A new thread starts outside every `with` (its own context variables), so
+    one thread's `with` neither sees nor ends another's.
     """
 
     check: bool = False
@@ -205,20 +207,24 @@ class PassContext:
         object.__setattr__(self, "disabled", frozenset(self.disabled))
 
     def __enter__(self) -> PassContext:
-        _CONTEXTS.append(self)
+        _ENTERED.set((*_ENTERED.get(), self))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _CONTEXTS.pop()  # `with` blocks nest: this context is the innermost
+        _ENTERED.set(_ENTERED.get()[:-1])  # `with` blocks nest: this context is the innermost
 
     @staticmethod
     def current() -> PassContext:
-        """The innermost context entered, else the default one."""
-        return _CONTEXTS[-1]
+        """The innermost context this thread (or task) entered, else the default one."""
+        entered = _ENTERED.get()
+        return entered[-1] if entered else _DEFAULT
 
 
-_CONTEXTS = [PassContext(check=os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0"),
-                         dump_dir=os.environ.get("GRAPHPAR_DUMP_PASSES") or None)]
+_DEFAULT = PassContext(check=os.environ.get("GRAPHPAR_CHECK_PASSES", "") not in ("", "0"),
+                       dump_dir=os.environ.get("GRAPHPAR_DUMP_PASSES") or None)
+# The contexts entered, outermost first: a context variable, so each thread (and asyncio task) has its own.
+_ENTERED: contextvars.ContextVar[tuple[PassContext, ...]] = contextvars.ContextVar("graphpar_pass_contexts",
+                                                                                 default=())
 
 
 def run_pipeline(state: ParallelState, pipeline: Sequence[Pass] | None = None,

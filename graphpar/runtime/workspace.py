@@ -46,6 +46,7 @@ import difflib
 import importlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
@@ -66,6 +67,7 @@ from graphpar.platform.devices import (
     num_cuda_devices,
 )
 from graphpar.runtime.resume import check_run
+from graphpar.runtime.static_shapes import ShapePromise, promises_static_shapes
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
@@ -85,6 +87,8 @@ class Workspace:
         self.loaded: dict[str, str] = {}  # blobs loaded from a checkpoint and not used yet -> the file
         self._running: set[str] = set()  # the nets running now (in some thread)
         self._running_lock = threading.Lock()
+        # the input shapes each created net with `static_shapes` keeps (runtime.static_shapes), by plan
+        self._promises: weakref.WeakKeyDictionary[CompiledNet, ShapePromise] = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
@@ -252,6 +256,8 @@ class Workspace:
                                f"overwrite=True to replace it.")
         with self.unchanged_on_error():  # a failed compile must not advance the random streams
             plan = compile_net(netdef, self, self.keep_all)
+        if promises_static_shapes(plan):
+            self._promises[plan] = ShapePromise(plan, self.blobs)
         self.nets[netdef.name] = plan
         return plan
 
@@ -260,7 +266,8 @@ class Workspace:
 
         Raises:
             RuntimeError: the net was never created in this workspace, or it is running in another thread.
-            ValueError: `num_iter` is not a non-negative int (checked before anything runs).
+            ValueError: `num_iter` is not a non-negative int, or the net promises static shapes and a
+                fed input's shape or dtype changed (`runtime.static_shapes`); checked before anything runs.
             CheckpointError: the run would misuse values loaded from a checkpoint (`graphpar.resume`).
             OperatorError, MissingBlobError: an op failed (see executor.run); persistent blobs are as
                 they were after the last run that succeeded.
@@ -281,10 +288,14 @@ class Workspace:
                                    f"or wait for the other run to return")
             self._running.add(name)
         try:
+            promise = self._promises.get(plan) if num_iter else None
+            first_shapes = promise.check(self.blobs) if promise is not None else None
             if self.loaded and num_iter:
                 self._check_load_order(plan)
             for _ in range(num_iter):
                 executor.run(plan, self.blobs)
+            if promise is not None and first_shapes:
+                promise.record(first_shapes)
             if self.loaded and num_iter:
                 self._mark_used(plan)
         finally:

@@ -276,7 +276,7 @@ class DefaultTrainer(Trainer):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`: training continues after its iteration; the scheduler's and the
         hooks' state (hooks missing from it keep theirs). The params come from a checkpoint."""
-        self.iter = self.start_iter = self.storage.iter = int(state["iteration"]) + 1
+        self.iter = self.start_iter = self.storage.iter = self._done = int(state["iteration"]) + 1
         self._load_states(state)
 
     def _load_states(self, state: Mapping[str, Any]) -> None:
@@ -295,7 +295,7 @@ class DefaultTrainer(Trainer):
         if resume and target is not None:
             iteration = super().resume_or_load(True, target)
             saved = checkpoint.read_metadata(target)["metadata"].get("trainer")
-            if saved is not None:  # the iteration is the checkpoint's (optimizer_iteration)
+            if saved is not None:  # the iteration is the checkpoint's (`checkpoint_iteration`)
                 self._load_states(saved)
             return iteration
         weights = target or self.cfg.MODEL.WEIGHTS

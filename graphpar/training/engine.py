@@ -42,8 +42,8 @@ from graphpar.passes import finish
 from graphpar.runtime import checkpoint, workspace
 from graphpar.training.data import Fed, feed
 
-__all__ = ["Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
-           "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers"]
+__all__ = ["ITERATIONS_DONE", "Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
+           "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers", "checkpoint_iteration"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ class LRScheduler(HookBase):
 
 
 _CHECKPOINT = re.compile(r"model_(\d+)\.safetensors$")
+ITERATIONS_DONE = "iterations_done"  # a periodic checkpoint's metadata: the Trainer iterations run before it
 
 
 class PeriodicCheckpointer(HookBase):
@@ -212,14 +213,29 @@ class PeriodicCheckpointer(HookBase):
         return {}
 
     def save(self, iteration: int) -> Path:
+        """Write the checkpoint after `iteration` iterations: `GetCheckpointParams` (which carry
+        `optimizer_iteration`, the updates made) and, in the metadata, `metadata()` and the
+        iterations done under `ITERATIONS_DONE` (loss-scaled steps that were skipped count: they
+        consumed their batches), where `resume_or_load` continues."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
-        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),  # carries optimizer_iteration
-                        metadata=self.metadata())
+        checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),
+                        metadata={**self.metadata(), ITERATIONS_DONE: iteration})
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
         return path
+
+
+def checkpoint_iteration(path: str | os.PathLike[str]) -> int:
+    """The iteration a Trainer resumed from checkpoint `path` starts at: the iterations done when a
+    PeriodicCheckpointer saved it (metadata `ITERATIONS_DONE`), else the file's `optimizer_iteration`
+    (the updates made; a checkpoint saved otherwise), else 0."""
+    header = checkpoint.read_metadata(path)
+    done = header.get("metadata", {}).get(ITERATIONS_DONE)
+    if isinstance(done, int) and not isinstance(done, bool) and done >= 0:
+        return done
+    return int(header["iteration"] or 0)
 
 
 def checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
@@ -326,8 +342,9 @@ class Trainer:
         data: an iterable of batches `graphpar.data.feed` accepts (a DataLoader, a list, a
             `DeviceFeeder`); iterated once per epoch, again when exhausted.
         hooks: HookBase instances, run in order (after_* too, as in Detectron2).
-        max_iter: iterations (updates) to train in all (a resumed run continues up to it); default one
-            epoch of `data` (its length; over `accumulate_gradients` with accumulation).
+        max_iter: iterations to train in all (a resumed run continues up to it), each one step: an update,
+            or a step the loss scale skipped on an overflow; default one epoch of `data` (its length;
+            over `accumulate_gradients` with accumulation).
         lean_memory: free every intermediate after its last use and share gradient names (Parallelize's
             `dynamic_memory_management` and `optimize_gradient_memory`, applied before the nets are
             created) unless Parallelize was given them; losses, params and optimizer state stay
@@ -375,7 +392,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
-        self._done = 0  # updates made, for a model without an iteration counter
+        self._done = 0  # iterations run (skipped loss-scaled steps included): where train() starts
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self._world: Any = None  # the communicator the losses are gathered on (under a rendezvous)
         self.register_hooks(hooks)
@@ -471,10 +488,10 @@ class Trainer:
         if not resume:
             self._load_weights(target)
             return self.iter
+        iteration = checkpoint_iteration(target)
         checkpoint.load(target, model=self.model)  # onto this model's first device, whatever the file's
         dpm.FinalizeAfterCheckpoint(self.model)
-        iteration = checkpoint.read_metadata(target)["iteration"]
-        self.start_iter = self.iter = self.storage.iter = self._done = int(iteration or 0)
+        self.start_iter = self.iter = self.storage.iter = self._done = iteration
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
@@ -507,13 +524,15 @@ class Trainer:
     # -- the loop --
 
     def train(self) -> None:
-        """Train from the model's iteration to `max_iter`; hooks' after_train runs even if a step raises.
+        """Train from the iterations done to `max_iter`; hooks' after_train runs even if a step raises.
 
-        The model's counter (`optimizer_iteration`) says where to start, so calling again after a hook
-        raised continues after the last update instead of repeating it.
+        Training starts after the last iteration that ran (one whose loss-scaled step was skipped
+        counts: it consumed its batches), as restored by `resume_or_load`; so calling again after a
+        hook raised continues after that iteration instead of repeating it, and after a step that
+        raised (a NaN loss) runs that iteration again on the next batch.
         """
         self.initialize()
-        self.iter = self.storage.iter = self._updates_done()
+        self.iter = self.storage.iter = self._done
         if self.iter >= self.max_iter:
             print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
                   f"max_iter to train longer", file=sys.stderr)
@@ -539,13 +558,6 @@ class Trainer:
                 hook.after_train()
         self.iter = self.max_iter
         self.storage.iter = self.iter
-
-    def _updates_done(self) -> int:
-        """The model's iteration counter, else the updates this trainer made (a model without one)."""
-        counters = [c for c in dpm.iteration_counters(self.model) if workspace.HasBlob(c)]
-        if not counters:
-            return self._done
-        return int(workspace.FetchBlob(counters[0]).reshape(-1)[0])
 
     def run_step(self) -> None:
         """Feed the next batch, run the train net once, keep each loss (the global batch's mean) to record.

@@ -13,8 +13,9 @@ import gc
 import logging
 import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,24 +26,36 @@ from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
 from graphpar.engine import Trainer
+from graphpar.errors import OperatorError
 from graphpar.executor import graphs
 from graphpar.executor.graphs import graph_backend
 from graphpar.executor.runtime import runtime_of
 from graphpar.model_helper import ModelHelper
+from tests.fake_cuda import FakeCuda
 
 
 class RecordingGraphs:
-    """Capture records the body and runs nothing; replay runs the body."""
+    """Capture records the body and runs nothing; replay runs the body; warm-up runs are counted.
+    `on_capture` (if set) is called when a capture begins."""
 
     def __init__(self) -> None:
         self.captures: list[tuple[torch.device, ...]] = []
         self.replays = 0
+        self.warmups = 0
+        self.on_capture: Callable[[], None] | None = None
 
     def check(self, net_name: str, devices: Sequence[torch.device]) -> None:
         return None  # any number of devices: the bookkeeping is the same
 
+    @contextmanager
+    def warming(self, devices: Sequence[torch.device]) -> Iterator[None]:
+        self.warmups += 1
+        yield
+
     def capture(self, body: Callable[[], None], devices: Sequence[torch.device]) -> Callable[[], None]:
         self.captures.append(tuple(devices))
+        if self.on_capture is not None:
+            self.on_capture()
 
         def replay() -> None:
             self.replays += 1
@@ -114,6 +127,7 @@ def test_a_captured_step_equals_the_uncaptured_run_bit_for_bit(forward, shape, d
         got, model = _train(forward, shape, devices, 6, cuda_graph=True)
     assert model.net.Proto().type == "cuda_graph"
     assert len(stand_in.captures) == 1 and stand_in.replays == 6 - graphs.DEFAULT_WARMUP
+    assert stand_in.warmups == graphs.DEFAULT_WARMUP and stand_in.captures == [(torch.device("cpu"),)]
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
@@ -243,54 +257,114 @@ def test_parallelize_refuses_cuda_graph_on_cpu_devices() -> None:
                         cpu_device=True, cuda_graph=True)
 
 
-def test_torch_graphs_captures_on_a_side_stream_of_its_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TorchGraphs against a recording stand-in for torch.cuda's graph, stream and device API."""
-    log: list[tuple] = []
+def _two_replica_model(name: str) -> ModelHelper:
+    model = ModelHelper(name=name)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=_sgd, devices=[0, 1], cuda_graph=True)
+    for blob, value in _batches((6,), [0, 1], 1)[0].items():
+        workspace.FeedBlob(blob, value)
+    dpm.RunInitNet(model)
+    return model
 
-    class Stream:
-        def __init__(self, device: object) -> None:
-            self.name = f"stream@{device}"
 
-    class Graph:
-        def replay(self) -> None:
-            log.append(("replay",))
+def test_torch_graphs_warms_up_and_captures_on_one_side_stream_and_replays_on_the_callers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TorchGraphs against a recording stand-in for torch.cuda's streams and graphs. Two replicas
+    placed on one device (logical CUDA devices on the CPU, as a device map onto one GPU) are one
+    device: captured together."""
+    fake = FakeCuda().install(monkeypatch)
+    with cuda_on_cpu(), graph_backend(graphs.TorchGraphs()):
+        model = _two_replica_model("graphs_torch")
+        fake.log.clear()
+        dpm.RunNet(model, 1)
+        dpm.RunNet(model, 1)
+        warm_up = list(fake.log)
+        fake.log.clear()
+        dpm.RunNet(model, 1)
+        dpm.RunNet(model, 1)
+    side = warm_up[0][1]  # the side stream: each warm-up waits for the caller's stream and back
+    assert warm_up == [("wait stream", side, "default@cpu"), ("wait stream", "default@cpu", side)] * 2
+    assert fake.log == [("device", "cpu"), ("synchronize", "cpu"), ("empty cache",),
+                        ("capture begins", side, (0, 1), "thread_local"), ("capture ends", side),
+                        ("replay", "default@cpu"), ("replay", "default@cpu")]
 
-    @contextmanager
-    def graph(g: Graph, stream: Stream, capture_error_mode: str):  # noqa: ANN202
-        log.append(("capture begins on", stream.name, capture_error_mode))
-        yield
-        log.append(("capture ends",))
 
-    @contextmanager
-    def device(d: object):  # noqa: ANN202
-        log.append(("device", d))
-        yield
+def test_a_failed_capture_is_closed_its_pool_released_and_the_op_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that raises while captured invalidates a real capture, whose capture_end() then raises
+    a CUDA error: the user gets the op's error, and the graph's pool is not left behind."""
+    fake = FakeCuda().install(monkeypatch)
+    fake.capture_invalidated = True
+    with cuda_on_cpu(), graph_backend(graphs.TorchGraphs()):
+        workspace.FeedBlob("gpu_0/x", np.ones(3, np.float32), GPU0)
+        net = _plain_net([OperatorDef("Relu", ["gpu_0/x"], ["gpu_0/r"], device_option=GPU0),
+                          OperatorDef("_TestFail", ["gpu_0/r"], ["gpu_0/f"], {"message": "boom"}, GPU0)])
+        net.args[graphs.WARMUP_ARG] = 0
+        workspace.CreateNet(net)
+        before = set(workspace.Blobs())
+        with pytest.raises(OperatorError, match=r"op #1 \(_TestFail\) failed: ValueError: boom"):
+            workspace.RunNet(net.name)
+        assert set(workspace.Blobs()) == before
+    pool = (0, 1)
+    assert fake.log[-2:] == [("end allocating to pool", 0, pool), ("release pool", 0, pool)]
+    assert fake.pools_in_use == set() and fake.current_stream("cpu").name == "default@cpu"
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "device", device)
-    replay = graphs.TorchGraphs().capture(lambda: log.append(("body",)), ["cuda:1"])
-    replay()
-    assert log == [("device", "cuda:1"), ("capture begins on", "stream@cuda:1", "thread_local"), ("body",),
-                   ("capture ends",), ("replay",)]
+
+def test_a_capture_whose_kernel_raises_but_ends_cleanly_resets_its_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCuda().install(monkeypatch)
+
+    def body() -> None:
+        raise ValueError("a Python-level failure")
+
+    with pytest.raises(ValueError, match="Python-level"):
+        graphs.TorchGraphs().capture(body, [torch.device("cpu")])
+    assert fake.log[-2:] == [("capture ends", fake.log[-2][1]), ("graph reset",)] and fake.pools_in_use == set()
 
 
 def test_torch_graphs_refuses_a_step_on_several_devices_at_the_first_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PyTorch's graphs hold one device's work: two replicas are refused before anything runs."""
+    """PyTorch's graphs hold one device's work: replicas on two GPUs are refused before anything runs."""
     calls = []
     monkeypatch.setattr(graphs.TorchGraphs, "capture", lambda self, body, devices: calls.append(devices))
+    two_gpus = (torch.device("cuda:0"), torch.device("cuda:1"))
+    real_split = graphs.split
+    monkeypatch.setattr(graphs, "split", lambda plan: replace(real_split(plan), devices=two_gpus))
     with cuda_on_cpu(), graph_backend(graphs.TorchGraphs()):
-        model = ModelHelper(name="graphs_two_devices")
-        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
-                        optimizer_builder_fun=_sgd, devices=[0, 1], cuda_graph=True)
-        for name, value in _batches((6,), [0, 1], 1)[0].items():
-            workspace.FeedBlob(name, value)
-        dpm.RunInitNet(model)
+        model = _two_replica_model("graphs_two_devices")
         before = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
         with pytest.raises(ValueError, match=r"'cuda_graph'\) launches on 2 devices .*pytorch/pytorch#153025"):
             dpm.RunNet(model, 1)
         assert sorted(workspace.Blobs()) == sorted(before) and calls == []
+
+
+def test_the_split_names_each_physical_device_once() -> None:
+    """Replicas that share a device (a device map onto one GPU; here the CPU) are captured as one."""
+    with cuda_on_cpu():
+        model = _two_replica_model("graphs_split_devices")
+        plan = workspace.get_workspace().nets[model.net.Proto().name]
+        assert {step.option.device_id for step in plan.steps} >= {0, 1}
+        assert graphs.split(plan).devices == (torch.device("cpu"),)
+
+
+def test_a_net_that_keeps_every_blob_lets_go_of_the_last_runs_values_before_capturing() -> None:
+    """Only the graph's own intermediates exist while capturing, not also the last eager run's."""
+    alive_at_capture: list[list[str]] = []
+    with _recording() as stand_in:
+        model = ModelHelper(name="graphs_keep_all")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                        optimizer_builder_fun=_sgd, devices=[0], cuda_graph=True)
+        for name, value in _batches((6,), [0], 1)[0].items():
+            workspace.FeedBlob(name, value)
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, graphs.DEFAULT_WARMUP)
+        names = ["gpu_0/fc1", "gpu_0/pred", "gpu_0/softmax", "gpu_0/fc1_w_grad"]
+        refs = {name: weakref.ref(workspace.FetchTensor(name)) for name in names}
+
+        def check() -> None:
+            gc.collect()
+            alive_at_capture.append([name for name, ref in refs.items() if ref() is not None])
+
+        stand_in.on_capture = check
+        dpm.RunNet(model, 1)
+    assert alive_at_capture == [[]]
 
 
 @pytest.mark.cuda

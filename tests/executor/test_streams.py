@@ -14,7 +14,8 @@ from graphpar import workspace
 from graphpar.core import CPU, CUDA, DeviceOption, NetDef, OperatorDef
 from graphpar.devices import cuda_on_cpu
 from graphpar.executor import get_executor
-from graphpar.executor.streams import NO_STREAMS, RunStreams, current_streams, stream_backend
+from graphpar.executor.streams import NO_STREAMS, TORCH_STREAMS, RunStreams, current_streams, stream_backend
+from tests.fake_cuda import FakeCuda
 
 
 class FakeStreams:
@@ -44,13 +45,8 @@ class FakeStreams:
     def wait(self, stream: str, event: str) -> None:
         self.log.append(("wait", stream, event))
 
-    def default_event(self, device: torch.device) -> str:
-        event = f"start{next(self.names)}"
-        self.log.append(("start", event))
-        return event
-
-    def join_default(self, device: torch.device, event: str) -> None:
-        self.log.append(("join", event))
+    def current_stream(self, device: torch.device) -> str:
+        return f"current@{threading.current_thread().name}"  # current streams are per thread
 
     def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
         self.log.append(("keep alive on", stream))
@@ -102,22 +98,23 @@ def test_the_wiring_of_one_run_step_by_step():
             streams.run(index, worker)
         streams.finish()
     gpu0, gpu1 = DeviceOption(CUDA, 0), DeviceOption(CUDA, 1)
-    assert worker_a == {gpu0: "s1", gpu1: "s7"} and worker_b == {gpu1: "s4"}
+    assert worker_a == {gpu0: "s3", gpu1: "s7"} and worker_b == {gpu1: "s5"}
+    caller = "current@MainThread"  # the run starts from the caller's current stream on each device
     assert fake.log == [
-        ("start", "start2"), ("wait", "s1", "start2"), ("keep alive on", "s1"), ("run on", "s1"),
-        ("record", "s1", "e3"),
-        ("start", "start5"), ("wait", "s4", "start5"), ("keep alive on", "s4"), ("run on", "s4"),
-        ("record", "s4", "e6"),
+        ("record", caller, "e1"), ("record", caller, "e2"),  # devices 0 and 1, when the run starts
+        ("wait", "s3", "e1"), ("keep alive on", "s3"), ("run on", "s3"), ("record", "s3", "e4"),
+        ("wait", "s5", "e2"), ("keep alive on", "s5"), ("run on", "s5"), ("record", "s5", "e6"),
         # step 2 (a copy from device 0) on A's stream for device 1: waits for device 1's start and step 0
-        ("wait", "s7", "start5"), ("wait", "s7", "e3"), ("keep alive on", "s7"), ("run on", "s7"),
+        ("wait", "s7", "e2"), ("wait", "s7", "e4"), ("keep alive on", "s7"), ("run on", "s7"),
         ("record", "s7", "e8"),
         # step 3 reads step 1 (B's stream) and step 2 (its own stream): one wait
         ("wait", "s7", "e6"), ("keep alive on", "s7"), ("keep alive on", "s7"), ("run on", "s7"),
         ("record", "s7", "e9"),
         ("keep alive on", "s7"), ("run on", "s7"), ("record", "s7", "e10"),
         ("host waits", "e10"),  # the host step reads what step 4 copied to the CPU
-        ("record", "s1", "e11"), ("join", "e11"), ("record", "s4", "e12"), ("join", "e12"),
-        ("record", "s7", "e13"), ("join", "e13"),
+        # the caller's streams wait for every stream used
+        ("record", "s3", "e11"), ("wait", caller, "e11"), ("record", "s5", "e12"), ("wait", caller, "e12"),
+        ("record", "s7", "e13"), ("wait", caller, "e13"),
     ]
     np.testing.assert_array_equal(frame[plan.frame.slot["d_host"]], [2.0] * 3)
 
@@ -135,8 +132,12 @@ def test_the_dag_executor_runs_through_the_injected_backend(monkeypatch: pytest.
     np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
     actions = [entry[0] for entry in fake.log]
     assert actions.count("run on") == 5 and 1 <= actions.count("host waits") <= 2  # one per host step's worker
-    streams_used = sum(1 for entry in fake.log if entry[0] == "wait" and entry[2].startswith("start"))
-    assert actions.count("join") == streams_used >= 2  # every stream used is joined back at the end
+    # the workers' streams start after, and end before, the caller's current streams (not the workers')
+    caller = "current@MainThread"
+    starts = {entry[2] for entry in fake.log if entry[0] == "record" and entry[1] == caller}
+    streams_used = sum(1 for entry in fake.log if entry[0] == "wait" and entry[2] in starts)
+    joins = [entry for entry in fake.log if entry[0] == "wait" and entry[1].startswith("current@")]
+    assert len(starts) == 2 and len(joins) == streams_used >= 2 and {entry[1] for entry in joins} == {caller}
 
 
 def test_one_launching_thread_when_workers_cannot_win(monkeypatch: pytest.MonkeyPatch):
@@ -159,3 +160,25 @@ def test_one_launching_thread_when_workers_cannot_win(monkeypatch: pytest.Monkey
         get_executor("dag").run(timed, workspace.get_workspace().blobs)
     assert fake.log == [] and threads == {"MainThread"}
     np.testing.assert_array_equal(workspace.FetchBlob("d_host"), [2.0] * 3)
+
+
+def test_torch_streams_start_from_the_callers_current_stream(monkeypatch: pytest.MonkeyPatch):
+    """A caller that runs the net inside `torch.cuda.stream(s)` fed its inputs on `s`: the run's
+    streams wait for `s`, and `s` waits for them (recording stand-ins for torch.cuda)."""
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(TORCH_STREAMS, "active", lambda device: True)
+    mine = fake.Stream("cpu")
+    with cuda_on_cpu():
+        plan, frame = _plan_and_frame()
+        with fake.stream(mine):
+            streams = RunStreams(TORCH_STREAMS, plan, frame)
+        worker: dict = {}
+        thread = threading.Thread(target=lambda: [streams.run(index, worker) for index in range(5)])
+        thread.start()  # a worker thread, whose current stream is not the caller's
+        thread.join()
+        with fake.stream(mine):
+            streams.finish()
+    starts = [entry for entry in fake.log if entry[0] == "record" and entry[1] == mine.name]
+    joins = [entry for entry in fake.log if entry[0] == "wait" and entry[1] == mine.name]
+    assert len(starts) == 2 and len(joins) == 2  # two logical devices, one worker stream each
+    assert all(entry[1] != "default@cpu" for entry in fake.log)

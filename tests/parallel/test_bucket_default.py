@@ -5,12 +5,15 @@ devices or simulated CUDA, bucket_cap_mb as DDP names it, bytes kept, 0 turning 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from graphpar import data_parallel_model as dpm
 from graphpar import optimizer
 from graphpar.errors import ParallelizeError
 from graphpar.model_helper import ModelHelper
-from graphpar.models import mlp
+from graphpar.models import mlp, resnet18
+from graphpar.passes.bucketing import param_specs
 from tests.fake_gpus import fake_gpus
 
 
@@ -42,14 +45,14 @@ def test_real_cuda_devices_get_ddp_buckets_by_default(two_gpus) -> None:
 
 
 def test_bucket_cap_mb_and_bytes_give_the_same_buckets(two_gpus) -> None:
-    # reverse creation order: pred_b (40 B) fills the 100 B first bucket, pred_w (1280 B) + fc1_b (128 B) one
-    # 1500 B bucket (flattened and concatenated per device), fc1_w (2048 B) one of its own
+    # reverse creation order: pred_b (40 B) + pred_w (1280 B) pass the 100 B first bucket and close it,
+    # fc1_b (128 B) + fc1_w (2048 B) pass 1500 B: two buckets, flattened and concatenated per device
     by_mb = _build(bucket_cap_mb=1500 / (1024 * 1024), first_bucket_bytes=100)
     by_bytes = _build(gradient_bucket_bytes=1500, first_bucket_bytes=100)
-    assert len(_bucket_ops(by_mb)) == 2 and by_mb._parallel.options.gradient_bucket_bytes == 1500
+    assert len(_bucket_ops(by_mb)) == 4 and by_mb._parallel.options.gradient_bucket_bytes == 1500
     assert [op.type for op in by_mb.net.Proto().ops] == [op.type for op in by_bytes.net.Proto().ops]
     on_cpu = _build(cpu=True, bucket_cap_mb=1500 / (1024 * 1024), first_bucket_bytes=100)
-    assert len(_bucket_ops(on_cpu)) == 2  # asked for: buckets on CPU devices too
+    assert len(_bucket_ops(on_cpu)) == 4  # asked for: buckets on CPU devices too
 
 
 def test_bad_bucket_options_are_refused(two_gpus) -> None:
@@ -75,3 +78,34 @@ def test_the_default_gives_way_when_a_param_size_is_unknown(two_gpus) -> None:
         dpm.Parallelize(ModelHelper(name="asked"), input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                         optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1],
                         gradient_bucket_bytes=100)
+
+
+def _emitted_buckets(model, order: list[str]) -> list[list[str]]:
+    """The buckets Parallelize's train net all-reduces, read off its ops: bucket k's gradients are the
+    inputs of the Concat into `cpu_0/_bucket_k`; a bucket of one gradient is reduced without one."""
+    concats = {op.outputs[0]: [name.removesuffix("_flat") for name in op.inputs]
+               for op in model.net.Proto().ops if op.type == "Concat" and op.outputs[0].startswith("cpu_0/_bucket_")}
+    bucketed = {name for names in concats.values() for name in names}
+    singles = iter([[name] for name in order if name not in bucketed])
+    count = len(concats) + len(order) - len(bucketed)
+    return [concats.get(f"cpu_0/_bucket_{k}") or next(singles) for k in range(count)]
+
+
+@pytest.mark.parametrize(("cap_mb", "first"), [(5, 1024 * 1024), (2, 2 * 1024 * 1024)])
+def test_resnet18_buckets_are_ddps(cap_mb: int, first: int) -> None:
+    """ResNet-18's gradients, in the order they are reduced (the last layer's first: DDP's ready order),
+    go to the buckets torch.distributed's own assignment gives them, with DDP's limits (the first bucket
+    1 MiB; torch 2.13's DDP uses the cap for it when bucket_cap_mb is given: first_bucket_bytes=cap)."""
+    model = ModelHelper(name="resnet18_buckets")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=resnet18,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1], cpu_device=True,
+                    bucket_cap_mb=cap_mb, first_bucket_bytes=first)
+    state = model._parallel
+    order = [f"cpu_0/{name}" for name in reversed(state.grad_names)]
+    params = {str(g): str(p) for p, g in model.param_to_grad.items()}
+    specs = param_specs(model.param_init_net.Proto(), [params[name] for name in order])
+    tensors = [torch.empty(specs[params[name]].shape, device="meta") for name in order]
+    expected, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap_mb * 1024 * 1024],
+                                                          [False] * len(order), list(range(len(order))))
+    assert len(order) == 62 and len(expected) > 3
+    assert _emitted_buckets(model, order) == [[order[i] for i in bucket] for bucket in expected]

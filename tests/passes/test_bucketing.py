@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from graphpar import workspace
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
@@ -155,18 +156,30 @@ def _specs(**sizes):
     return {n: _spec((s,)) for n, s in sizes.items()}
 
 
-def test_first_bucket_then_buckets_of_at_most_the_limit():
-    specs = _specs(a=1, b=1, c=2, d=1, e=3, f=1)  # 4 bytes per element
-    assert plan_buckets(list(specs), specs, 12, 8) == [["a", "b"], ["c", "d"], ["e"], ["f"]]
-    assert plan_buckets(list(specs), specs, 1000, 4) == [["a"], ["b", "c", "d", "e", "f"]]
+def _ddp(names, specs, bucket_bytes, first_bucket_bytes):
+    """torch.distributed's own assignment of `names` (in ready order) to buckets, as DDP's Reducer
+    rebuilds them: the gradients' tensors in that order with their indices, limits [first, cap]."""
+    tensors = [torch.empty(specs[n].shape, dtype=specs[n].dtype, device="meta") for n in names]
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [first_bucket_bytes, bucket_bytes],
+                                                         [False] * len(names), list(range(len(names))))
+    return [[names[i] for i in bucket] for bucket in buckets]
 
 
-def test_big_and_empty_gradients_get_their_own_bucket_and_a_bucket_has_one_dtype():
-    specs = {**_specs(a=1, big=100, b=1, empty=0, c=1),
-             "half": _spec((2,), torch.float16), "d": _spec((1,))}
-    names = ["a", "big", "b", "empty", "c", "half", "d"]
-    assert plan_buckets(names, specs, 64, 64) == [["a"], ["big"], ["b"], ["empty"], ["c"], ["half"], ["d"]]
-    assert plan_buckets(["a", "b", "c"], specs, 64, 64) == [["a", "b", "c"]]
+def test_first_bucket_then_buckets_that_close_once_they_reach_the_limit():
+    specs = _specs(a=1, b=1, c=2, d=1, e=3, f=1, g=9, h=1)  # 4 bytes per element
+    assert plan_buckets(list(specs), specs, 12, 8) == [["a", "b"], ["c", "d"], ["e"], ["f", "g"], ["h"]]
+    assert plan_buckets(list(specs), specs, 1000, 4) == [["a"], ["b", "c", "d", "e", "f", "g", "h"]]
+    for cap, first in ((12, 8), (1000, 4), (4, 4), (20, 1 << 20)):
+        assert plan_buckets(list(specs), specs, cap, first) == _ddp(list(specs), specs, cap, first)
+
+
+def test_each_dtype_fills_buckets_of_its_own_as_ddp_does():
+    specs = {**_specs(a=1, big=100, b=1, empty=0, c=1), "half": _spec((2,), torch.float16),
+             "half2": _spec((8,), torch.float16), "d": _spec((1,))}
+    names = ["a", "big", "b", "half", "empty", "c", "half2", "d"]
+    assert plan_buckets(names, specs, 16, 8) == [["a", "big"], ["half", "half2"], ["b", "empty", "c", "d"]]
+    assert plan_buckets(names, specs, 16, 8) == _ddp(names, specs, 16, 8)
+    assert plan_buckets(names, specs, 64, 64) == [["a", "big"], ["b", "empty", "c", "d"], ["half", "half2"]]
 
 
 def test_param_spec_follows_the_fill_ops_dtype_rules():

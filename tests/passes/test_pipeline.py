@@ -7,6 +7,7 @@ import inspect
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -88,6 +89,37 @@ def test_the_innermost_pass_context_holds_and_the_tests_check_every_pass():
     assert PassContext.current() is outer and not first.check
     with pytest.raises(TypeError, match="collection of pass names"):
         PassContext(disabled="interleave")
+
+
+def test_each_thread_has_its_own_pass_contexts():
+    """One thread's `with` exit pops only its own context (they were one process-wide stack: thread A's
+    exit popped thread B's context, leaving B's passes run under A's)."""
+    a_entered, b_entered, a_exited = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def thread_a() -> None:
+        with PassContext(dump_dir="a") as mine:
+            a_entered.set()
+            b_entered.wait(10)
+            seen["a"] = PassContext.current() is mine
+        a_exited.set()
+
+    def thread_b() -> None:
+        a_entered.wait(10)
+        seen["b_before"] = PassContext.current().dump_dir  # a fresh thread: outside every `with`
+        with PassContext(disabled={"interleave"}) as mine:
+            b_entered.set()
+            a_exited.wait(10)
+            seen["b"] = PassContext.current() is mine
+        seen["b_after"] = PassContext.current().disabled
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"a": True, "b_before": None, "b": True, "b_after": frozenset()}
+    assert PassContext.current().check and PassContext.current().dump_dir is None  # this thread's, untouched
 
 
 def test_the_default_pass_context_starts_from_the_environment(tmp_path):  # noqa: ANN001

@@ -6,6 +6,7 @@ import functools
 import itertools
 import re
 from collections import Counter
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -167,6 +168,9 @@ def test_a_cuda_graph_net_is_profiled_op_by_op_without_capturing() -> None:
     class Recording:
         def check(self, net_name, devices):  # noqa: ANN001, ANN202
             return None
+
+        def warming(self, devices):  # noqa: ANN001, ANN202
+            return nullcontext()
 
         def capture(self, body, devices):  # noqa: ANN001, ANN202
             captures.append(devices)

@@ -429,3 +429,71 @@ def test_with_gradient_accumulation_the_held_micro_batch_losses_record_the_same_
             trainer.train()
         histories.append(trainer.storage.history["scaled_loss"])
     assert histories[0] == histories[1] and [at for at, _ in histories[0]] == [0, 1, 2]
+
+
+def _fp16_model() -> ModelHelper:
+    """Float16 compute with a dynamic loss scale that starts too high: the first steps overflow and are
+    skipped (5 of them for these batches), as GradScaler's first steps often are."""
+    model = ModelHelper(name=f"trainer_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_mlp,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, policy="step", stepsize=3, gamma=0.5,
+                                                                        momentum=0.9),
+                    devices=[0, 1], cpu_device=True, compute_dtype="float16", loss_scale={"init_scale": 2.0 ** 22})
+    return model
+
+
+def _fp16_trainer(directory, max_iter: int, resume: bool, hooks=()) -> Trainer:
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    trainer = Trainer(_fp16_model(), _batches(5), [LRScheduler(), PeriodicCheckpointer(directory, 2), *hooks],
+                      max_iter=max_iter)
+    trainer.resume_or_load(resume=resume)
+    return trainer
+
+
+def _fp16_train(directory, max_iter: int, resume: bool) -> Trainer:
+    trainer = _fp16_trainer(directory, max_iter, resume)
+    trainer.train()
+    return trainer
+
+
+def test_resume_after_skipped_loss_scaled_steps_equals_the_uninterrupted_run(tmp_path):
+    """Issue 32 item 3: resume_or_load restarted at optimizer_iteration (updates, 1 after 6 iterations of
+    which 5 were skipped), so iterations 1-5 ran twice and the params differed. The checkpoint keeps
+    the iterations done; the resumed run consumes the same batches and records each iteration once."""
+    full = _fp16_train(tmp_path / "full", 9, resume=False)
+    assert dpm.skipped_steps(full.model) == 5
+    expected, losses, lrs = _params(full.model), full.storage.history["scaled_loss"], full.storage.history["lr"]
+    _fp16_train(tmp_path / "cut", 6, resume=False)
+    assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 1
+    resumed = _fp16_train(tmp_path / "cut", 9, resume=True)
+    assert resumed.start_iter == 6 and resumed.epoch == 1
+    for name, value in _params(resumed.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    assert resumed.storage.history["scaled_loss"] == [(i, v) for i, v in losses if i >= 6]
+    assert resumed.storage.history["lr"] == [(i, v) for i, v in lrs if i >= 6]
+
+
+def test_train_again_after_a_hook_error_following_skipped_steps_repeats_nothing(tmp_path):
+    """Issue 32 item 3: train() after a hook error restarted at optimizer_iteration, repeating the
+    iterations whose steps the loss scale had skipped."""
+    expected = _params(_fp16_train(tmp_path / "full", 8, resume=False).model)
+
+    class FailOnce(HookBase):
+        def __init__(self):
+            self.steps, self.failed = [], False
+
+        def after_step(self):
+            self.steps.append(self.trainer.iter)
+            if self.trainer.iter == 6 and not self.failed:
+                self.failed = True
+                raise RuntimeError("hook failed")
+
+    hook = FailOnce()
+    trainer = _fp16_trainer(tmp_path / "cut", 8, resume=False, hooks=[hook])
+    with pytest.raises(RuntimeError, match="hook failed"):
+        trainer.train()
+    trainer.train()
+    assert hook.steps == list(range(8))
+    for name, value in _params(trainer.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
