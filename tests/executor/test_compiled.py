@@ -9,6 +9,7 @@ partitions exactly as inductor does, without generating kernels) but in the test
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 
 import numpy as np
@@ -261,3 +262,37 @@ def test_compile_options_and_their_refusals():
     model = _model(_mlp, "sgd", 1, "reduce-overhead")
     assert model.net.Proto().args["compile_mode"] == "reduce-overhead"
     assert model.net.Proto().args["compile_backend"] == "inductor"
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+
+
+def _checkpointed(tmp_path, compile_: object, max_iter: int, resume: bool) -> Trainer:
+    from graphpar.engine import LRScheduler, PeriodicCheckpointer
+
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    model = _model(_cnn, "momentum", 1, compile_, **({} if compile_ else {"net_type": "simple"}))
+    trainer = Trainer(model, _batches(_cnn, 7, 8), [LRScheduler(), PeriodicCheckpointer(tmp_path / "ckpt", 2)],
+                      max_iter=max_iter)
+    trainer.resume_or_load(resume=resume)
+    trainer.train()
+    return trainer
+
+
+def test_a_checkpoint_of_a_compiled_run_resumes_compiled_and_uncompiled(tmp_path):
+    """Resumed compiled == the uninterrupted compiled run, bit for bit; the same checkpoint resumed by an
+    uncompiled model goes on as the compiled run does, within float reassociation."""
+    full = _checkpointed(tmp_path / "full", FAST, 7, resume=False)
+    expected = {name: workspace.FetchBlob(name) for name in dpm.GetCheckpointParams(full.model)}
+    _checkpointed(tmp_path / "cut", FAST, 4, resume=False)
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut_again")
+    for compile_, where in ((FAST, "cut"), (False, "cut_again")):
+        resumed = _checkpointed(tmp_path / where, compile_, 7, resume=True)
+        assert resumed.start_iter == 4
+        for name, value in expected.items():
+            got = workspace.FetchBlob(name)
+            if compile_:
+                np.testing.assert_array_equal(got, value, err_msg=name)
+            else:
+                np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=name)
