@@ -47,6 +47,7 @@ from graphpar.executor.run import run_plan
 from graphpar.executor.runtime import Runtime, runtime_of
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet, Phase
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ class Lowered:
         backend = args.get(COMPILE_BACKEND_ARG) or DEFAULT_BACKEND
         mode = args.get(COMPILE_MODE_ARG) or None
         options: dict[str, Any] = {"backend": backend, **({"mode": mode} if mode else {})}
+        self.cuda_graphs = mode == "reduce-overhead"
         self.phases = tuple(tuple(_Region(plan, region, f"phase {k} region {r}", frees, options)
                                   for r, region in enumerate(phase))
                             for k, phase in enumerate(regions))
@@ -283,8 +285,16 @@ def lowered_of(plan: CompiledNet) -> Lowered:
 class CompiledExecutor:
     """Runs a plan as compiled regions and eager steps (see the module docstring)."""
 
+    op_by_op = "simple"  # a compiled program has no per-op times
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        """False under inductor's CUDA graphs ("reduce-overhead"), whose next replay reuses their memory."""
+        return netdef.args.get(COMPILE_MODE_ARG) != "reduce-overhead"
+
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         lowered = lowered_of(plan)
+        if lowered.cuda_graphs:  # a new step: inductor's CUDA graphs may reuse the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         run_plan(plan, blobs, lambda plan, _runtime, frame: _Launch(plan, lowered, frame))
 
 

@@ -46,6 +46,7 @@ from graphpar.executor.streams import NO_STREAMS, RunStreams, StreamBackend, cur
 from graphpar.executor.threads import thread_budget
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet, Phase
 
 
@@ -154,10 +155,15 @@ _START = -1  # the task that starts a phase: release its roots
 class DagExecutor:
     """Runs a plan's steps concurrently as their dependencies complete (see the module docstring)."""
 
+    op_by_op = "dag"
+
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return True
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)

@@ -72,6 +72,7 @@ from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet, Phase
 
 log = logging.getLogger(__name__)
@@ -374,8 +375,13 @@ class _Replay:
 class CudaGraphExecutor:
     """Runs a plan eagerly for its warm-up runs, then as a replayed CUDA graph (see the module docstring)."""
 
+    op_by_op = "simple"  # a replayed graph has no per-op times
+
     def __init__(self) -> None:
         self._told: set[str] = set()
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return False  # the next replay overwrites the graph's static outputs in place
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)
