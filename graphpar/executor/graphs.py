@@ -338,25 +338,27 @@ class Captured:
 
 
 class _Replay:
-    """The Launch of a captured run: the whole step at the first phase (`executor.run.Launch`)."""
+    """The Launch of a captured run (`executor.run.Launch`): each phase's host prologue steps at their
+    phase, and the captured steps of every phase in one replay at the last phase, after the state
+    check that precedes it (`executor.run.run_plan`), so a run that fails before it changed nothing.
+    (Deferring the captured steps is valid: no prologue step depends on one, see `split`.)"""
 
     def __init__(self, plan: CompiledNet, runtime: Runtime, frame: list, backend: GraphBackend,
                  blobs: dict[str, torch.Tensor]) -> None:
         self.plan, self.runtime, self.frame, self.backend, self.blobs = plan, runtime, frame, backend, blobs
-        self.done = False
 
     def __call__(self, phase: Phase) -> None:
-        if self.done:
-            return
-        self.done = True
         plan, runtime, frame = self.plan, self.runtime, self.frame
         cut: Split = runtime.graph_split
-        runs = step_runs(plan)
+        runs, members = step_runs(plan), set(phase.steps)
         for j in cut.prologue:
-            try:
-                runs[j](frame)
-            except Exception as exc:
-                raise StepFailed(j) from exc
+            if j in members:
+                try:
+                    runs[j](frame)
+                except Exception as exc:
+                    raise StepFailed(j) from exc
+        if phase.index < len(plan.phases) - 1:
+            return
         if runtime.graph is None:
             loads = set(cut.loads)
             for j in cut.captured:  # the previous run's values: the capture allocates the graph's own
