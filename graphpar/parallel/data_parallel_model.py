@@ -127,7 +127,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     ideep: bool = False,
     num_threads_per_device: int = 4,
     shared_model: bool = False,
-    combine_spatial_bn: bool | str = False,
+    combine_spatial_bn: bool | str | Sequence[Sequence[int]] = False,
     barrier_net_timeout_sec: float = 300,
     static_shapes: bool = False,
     # graphpar's own options
@@ -196,6 +196,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     _check_combinations(given)
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
+    _check_bn_groups(given["combine_spatial_bn"], rdv)
     layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
     if not cpu_device and given["use_nccl"] and shares_a_gpu(layout.devices):
         raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
@@ -238,6 +239,18 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
     if given["allreduce_dtype"] is not None and given["rendezvous"] is not None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+
+
+def _check_bn_groups(combine: Any, rdv: Rendezvous | None) -> None:
+    """combine_spatial_bn's groups of shards name shards of the rendezvous, this one among them."""
+    if not isinstance(combine, tuple):
+        return
+    shard, shards = (0, 1) if rdv is None else (rdv.shard_id, rdv.num_shards)
+    outside = sorted(r for group in combine for r in group if r >= shards)
+    if outside or not any(shard in group for group in combine):
+        raise ParallelizeError(f"Parallelize: combine_spatial_bn's groups {[list(g) for g in combine]} must name "
+                               f"shards 0..{shards - 1} of the rendezvous ({shards} shard(s)), this shard "
+                               f"({shard}) among them" + (f"; {outside} are not shards" if outside else ""))
 
 
 def _variant(base: Callable[P, None], name: str, doc: str, **fixed: bool) -> Callable[P, None]:

@@ -134,11 +134,25 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 
 
+BN_GROUP_WORLD = "graphpar_bn_cw"  # the communicator of combine_spatial_bn's group of shards
+
+
 def combine_batch_norm(state: ParallelState) -> None:
-    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`); with
-    `combine_spatial_bn="shard"` over this shard's devices only (the local reducer of a
-    `DistributedReducer`, so num_batches counts this shard's replicas)."""
-    reducer = state.reducer
-    if state.options.combine_spatial_bn == "shard" and isinstance(reducer, DistributedReducer):
+    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`): over every
+    replica of every shard; with "shard", this shard's devices only (the local reducer of a
+    `DistributedReducer`, so num_batches counts this shard's replicas); with groups of shards, the
+    devices of this shard's group (a `DistributedReducer` on communicator `BN_GROUP_WORLD`, recorded in
+    `state.group_worlds` for `passes.distributed` to create over the group alone)."""
+    reducer, combine = state.reducer, state.options.combine_spatial_bn
+    if isinstance(reducer, DistributedReducer) and combine == "shard":
         reducer = reducer.local
+    elif isinstance(reducer, DistributedReducer) and isinstance(combine, tuple):
+        rendezvous = state.options.rendezvous
+        group = next(g for g in combine if rendezvous is not None and rendezvous.shard_id in g)
+        if len(group) == 1:
+            reducer = reducer.local
+        elif len(group) < reducer.num_shards:
+            reducer = DistributedReducer(reducer.local, len(group), 1, reducer.blob_devices, reducer.order)
+            reducer.worlds = [BN_GROUP_WORLD]
+            state.group_worlds[BN_GROUP_WORLD] = group
     inter_device_batch_norm(state.model.net.Proto(), reducer)

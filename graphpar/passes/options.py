@@ -235,10 +235,42 @@ def _net_type(value: Any, caller: str) -> str:
     return value
 
 
-def _spatial_bn(value: Any, caller: str) -> bool | str:
-    if value not in (True, False, "shard"):
-        raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False or 'shard' (statistics over "
-                               f"this shard's devices only), got {value!r}")
+BnGroups = tuple[tuple[int, ...], ...]
+
+
+def _spatial_bn(value: Any, caller: str) -> bool | str | BnGroups:
+    """True, False, "shard", or groups of shards: a list of lists of shard ids (torch.distributed's
+    `new_group` ranks), or a torch.distributed ProcessGroup (its ranks are this shard's group)."""
+    if isinstance(value, (bool, str)) or (isinstance(value, int) and value in (0, 1)):
+        if value not in (True, False, "shard"):
+            raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False, 'shard' or groups of shard "
+                                   f"ids, got {value!r}")
+        return value
+    if _is_process_group(value):
+        import torch.distributed as dist
+
+        value = [dist.get_process_group_ranks(value)]
+    try:
+        groups = tuple(tuple(int(_shard_id(r)) for r in group) for group in value)
+    except (TypeError, ValueError):
+        raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False, 'shard' (statistics over this "
+                               f"shard's devices only), a list of groups of shard ids (as torch.distributed."
+                               f"new_group's ranks, e.g. [[0, 1], [2, 3]]) or a torch ProcessGroup, got "
+                               f"{value!r}") from None
+    ids = [r for group in groups for r in group]
+    if not groups or not all(groups) or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ParallelizeError(f"{caller}: combine_spatial_bn's groups must be non-empty groups of distinct shard "
+                               f"ids >= 0, each shard in one group at most, got {value!r}")
+    return groups
+
+
+def _is_process_group(value: Any) -> bool:
+    return type(value).__name__ == "ProcessGroup" and type(value).__module__.startswith("torch")
+
+
+def _shard_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
     return value
 
 
@@ -366,12 +398,14 @@ class ParallelizeOptions:
         _int("num_threads_per_device", 1))
     shared_model: bool = option(False, """
         CPU only: every replica reads the first device's params (one copy updated).""", _flag("shared_model"))
-    combine_spatial_bn: bool | str = option(False, """
+    combine_spatial_bn: bool | str | BnGroups = option(False, """
         training batch norm uses the statistics of the whole global batch (interleaved replicas,
         per-device sums and value counts all-reduced, so devices fed batches of different sizes still get
         the whole batch's statistics); forward-only models ignore it. "shard": the statistics of this
-        shard's devices only (SyncBatchNorm with a process group of one process), the gradients still
-        all-reduced over every shard.""", _spatial_bn)
+        shard's devices only (SyncBatchNorm with a process group of one process); groups of shards
+        (`[[0, 2], [1, 3]]`, as torch.distributed.new_group's ranks, or a torch ProcessGroup as
+        SyncBatchNorm's process_group): the statistics of the devices of this shard's group; the
+        gradients are all-reduced over every shard either way.""", _spatial_bn)
     barrier_net_timeout_sec: float = option(300, """
         with a rendezvous, how long RunInitNet's barrier waits for the others.""", _seconds)
     static_shapes: bool = option(False, """

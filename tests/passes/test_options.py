@@ -107,7 +107,7 @@ BAD_VALUES = {
     "ideep": (2, TypeError, "Parallelize: ideep must be True or False, got 2"),
     "num_threads_per_device": (0, ParallelizeError, "Parallelize: num_threads_per_device must be an int >= 1, got 0"),
     "shared_model": (None, TypeError, "shared_model must be True or False, got None"),
-    "combine_spatial_bn": ("yes", ParallelizeError, "combine_spatial_bn must be True, False or 'shard'"),
+    "combine_spatial_bn": ("yes", ParallelizeError, "combine_spatial_bn must be True, False, 'shard' or groups"),
     "barrier_net_timeout_sec": (-1, ParallelizeError, "barrier_net_timeout_sec must be a number of seconds > 0"),
     "static_shapes": ("yes", *_FLAG),
     "gradient_bucket_bytes": ("1", TypeError, "gradient_bucket_bytes must be an int number of bytes"),
@@ -153,3 +153,18 @@ def test_the_checked_options_are_canonical():
     assert (options.devices, options.cpu_device, options.blobs_to_keep, options.barrier_net_timeout_sec,
             options.compute_dtype, options.uneven_batches) == ((1, 0), True, ("fc1",), 10.0, "bfloat16", True)
     assert dataclasses.fields(options)[-1].name == "auto_buckets" and options.check_finite_loss is False
+
+
+def test_combine_spatial_bn_takes_groups_of_shards_or_a_process_group(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from graphpar.passes.options import _spatial_bn
+
+    assert _spatial_bn([[0, 2], (1,)], "P") == ((0, 2), (1,)) and _spatial_bn("shard", "P") == "shard"
+    assert _spatial_bn(True, "P") is True and _spatial_bn(0, "P") == 0
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert _spatial_bn(dist.new_group([0]), "P") == ((0,),)  # SyncBatchNorm's process_group
+    finally:
+        dist.destroy_process_group()
