@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.models import resnet  # noqa: E402
+from graphpar.passes.options import COMPILE_MODES  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=int, default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=int, default=0, help="graphpar: seed of the synthetic data and the init")
+    add("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+        help="graphpar: compile the train step with torch.compile (inductor; the first steps pay the compile "
+             "time); MODE: one of " + ", ".join(COMPILE_MODES))
     add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
     args = parser.parse_args(argv)
     if args.save_model_name is None:
@@ -127,7 +131,8 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
                  "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
-                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision)
+                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision,
+                    compile=None if args.compile is None else {"mode": None if args.compile == "default" else args.compile})
     return model
 
 
