@@ -8,9 +8,14 @@ partitions exactly as inductor does, without generating kernels) but in the test
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +31,7 @@ from graphpar.executor.compiled import lower, lowered_of
 from graphpar.model_helper import ModelHelper
 
 FAST = {"backend": "aot_eager"}
+ROOT = Path(__file__).resolve().parents[2]
 _names = iter(range(10**6))
 
 
@@ -296,3 +302,21 @@ def test_a_checkpoint_of_a_compiled_run_resumes_compiled_and_uncompiled(tmp_path
                 np.testing.assert_array_equal(got, value, err_msg=name)
             else:
                 np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_inductor_reuses_what_the_last_process_compiled(tmp_path):
+    """Two processes compile the same step with inductor and one on-disk cache: the second takes every
+    compiled graph from the cache (inductor's FX-graph cache: no kernel is generated or built again)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "tests.executor.compiled_cache_worker"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["misses"] >= 2 and first["hits"] == 0
+    assert second["hits"] == first["misses"] and second["misses"] == 0
+    assert second["seconds"] < first["seconds"]
