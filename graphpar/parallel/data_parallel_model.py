@@ -587,8 +587,9 @@ def skipped_steps(model: ModelHelper) -> int:
 
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
-    shrinks it (`passes.loss_scale`)."""
+    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
+    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
+    (the running sums, which may hold an inf, are zeros again)."""
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
@@ -599,6 +600,20 @@ def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
+        reset_accumulated_gradients(model)
+
+
+def reset_accumulated_gradients(model: ModelHelper) -> None:
+    """With `accumulate_gradients` > 1: make the running sums of the micro-batches' gradients zeros
+    again, dropping the micro-batches run since the last update (after a step that raised: its
+    micro-batches were added, its update did not run). Without accumulation: nothing.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    reset = _state_of(model).reset_accumulated_net
+    if reset is not None:
+        workspace.RunNetOnce(reset)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------

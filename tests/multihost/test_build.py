@@ -37,15 +37,18 @@ def test_each_gradient_is_summed_locally_all_reduced_across_shards_and_copied_ba
     ops = model.net.Proto().ops
     reduction = [(op.type, op.inputs, op.outputs) for op in ops if has_trait(op, Trait.CROSS_DEVICE)
                  or op.name == "dpm"]
-    expected = []
+    # first every replica's losses checked together across the shards (issue 32 item 1)
+    checked = "_losses_checked_across_shards"
+    expected = [("CheckFiniteAcrossShards", ["graphpar_cw_0", "cpu_0/scaled_loss", "cpu_1/scaled_loss"], [checked])]
     for k, grad in enumerate(["pred_b_grad", "pred_w_grad", "fc1_b_grad", "fc1_w_grad"]):
         expected += [("Sum", [f"cpu_0/{grad}", f"cpu_1/{grad}"], [f"cpu_0/{grad}"]),
                      ("Allreduce", [f"graphpar_cw_{k % 2}", f"cpu_0/{grad}"], [f"cpu_0/{grad}"]),
                      ("Copy", [f"cpu_0/{grad}"], [f"cpu_1/{grad}"])]
     assert reduction == expected
     allreduces = [op for op in ops if op.type == "Allreduce"]
-    # one chain per communicator: up to two in flight
-    assert [op.control_inputs for op in allreduces] == [[], [], ["cpu_0/pred_b_grad"], ["cpu_0/pred_w_grad"]]
+    # one chain per communicator: up to two in flight, none before the losses' check
+    assert [op.control_inputs for op in allreduces] == [[checked], [checked], [checked, "cpu_0/pred_b_grad"],
+                                                        [checked, "cpu_0/pred_w_grad"]]
     assert model.net.Proto().num_workers == 2 * 4 + 2
 
 
@@ -96,7 +99,7 @@ def test_one_device_per_shard_still_all_reduces_and_buckets_across_shards(tmp_pa
     model, scales = _model(tmp_path, devices=(0,), gradient_bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
     assert scales == [0.5]
     types = [op.type for op in model.net.Proto().ops if has_trait(op, Trait.DISTRIBUTED)]
-    assert types == ["Allreduce"]  # one bucket of the four gradients
+    assert types == ["CheckFiniteAcrossShards", "Allreduce"]  # the losses' check, one bucket of the four gradients
 
 
 def test_one_shard_builds_what_no_rendezvous_builds(tmp_path: Path) -> None:
