@@ -320,3 +320,41 @@ def test_inductor_reuses_what_the_last_process_compiled(tmp_path):
     assert first["misses"] >= 2 and first["hits"] == 0
     assert second["hits"] == first["misses"] and second["misses"] == 0
     assert second["seconds"] < first["seconds"]
+
+
+# ---- CUDA --------------------------------------------------------------------------------------------
+
+
+def test_compiled_on_logical_cuda_devices_trains_as_simple():
+    """Two logical CUDA devices placed on the CPU (the CUDA code paths of the passes: NCCL-free tree
+    all-reduce, Parallelize's CUDA defaults) compile and train as "simple"."""
+    from graphpar.devices import cuda_on_cpu
+
+    def run(compile_: object) -> dict[str, np.ndarray]:
+        workspace.ResetWorkspace()
+        model = ModelHelper(name=f"cuda_{next(_names)}")
+        dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_cnn,
+                        optimizer_builder_fun=OPTIMIZERS["momentum"], devices=[0, 1], compile=compile_,
+                        **({} if compile_ else {"net_type": "simple"}))
+        Trainer(model, _batches(_cnn, 3, 8), max_iter=3).train()
+        return {name: workspace.FetchBlob(name) for name in dpm.GetCheckpointParams(model)}
+
+    with cuda_on_cpu():
+        expected, got = run(False), run(FAST)
+    assert any(name.startswith("gpu_1/") for name in got)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_inductors_cuda_graphs_make_the_trainer_copy_what_it_reads_later():
+    """With compile="reduce-overhead" the next step may overwrite the tensors a step left (inductor's
+    CUDA graphs reuse their memory), so the executor says so and the Trainer holds copies of the
+    losses; the default mode keeps them."""
+    from graphpar.executor import get_executor
+    from graphpar.training.engine import _overwritten
+
+    graphs, default = _model(_mlp, "sgd", 1, "reduce-overhead"), _model(_mlp, "sgd", 1, True)
+    executor = get_executor("compiled")
+    assert not executor.keeps_outputs(graphs.net.Proto()) and executor.keeps_outputs(default.net.Proto())
+    assert _overwritten(graphs) and not _overwritten(default)
+    assert executor.op_by_op == "simple"
