@@ -28,6 +28,7 @@ copying the first device's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -38,12 +39,17 @@ from functools import partial, wraps
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef
-from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
+from graphpar.core.naming import KEEP_ARG, device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import (CheckpointError, DeviceScopeError, GradientOverflowError, MissingBlobError,
-                             ParallelizeError)
+from graphpar.errors import (
+    CheckpointError,
+    DeviceScopeError,
+    GradientOverflowError,
+    MissingBlobError,
+    ParallelizeError,
+)
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.model.model_helper import ModelHelper
@@ -55,7 +61,7 @@ from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
 from graphpar.passes.options import CompileOptions, LossScale, ParallelizeOptions, args_doc, blob_names, checked
-from graphpar.passes.pipeline import run_pipeline
+from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
 from graphpar.passes.state import ParallelState
@@ -224,7 +230,24 @@ def Parallelize(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
         run_pipeline(model._parallel)
+        _set_caffe2_attributes(model, model._parallel)
     _log_built(model._parallel)
+
+
+def _set_caffe2_attributes(model: ModelHelper, state: ParallelState) -> None:
+    """The one place that puts what the passes built (kept on `state`) where Caffe2's code and scripts
+    read it: the model's attributes `_accumulate_net` and `_loss_scale_backoff_net` (when built) and
+    BMUF's `_global_model_init_net`, `_global_model_param_updates_net`, `_warmup_iterations`,
+    `_warmup_broadcast` (None without warmup, as Caffe2's). graphpar itself reads the state."""
+    built = {"_accumulate_net": state.accumulate_net, "_loss_scale_backoff_net": state.loss_scale_backoff_net}
+    attributes: dict[str, Any] = {name: net for name, net in built.items() if net is not None}
+    if state.bmuf is not None:
+        attributes.update(_global_model_init_net=state.bmuf.global_init,
+                          _global_model_param_updates_net=state.bmuf.global_update,
+                          _warmup_iterations=state.bmuf.warmup_iterations,
+                          _warmup_broadcast=state.bmuf.warmup_broadcast)
+    for name, value in attributes.items():
+        setattr(model, name, value)
 
 
 def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
@@ -362,6 +385,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+        _set_caffe2_attributes(model, model._parallel)
     _log_built(model._parallel)
 
 
@@ -379,13 +403,12 @@ def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized with Parallelize_BMUF(warmup_iterations=...).
     """
-    _state_of(model)
-    warmup = getattr(model, "_warmup_broadcast", None)
-    if warmup is None:
+    bmuf = _state_of(model).bmuf
+    if bmuf is None or bmuf.warmup_broadcast is None or bmuf.warmup_iterations is None:
         raise ParallelizeError(f"model {model.name!r} has no warmup: pass warmup_iterations to "
                                f"Parallelize_BMUF")
-    workspace.RunNet(model.net, model._warmup_iterations)
-    workspace.RunNetOnce(warmup)
+    workspace.RunNet(model.net, bmuf.warmup_iterations)
+    workspace.RunNetOnce(bmuf.warmup_broadcast)
 
 
 def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N802
@@ -452,6 +475,53 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
     """
     state = _state_of(model)
     optimize_memory(state, blob_names(excluded_blobs, "excluded_blobs"), recycle_activations)
+
+
+def enable_memory_options(model: ModelHelper, optimize_gradient_memory: bool = True,
+                          dynamic_memory_management: bool = True, keep: Iterable[str] = ()) -> None:
+    """Turn on Parallelize's memory options for a model it built, before RunInitNet creates the nets:
+    the pipeline's passes for the options not on yet run (under the current PassContext, as
+    Parallelize's), and the model's options record them. Same results, less memory.
+
+    Args:
+        optimize_gradient_memory, dynamic_memory_management: the options to turn on (one already on is
+            left as it is).
+        keep: more blobs, named as in the train net (e.g. `GetLearningRateBlobNames(model)`), that a
+            freeing run keeps when this call turns dynamic_memory_management on.
+
+    Raises:
+        ParallelizeError: the model was not parallelized, or is not a training model.
+        RuntimeError: its train net was created already (RunInitNet or CreateNet ran).
+        TypeError: `keep` is not a list of blob names.
+    """
+    state = _state_of(model)
+    kept = blob_names(keep, "keep")
+    if not state.training:
+        raise ParallelizeError(f"enable_memory_options: model {model.name!r} has no updates; its memory options "
+                               f"concern training")
+    if model.net.Proto().name in workspace.get_workspace().nets:
+        raise RuntimeError(f"enable_memory_options: the train net of model {model.name!r} was created already; "
+                           f"turn the options on before RunInitNet, or pass them to Parallelize")
+    asked = {"optimize_gradient_memory": optimize_gradient_memory,
+             "dynamic_memory_management": dynamic_memory_management}
+    turned_on = {name: True for name, on in asked.items() if on and not getattr(state.options, name)}
+    if not turned_on:
+        return
+    passes = {"optimize_gradient_memory": "share_gradient_memory", "dynamic_memory_management": "free_intermediates"}
+    wanted = {passes[name] for name in turned_on}
+    options, nets = state.options, [(net, copy.deepcopy(vars(net))) for net in (model.net, model.param_init_net)]
+    try:
+        state.options = dataclasses.replace(options, **turned_on)
+        run_pipeline(state, edited(PIPELINE, remove=[entry.name for entry in PIPELINE if entry.name not in wanted]))
+    except BaseException:  # as it was: the options and the nets (the same Net objects)
+        state.options = options
+        for net, saved in nets:
+            vars(net).clear()
+            vars(net).update(saved)
+        raise
+    if "dynamic_memory_management" in turned_on and kept:
+        args = model.net.Proto().args
+        args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *kept]))
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -597,7 +667,7 @@ def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
             raise
         log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
         runs.skipped_steps += 1
-        backoff = getattr(model, "_loss_scale_backoff_net", None)
+        backoff = _state_of(model).loss_scale_backoff_net
         if backoff is not None:
             workspace.RunNetOnce(backoff)
         reset_accumulated_gradients(model)

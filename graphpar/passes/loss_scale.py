@@ -15,7 +15,7 @@
   update started, and a failed run changes nothing: params, optimizer state and the iteration
   counter (so the learning-rate schedule) are as before the step, which is skipped.
   `data_parallel_model.RunNet` catches the error, logs a warning and, when dynamic, runs
-  `model._loss_scale_backoff_net` (S *= backoff_factor, good steps = 0 on every replica).
+  the backoff net (`model._loss_scale_backoff_net`: S *= backoff_factor, good steps = 0 on every replica).
 - `grow_loss_scale` (dynamic), after the updates: `UpdateLossScale` counts good steps and multiplies
   S by growth_factor after growth_interval of them.
 """
@@ -67,7 +67,7 @@ def unscale_gradients(state: ParallelState) -> None:
 
 
 def grow_loss_scale(state: ParallelState) -> None:
-    """Dynamic scaling: per replica, `UpdateLossScale` after the updates; and `model._loss_scale_backoff_net`,
+    """Dynamic scaling: per replica, `UpdateLossScale` after the updates; and `state.loss_scale_backoff_net`,
     the net `RunNet` runs after a skipped step."""
     scale, layout, model = state.options.loss_scale, state.layout, state.model
     backoff = NetDef(f"{model.net.Proto().name}_loss_scale_backoff")
@@ -79,4 +79,4 @@ def grow_loss_scale(state: ParallelState) -> None:
         backoff.ops.append(make_op("BackoffLossScale", blobs, blobs, layout.option(device),
                                    backoff_factor=float(scale.backoff_factor)))
         backoff.external_inputs.extend(blobs)
-    model._loss_scale_backoff_net = Net(backoff)
+    state.loss_scale_backoff_net = Net(backoff)
