@@ -50,7 +50,6 @@ shape rule at CreateNet, where shapes are known, so a mismatch is reported there
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence

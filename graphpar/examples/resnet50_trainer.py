@@ -29,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+from graphpar.core.naming import COMPILE_MODES
 from graphpar.examples import cli
 
 
@@ -91,6 +92,9 @@ def make_parser() -> cli.ArgumentParser:
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=cli.integer(0), default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=cli.integer(0), default=0, help="graphpar: seed of the synthetic data and the init")
+    add("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+        help="graphpar: compile the train step with torch.compile (inductor; the first steps pay the compile "
+             "time); MODE: one of " + ", ".join(COMPILE_MODES))
     add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
     return parser
 
@@ -104,7 +108,6 @@ import numpy as np  # noqa: E402
 from graphpar.errors import CheckpointError  # noqa: E402
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.models import resnet  # noqa: E402
-from graphpar.passes.options import COMPILE_MODES  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -114,50 +117,9 @@ log = cli.log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-<<<<<<< HEAD
-    """Caffe2's trainer flags (names and defaults), plus `--width`."""
-    parser = cli.parser("graphpar.examples.resnet50_trainer", __doc__)
-    add = parser.add_argument
-    add("--train_data", default=None, help="training data; only synthetic data (omit the flag) is supported")
-    add("--test_data", default=None, help="test data; not supported (no evaluation pass)")
-    add("--db_type", default="lmdb", help="Caffe2's database type (unused: synthetic data)")
-    add("--gpus", default=None, help="comma-separated device ids, e.g. 0,1,2")
-    add("--num_gpus", type=int, default=1, help="number of devices if --gpus is not given")
-    add("--num_channels", type=int, default=3)
-    add("--image_size", type=int, default=224)
-    add("--num_labels", type=int, default=1000)
-    add("--batch_size", type=int, default=32, help="global batch, split over the devices")
-    add("--epoch_size", type=int, default=1500000, help="images per epoch")
-    add("--num_epochs", type=int, default=1000)
-    add("--num_shards", type=int, default=1, help="hosts; only 1 (single-host) is supported")
-    add("--shard_id", type=int, default=0)
-    add("--run_id", default="")
-    add("--base_learning_rate", type=float, default=0.1,
-        help="SGD learning rate per 256 images (scaled by --batch_size / 256)")
-    add("--weight_decay", type=float, default=1e-4)
-    add("--num_layers", type=int, default=50, choices=(18, 50))
-    add("--width", type=int, default=64, help="graphpar: channels of the stem (64 = ResNet-50)")
-    add("--use_cpu", action="store_true", help="CPU devices instead of GPUs")
-    add("--use_nccl", action="store_true", help="all-reduce with NCCL (GPUs)")
-    add("--save_model_name", default=None, help="checkpoint name prefix (default: resnet<num_layers>_model)")
-    add("--load_model_path", default=None, help="a checkpoint to resume from")
-    add("--dtype", default="float", choices=("float", "float16", "bfloat16"),
-        help="float16: Caffe2's fp16 params with fp32 masters; bfloat16 (graphpar): bf16 compute, fp32 params")
-    add("--float16_compute", action="store_true", help="with --dtype float16: Conv/FC compute in float16")
-    add("--loss_scale", type=float, default=None,
-        help="graphpar, with --dtype float16: a static loss scale (default: dynamic, as torch.amp.GradScaler)")
-    add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
-    add("--cudnn_workspace_limit_mb", type=int, default=64, help="accepted; PyTorch manages cuDNN")
-    add("--seed", type=int, default=0, help="graphpar: seed of the synthetic data and the init")
-    add("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
-        help="graphpar: compile the train step with torch.compile (inductor; the first steps pay the compile "
-             "time); MODE: one of " + ", ".join(COMPILE_MODES))
-    add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
-=======
     """The options, every one checked before anything runs: an error names the option (exit status 2).
     Sets `devices`, `cpu`, `epoch_iters` and `start_epoch` from them."""
     parser = make_parser()
->>>>>>> main
     args = parser.parse_args(argv)
     if args.save_model_name is None:
         args.save_model_name = f"resnet{args.num_layers}_model"

@@ -41,7 +41,7 @@ import torch
 
 from graphpar.core.naming import COMPILE_BACKEND_ARG, COMPILE_MODE_ARG
 from graphpar.core.schema import UNTRACEABLE_TRAITS, get_schema
-from graphpar.executor.failure import op_location, recorded_at
+from graphpar.executor.failure import op_location
 from graphpar.executor.program import StepFailed, functional, step_runs, straight_line
 from graphpar.executor.run import run_plan
 from graphpar.executor.runtime import Runtime, runtime_of

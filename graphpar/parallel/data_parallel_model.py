@@ -60,7 +60,14 @@ from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
-from graphpar.passes.options import CompileOptions, LossScale, ParallelizeOptions, args_doc, blob_names, checked
+from graphpar.passes.options import (
+    CompileOptions,
+    LossScale,
+    ParallelizeOptions,
+    args_doc,
+    blob_names,
+    checked,
+)
 from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer

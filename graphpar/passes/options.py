@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from graphpar.core.naming import COMPILE_MODES
 from graphpar.errors import ParallelizeError
 from graphpar.platform.distributed import Rendezvous
 
@@ -75,9 +76,6 @@ class CompileOptions:
 
     backend: str = "inductor"
     mode: str | None = None
-
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def check_compile(value: Any) -> CompileOptions | None:
