@@ -24,13 +24,18 @@ for a static one). `--dtype bfloat16` keeps fp32 params and computes Conv/FC in 
 
 from __future__ import annotations
 
-import argparse
-import re
-import time
-from pathlib import Path
+from graphpar.examples import interrupt
 
-from graphpar.core.naming import COMPILE_MODES
-from graphpar.examples import cli
+if __name__ == "__main__":
+    interrupt.exit_on_interrupt()  # from now on a Ctrl-C exits at once, status 130
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
+from graphpar.examples import cli  # noqa: E402
 
 
 def device_ids(text: str) -> list[int]:
@@ -100,7 +105,6 @@ def make_parser() -> cli.ArgumentParser:
 
 
 if __name__ == "__main__":
-    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
     make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402

@@ -20,14 +20,19 @@ with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint;
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import sys
-from pathlib import Path
+from graphpar.examples import interrupt
 
-from graphpar.core.naming import COMPILE_MODES
-from graphpar.examples import cli
+if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
+    interrupt.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # from now on a Ctrl-C exits at once, 130
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
+from graphpar.examples import cli  # noqa: E402
 
 
 def make_parser() -> cli.ArgumentParser:
@@ -71,10 +76,8 @@ def make_parser() -> cli.ArgumentParser:
     return parser
 
 
-if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
-    cli.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # a Ctrl-C while torch loads: exit at once, 130
-    if __name__ == "__main__":
-        make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
+if __name__ == "__main__":
+    make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
 
@@ -305,11 +308,18 @@ def process_devices(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it after
-    the step in flight, with the loading thread stopped (status 130)."""
+    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it (status
+    130) after the step in flight, with the loading thread stopped, or where it lands outside the steps
+    (loading the data, building, initialising): one line from the process that reports it, nothing from
+    the others (the processes of --num-processes: their parent says it)."""
     cli.setup_logger(args.verbose)  # here: a process that launch started has the logging of a fresh one
     with cli.one_interrupt():
-        return _run(args)
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            if launch.is_main_process() and getattr(args, "report_interrupt", True):
+                print(f"\ninterrupted; {_kept(args.checkpoint)}", file=sys.stderr, flush=True)
+            return cli.INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:
