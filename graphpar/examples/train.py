@@ -12,9 +12,10 @@ like one device on the whole batch. After every epoch it prints the mean loss an
 (over 95% after the default 12 epochs, on every test sample) and writes a checkpoint that
 `--resume` continues from, learning-rate schedule included, and `metrics.json` beside it (with
 `--plot`, a loss/accuracy PNG beside them at the end). An existing checkpoint is never replaced
-silently: continue it with `--resume`, or start over with `--overwrite`. Batches are loaded on a
-background thread (`DeviceFeeder`) while the devices compute; the loop is `graphpar.engine.Trainer`
-with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
+silently: continue it with `--resume`, or start over with `--overwrite`; a process that
+`python -m graphpar.launch --max-restarts N` restarted continues the checkpoint its job wrote, with
+the same command line. Batches are loaded on a background thread (`DeviceFeeder`) while the devices
+compute; the loop is `graphpar.engine.Trainer` with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
 (`--verbose`: with its traceback).
 """
 
@@ -82,7 +83,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
-from graphpar.parallel import comm, launch  # noqa: E402
+from graphpar.parallel import comm, elastic, launch  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -161,6 +162,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    if elastic.restart_count() and elastic.written_by_this_job(args.checkpoint):
+        args.resume, args.overwrite = True, False  # the launcher's agent restarted this job: continue it
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
@@ -247,7 +250,8 @@ class EpochEnd(HookBase):
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
         if self.say:  # one process writes the checkpoint (atomically); every process can load it
             checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
-                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size})
+                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size,
+                                      **elastic.job_metadata()})
             log.info("epoch %2d  loss %.4f  test accuracy %.2f%%", done // self.steps, np.mean(losses),
                      100 * self.accuracy)
 
@@ -362,7 +366,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
             if say:
-                log.info("resumed from %s at epoch %d", args.checkpoint, trainer.iter // steps_per_epoch)
+                again = f" (restart {elastic.restart_count()} of this job)" if elastic.restart_count() else ""
+                log.info("resumed from %s at epoch %d%s", args.checkpoint, trainer.iter // steps_per_epoch, again)
         try:
             trainer.train()
         except KeyboardInterrupt:

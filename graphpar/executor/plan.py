@@ -135,10 +135,12 @@ class CompiledNet:
         return replace(self, steps=steps)
 
 
-def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) -> CompiledNet:
+def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False, infer_shapes: bool = True) -> CompiledNet:
     """Validate `netdef` and build its plan against `workspace` (the net is copied: later edits do not count).
 
     `keep_all` keeps every blob after a run whatever the net's memory options say (for introspection).
+    `infer_shapes=False` builds the plan without shape facts (for a net whose blobs do not fit it yet;
+    the caller checks them before it runs).
 
     Raises:
         ValueError / TypeError: the net breaks its structure or a schema (`core.schema.validate_net`),
@@ -152,7 +154,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
-    specs = infer_specs(netdef, workspace.blobs)
+    specs = infer_specs(netdef, workspace.blobs) if infer_shapes else {}
     flow = dataflow(netdef)
     claims = _claims(netdef, flow)
     reused = _reused_inputs(netdef, flow, specs)
