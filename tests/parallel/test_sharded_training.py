@@ -6,7 +6,7 @@ reference's list order), and element-wise updates give the same bits on a part a
 (tests/ops/test_elementwise.py). The MLP's params have 30, 5, 15 and 3 elements: none divides by 4,
 and the last is smaller than 4 devices (one replica owns an empty part). Runs with other orders of
 summation (one device on the whole batch; gloo's ring across processes) are compared to a float
-tolerance in tests/multihost/test_sharded.py.
+tolerance in tests/multihost/test_training.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 
 from graphpar import brew, model_helper, optimizer, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.core.dataflow import dataflow
 from graphpar.core.naming import shard_name
 from graphpar.devices import cuda_on_cpu
 from graphpar.models.common import softmax_loss
@@ -121,6 +122,8 @@ def test_each_replica_holds_its_part_of_the_state_and_of_the_summed_gradients():
     for d in range(4):
         workspace.FeedBlob(f"cpu_{d}/data", x[3 * d:3 * d + 3])
         workspace.FeedBlob(f"cpu_{d}/label", y[3 * d:3 * d + 3])
+    net = model.net.Proto()
+    assert set(net.external_inputs) == set(dataflow(net).loads)  # nor declares the whole state as read
     dpm.RunInitNet(model)
     dpm.RunNet(model, 1)
     sizes = {"fc1_w": [8, 8, 7, 7], "fc1_b": [2, 1, 1, 1], "pred_w": [4, 4, 4, 3], "pred_b": [1, 1, 1, 0]}
