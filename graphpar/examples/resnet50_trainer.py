@@ -35,6 +35,7 @@ import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
 from graphpar.examples import cli  # noqa: E402
 
 
@@ -97,6 +98,9 @@ def make_parser() -> cli.ArgumentParser:
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=cli.integer(0), default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=cli.integer(0), default=0, help="graphpar: seed of the synthetic data and the init")
+    add("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+        help="graphpar: compile the train step with torch.compile (inductor; the first steps pay the compile "
+             "time); MODE: one of " + ", ".join(COMPILE_MODES))
     add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
     return parser
 
@@ -205,7 +209,8 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
                  "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
-                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision)
+                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision,
+                    compile=None if args.compile is None else {"mode": None if args.compile == "default" else args.compile})
     return model
 
 

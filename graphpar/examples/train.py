@@ -32,6 +32,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
 from graphpar.examples import cli  # noqa: E402
 
 
@@ -65,6 +66,10 @@ def make_parser() -> cli.ArgumentParser:
                              "one host sync per device and step). A NaN or inf loss still stops the run, when "
                              "the trainer records the loss: after that step's update (the checkpoint of the last "
                              "finished epoch is kept)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                        metavar="MODE", help="compile the train step with torch.compile (inductor; the first "
+                        "epoch pays the compile time); MODE: one of " + ", ".join(COMPILE_MODES))
+    parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
     parser.add_argument("--verbose", action="store_true",
                         help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=cli.integer(1), default=1,
@@ -118,12 +123,12 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
-          rendezvous: dict | None = None, compute_dtype: str | None = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: object = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
     updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
-    mixed precision (docs/precision.md)."""
+    mixed precision (docs/precision.md). `compile_` compiles the train step (Parallelize's `compile`)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
@@ -131,11 +136,19 @@ def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_l
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
         devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, compile=compile_)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
                     devices=devices, cpu_device=cpu, uneven_batches=True, compute_dtype=compute_dtype)
     return train, test
+
+
+def compile_options(args: argparse.Namespace) -> dict | None:
+    """Parallelize's `compile` from --compile [MODE] and the backend (None: not compiled)."""
+    if args.compile is None:
+        return None
+    mode = None if args.compile == "default" or args.compile_backend != "inductor" else args.compile
+    return {"backend": args.compile_backend, "mode": mode}
 
 
 def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndarray) -> float:
@@ -330,7 +343,7 @@ def _run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous(), args.dtype)
+                        not args.no_finite_check, launch.rendezvous(), args.dtype, compile_options(args))
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,

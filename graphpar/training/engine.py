@@ -39,6 +39,7 @@ import torch
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
+from graphpar.executor import get_executor
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.parallel import elastic
 from graphpar.runtime import checkpoint, workspace
@@ -179,7 +180,7 @@ class LRScheduler(HookBase):
 
         model = self.trainer.model
         on_host = model._parallel.layout.device_type != CUDA
-        held = _held(tensor, model.net.Proto().type == "cuda_graph")
+        held = _held(tensor, _overwritten(model))
 
         def lr() -> float:
             value = held.detach().to("cpu", copy=True).numpy().reshape(-1)[0]
@@ -677,8 +678,8 @@ class Trainer:
         """[device][loss] the loss tensors of this shard's replicas, left on their devices: the live
         tensors (the next run makes new ones), copies where a CUDA graph's replay would overwrite them."""
         state = self.model._parallel
-        captured = self.model.net.Proto().type == "cuda_graph"
-        return [[_held(workspace.FetchTensor(str(name)), captured) for name in names]
+        overwritten = _overwritten(self.model)
+        return [[_held(workspace.FetchTensor(str(name)), overwritten) for name in names]
                 for names in state.losses_by_device.values()]
 
     @staticmethod
@@ -714,10 +715,16 @@ class Trainer:
         return out
 
 
-def _held(tensor: torch.Tensor, captured: bool) -> torch.Tensor:
-    """A tensor to read later: itself (the next run makes a new one), or for a captured net a copy on
-    its device (no host sync), since the graph's next replay overwrites its tensors in place."""
-    return tensor.detach().clone() if captured else tensor
+def _held(tensor: torch.Tensor, overwritten: bool) -> torch.Tensor:
+    """A tensor to read later: itself (the next run makes a new one), or where the next run overwrites
+    it in place (a replayed CUDA graph) a copy on its device (no host sync)."""
+    return tensor.detach().clone() if overwritten else tensor
+
+
+def _overwritten(model: Any) -> bool:
+    """Whether the next run of `model`'s train net overwrites the tensors this run left (`Executor.keeps_outputs`)."""
+    proto = model.net.Proto()
+    return not get_executor(proto.type).keeps_outputs(proto)
 
 
 # ---- configs and the linear scaling rule ---------------------------------------------------------
