@@ -25,3 +25,5 @@ def exit_on_interrupt(quiet: bool = False) -> None:
         os._exit(INTERRUPTED)
 
     signal.signal(signal.SIGINT, stop)
+    # a process `launch.launch` started has SIGINT blocked until it can stop cleanly: from here it can
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

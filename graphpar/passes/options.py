@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from graphpar.core.naming import COMPILE_MODES
 from graphpar.errors import ParallelizeError
 from graphpar.platform.distributed import Rendezvous
 
@@ -67,6 +68,46 @@ def check_loss_scale(value: Any) -> LossScale | None:
             raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
                              f"0 < backoff_factor < 1 and an int growth_interval >= 1")
     return scale
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How `Parallelize(compile=...)` compiles the train step (`torch.compile`'s backend and inductor's mode)."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+
+
+def check_compile(value: Any) -> CompileOptions | None:
+    """`Parallelize`'s compile argument as CompileOptions: False/None (off), True (inductor's default),
+    a mode of inductor (`COMPILE_MODES`), a dict of CompileOptions' fields, or CompileOptions.
+
+    Raises:
+        ValueError / TypeError: any other value, an unknown mode, a backend that is not a str.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileOptions()
+    if isinstance(value, CompileOptions):
+        options = value
+    elif isinstance(value, str):
+        options = CompileOptions(mode=value)
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - set(CompileOptions.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"compile: unknown keys {unknown}; use {sorted(CompileOptions.__dataclass_fields__)}")
+        options = CompileOptions(**value)
+    else:
+        raise TypeError(f"compile={value!r}: use True, a mode of inductor ({', '.join(COMPILE_MODES)}), a dict "
+                        f"with 'backend' and/or 'mode', or False")
+    if not isinstance(options.backend, str) or not options.backend:
+        raise TypeError(f"compile: backend must be the name of a torch.compile backend, got {options.backend!r}")
+    if options.mode is not None and options.mode not in COMPILE_MODES:
+        raise ValueError(f"compile: mode must be one of {', '.join(COMPILE_MODES)}, got {options.mode!r}")
+    if options.mode is not None and options.backend != "inductor":
+        raise ValueError(f"compile: mode {options.mode!r} is inductor's; backend {options.backend!r} takes none")
+    return options
 
 
 _LOW_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -251,6 +292,15 @@ def _loss_scale(value: Any, caller: str) -> LossScale | None:
         raise ParallelizeError(str(exc)) from None
 
 
+def _compile(value: Any, caller: str) -> CompileOptions | None:
+    try:
+        return check_compile(value)
+    except ValueError as exc:
+        raise ParallelizeError(f"{caller}: {exc}") from None
+    except TypeError as exc:
+        raise TypeError(f"{caller}: {exc}") from None
+
+
 def _seconds(value: Any, caller: str) -> float:
     return float(_positive("barrier_net_timeout_sec", "seconds")(value, caller))
 
@@ -414,6 +464,14 @@ class ParallelizeOptions:
     cuda_graph: bool = option(False, """
         capture the whole train step in a CUDA graph after warm-up and replay it on every RunNet (net type
         "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""", _flag("cuda_graph"))
+    compile: CompileOptions | None = option(None, """
+        compile the train step with torch.compile (net type "compiled", whatever net_type says; see
+        docs/engine.md): True (inductor, its default mode), a mode of inductor ("reduce-overhead": its
+        CUDA graphs; "max-autotune"), or a dict of `CompileOptions` fields ({"backend": "aot_eager"}
+        compiles fast and fuses nothing). The train net then frees its intermediates
+        (dynamic_memory_management=True), so that they stay inside the compiled program: keep what you
+        fetch with blobs_to_keep. The first run compiles (seconds to minutes). Not with cuda_graph.""",
+        _compile)
     compute_dtype: str | None = option(None, """
         "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
         docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
