@@ -141,6 +141,10 @@ class _Region:
     def __init__(self, plan: CompiledNet, region: Region, label: str, frees: Sequence[Sequence[int]] | None,
                  options: dict[str, Any]) -> None:
         self.region, self.label, self.options = region, label, options
+        # per output: its position among the inputs (-1: none). An input updated in place keeps its tensor
+        # (its identity: the workspace, references to it and state checks see it, as after an eager update)
+        position = {slot: k for k, slot in enumerate(region.inputs)}
+        self.was = tuple(position.get(slot, -1) for slot in region.outputs)
         if region.compiled:
             self.program = functional(plan, region.steps, region.inputs, region.outputs, label)
             self.compiled = torch.compile(self.program, fullgraph=True, dynamic=False, **options)
@@ -163,11 +167,19 @@ class _Region:
             raise error from error.__cause__
         if self.seconds is None:
             self.seconds = time.perf_counter() - began
+        for slot, value, was in zip(region.outputs, values, self.was):
+            # an input updated in place comes back as a new view of itself: keep the input's tensor
+            frame[slot] = args[was] if was >= 0 and _same_tensor(value, args[was]) else value
         del args
-        for slot, value in zip(region.outputs, values):
-            frame[slot] = value
         for slot in region.clears:
             frame[slot] = None
+
+
+def _same_tensor(value: Any, old: Any) -> bool:
+    """Whether `value` is `old` again: the same memory, shape, strides and dtype (a view of all of it)."""
+    return (value is old or isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor)
+            and value.data_ptr() == old.data_ptr() and value.dtype == old.dtype and value.shape == old.shape
+            and value.stride() == old.stride() and value.device == old.device)
 
 
 def _diagnose(plan: CompiledNet, region: Region, frame: list, exc: Exception) -> Exception:

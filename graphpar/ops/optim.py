@@ -257,7 +257,8 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext, into_grad: bool = Fal
         return nesterov
 
     def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-        step = m.mul_(mu).add_(scaled(g, lr))  # mu m rounded, then + lr g: torch.optim.SGD's order, no FMA
+        rate_g = scaled(g, lr)  # first what can fail (a malformed lr), so a failure leaves m as it was
+        step = m.mul_(mu).add_(rate_g)  # mu m rounded, then + lr g: torch.optim.SGD's order, no FMA
         return step, step, p.sub_(step)
 
     return plain
@@ -390,10 +391,11 @@ def _multi_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[...,
 
     def run(*xs: torch.Tensor) -> tuple:
         gs, ms, ps, lr = xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k]
+        rate = lr.reshape(())  # before any update: a malformed lr changes nothing
         steps: list = [None] * k
         for idx in _by_dtype(list(gs)):
             g, m, p = [gs[i] for i in idx], [ms[i] for i in idx], [ps[i] for i in idx]
-            scaled = torch._foreach_mul(g, lr.reshape(()).to(g[0].dtype))
+            scaled = torch._foreach_mul(g, rate.to(g[0].dtype))
             if a.nesterov:
                 new = torch._foreach_add(scaled, m, alpha=mu)  # m' = lr g + mu m, as MomentumSGDUpdate's
                 step = torch._foreach_mul(new, 1.0 + mu)

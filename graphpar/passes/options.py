@@ -44,8 +44,8 @@ def check_loss_scale(value: Any) -> LossScale | None:
     dict of LossScale's fields (dynamic unless it says otherwise) or a LossScale.
 
     Raises:
-        ValueError / TypeError: any other value, a scale <= 0 or not finite, growth_factor <= 1,
-            backoff_factor outside (0, 1), growth_interval < 1.
+        ValueError / TypeError: any other value, a scale <= 0 or not finite, a growth_factor <= 1 or not
+            finite, backoff_factor outside (0, 1), growth_interval < 1.
     """
     if value is None or isinstance(value, LossScale):
         scale = value
@@ -62,10 +62,11 @@ def check_loss_scale(value: Any) -> LossScale | None:
         raise TypeError(f"loss_scale={value!r}: use a number > 0 (static), 'dynamic', a dict of "
                         f"graphpar.passes.loss_scale.LossScale fields, or None")
     if scale is not None:
-        ok = (0 < scale.init_scale < float("inf") and scale.growth_factor > 1 and 0 < scale.backoff_factor < 1
-              and isinstance(scale.growth_interval, int) and scale.growth_interval >= 1)
+        ok = (0 < scale.init_scale < float("inf") and 1 < scale.growth_factor < float("inf")
+              and 0 < scale.backoff_factor < 1 and isinstance(scale.growth_interval, int)
+              and scale.growth_interval >= 1)
         if not ok:
-            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
+            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, 1 < growth_factor < inf, "
                              f"0 < backoff_factor < 1 and an int growth_interval >= 1")
     return scale
 
@@ -492,8 +493,10 @@ class ParallelizeOptions:
     allreduce_dtype: str | None = option(None, """
         "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype (half the bytes, as
         DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
-        before the update. None (default): gradients are all-reduced in their own dtype (fp32 masters:
-        fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+        before the update. float16 holds at most 65504: with a loss_scale an overflowing step is skipped
+        as any overflow; without one the sums are checked (one host read per step) and a step that
+        overflowed raises before any update. None (default): gradients are all-reduced in their own dtype
+        (fp32 masters: fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
     shard_optimizer_state: bool = option(False, """
         ZeRO stage 1 (`graphpar.passes.shard_updates`, docs/sharding.md): every replica of every shard keeps
         1/N of the optimizer state (N replicas in all) and updates only its part of each flattened param,

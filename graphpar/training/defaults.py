@@ -195,7 +195,8 @@ class DefaultTrainer(Trainer):
             raise ValueError("DATASETS.TRAIN is empty: name datasets registered in graphpar.loaders.DatasetCatalog")
         dataset = [d for name in cfg.DATASETS.TRAIN for d in DatasetCatalog.get(name)]
         devices, _ = devices_of(cfg)
-        return build_train_loader(dataset, default_mapper, cfg.SOLVER.IMS_PER_BATCH, seed=cfg.SEED,
+        return build_train_loader(dataset, default_mapper, cfg.SOLVER.IMS_PER_BATCH,
+                                  seed=cfg.SEED if cfg.SEED >= 0 else None,  # < 0: a random seed, shared
                                   aspect_ratio_grouping=cfg.DATALOADER.ASPECT_RATIO_GROUPING,
                                   num_workers=cfg.DATALOADER.NUM_WORKERS, num_devices=len(devices))
 

@@ -443,6 +443,45 @@ def test_inference_on_dataset_gives_the_evaluator_each_sample_once_whatever_the_
     np.testing.assert_allclose(np.concatenate(recorder.scores), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_frozen_config_refuses_merges_and_a_failed_merge_changes_nothing(tmp_path) -> None:
+    """Issue 32 item 9: merge_from_list / merge_from_file changed a frozen config (DefaultTrainer's)
+    without error, and a merge that raised kept the entries applied before the bad one."""
+    good = tmp_path / "good.yaml"
+    good.write_text("SOLVER:\n  BASE_LR: 0.5\n")
+    frozen = get_cfg()
+    frozen.freeze()
+    for merge in (lambda c: c.merge_from_list(["SOLVER.BASE_LR", "0.5"]), lambda c: c.merge_from_file(str(good))):
+        with pytest.raises(AttributeError, match="the config is frozen"):
+            merge(frozen)
+        assert frozen.SOLVER.BASE_LR == 0.01
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("SOLVER:\n  BASE_LR: 0.5\n  MAX_ITER: many\n")
+    cfg = get_cfg()
+    with pytest.raises(ValueError, match="Type mismatch"):
+        cfg.merge_from_list(["SOLVER.BASE_LR", "0.5", "SOLVER.MAX_ITER", "'many'"])
+    with pytest.raises(ValueError, match="Type mismatch"):
+        cfg.merge_from_file(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("SOLVER:\n  BASE_LR: 0.5\n  BASE_LRR: 1.0\n")
+    with pytest.raises(KeyError, match="Non-existent config key"):
+        cfg.merge_from_file(str(typo))
+    assert cfg == get_cfg()  # nothing of the failed merges was kept
+    cfg.merge_from_file(str(good))
+    assert cfg.SOLVER.BASE_LR == 0.5
+
+
+def test_a_yaml_config_whose_top_level_is_not_a_mapping_is_refused_naming_the_file(tmp_path) -> None:
+    """Issue 32 item 14: a YAML list at the top level failed with yacs' internal AttributeError."""
+    path = tmp_path / "list.yaml"
+    path.write_text("- SOLVER.BASE_LR\n- 0.5\n")
+    cfg = get_cfg()
+    with pytest.raises(ValueError, match=r"list.yaml'.*top level must be a mapping of keys .*got a list"):
+        cfg.merge_from_file(str(path))
+    (tmp_path / "empty.yaml").write_text("")
+    cfg.merge_from_file(str(tmp_path / "empty.yaml"))
+    assert cfg == get_cfg()
+
+
 def test_training_prints_a_line_every_20_iterations_with_the_total_loss(tmp_path, capsys) -> None:
     """Detectron2's CommonMetricPrinter (issue 35 item 8): iteration, ETA, the loss under Detectron2's
     name `total_loss` (the model's one loss is `scaled_loss`, a blob name: not shown twice), time, lr."""
