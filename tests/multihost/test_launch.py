@@ -45,8 +45,9 @@ def test_launch_runs_one_process_per_rank_in_one_group_with_the_backend_asked_fo
     launch.launch(workers.report_rank, 2, args=(str(tmp_path),), backend=workers.TEST_BACKEND)
     share = max(1, len(os.sched_getaffinity(0)) // 2) if "OMP_NUM_THREADS" not in os.environ \
         else int(os.environ["OMP_NUM_THREADS"])
-    assert (tmp_path / "rank0").read_text() == f"2 0 True 2 {workers.TEST_BACKEND} {share}"
-    assert (tmp_path / "rank1").read_text() == f"2 1 False 2 {workers.TEST_BACKEND} {share}"
+    # SIGINT blocked while the process started (a Ctrl-C then waits for it), taken when the function runs
+    assert (tmp_path / "rank0").read_text() == f"2 0 True 2 {workers.TEST_BACKEND} {share} True False"
+    assert (tmp_path / "rank1").read_text() == f"2 1 False 2 {workers.TEST_BACKEND} {share} True False"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handlers are back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
