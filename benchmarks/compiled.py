@@ -9,7 +9,8 @@ Per model, one training step (forward, backward, SGD with momentum 0.9 and a ste
   function compiled by `torch.compile` (inductor),
 
 alternated in one process after warm-up; the table gives median step ms, the ratio to eager and the
-seconds the first run of each compiled contender took (its compile). A data-parallel row trains the CNN
+seconds the first run of each compiled contender took (its compile, cold: inductor's caches are off for
+it and its on-disk cache is a fresh directory, so a kernel built by an earlier run is built again). A data-parallel row trains the CNN
 on 2 CPU devices (`compiled`, and `simple` for reference) at the same global batch as eager.
 
     python -m benchmarks.compiled [--repeats 25] [--warmup 5] [--models mlp,cnn,resnet18,cnn_dp2] [--save]
@@ -18,6 +19,9 @@ on 2 CPU devices (`compiled`, and `simple` for reference) at the same global bat
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -137,10 +142,11 @@ def eager_step(case: Case, x: np.ndarray, y: np.ndarray, compiled: bool) -> Call
 
 
 def first_run(step: Callable[[], None]) -> float:
-    """Seconds of `step`'s first call (a compiled contender's compile)."""
-    began = time.perf_counter()
-    step()
-    return time.perf_counter() - began
+    """Seconds of `step`'s first call (a compiled contender's compile, with inductor's caches off)."""
+    with torch._inductor.config.patch(force_disable_caches=True):
+        began = time.perf_counter()
+        step()
+        return time.perf_counter() - began
 
 
 def measure(case: Case, repeats: int, warmup: int) -> dict[str, Any]:
@@ -166,11 +172,16 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--save", action="store_true", help="write benchmarks/results/compiled.json")
     opts = parser.parse_args()
+    cache = tempfile.mkdtemp(prefix="graphpar_bench_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold compiles
     torch.manual_seed(0)
     results = {}
     for key in opts.models.split(","):
         case = CASES[key]
-        results[case.name] = measure(case, opts.repeats, opts.warmup)
+        try:
+            results[case.name] = measure(case, opts.repeats, opts.warmup)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
         r = results[case.name]
         print(f"{case.name}: " + ", ".join(f"{n} {v:.2f} ms ({r['ratio_to_eager'][n]:.2f}x)" for n, v in r["ms"].items())
               + "; first run " + ", ".join(f"{n} {v:.1f} s" for n, v in r["first_run_s"].items()), flush=True)
