@@ -82,11 +82,11 @@ class CudaCopier:
         return event
 
     def wait(self, device: int, event: Any, values: Iterable[Any]) -> None:
-        """Make the device's current stream wait for `event`; mark the copies as used there
-        (`record_stream`), so the allocator does not reuse their memory early."""
+        """Make the current stream of the GPU that logical `device` runs on wait for `event`; mark the
+        copies as used there (`record_stream`), so the allocator does not reuse their memory early."""
         import torch
 
-        current = torch.cuda.current_stream(device)
+        current = torch.cuda.current_stream(_target(device))
         current.wait_event(event)
         for value in values:
             if isinstance(value, torch.Tensor) and value.is_cuda:

@@ -204,6 +204,37 @@ def test_a_batch_already_on_its_device_is_used_as_it_is(monkeypatch):
         assert ws.blobs["cpu_0/x"]._base is None
 
 
+class _HostCopier(CudaCopier):
+    """CudaCopier with its copies left on the CPU: its streams, events and waits are torch.cuda's."""
+
+    def copy(self, device, value):
+        self._stream(device)
+        return torch.as_tensor(value).clone()
+
+
+def test_under_a_device_map_the_feeder_waits_on_the_gpu_each_replica_runs_on(monkeypatch):
+    """Four replicas on GPU 0 of a (fake) 1-GPU machine: each waits for its copies on the current
+    stream of GPU 0. (It asked for the current stream of logical device 3: "Invalid device id".)"""
+    import graphpar.feeder
+    from graphpar import devices
+    from tests.fake_cuda import FakeCuda
+    from tests.fake_gpus import fake_gpus
+
+    fake_gpus(monkeypatch, 1)
+    fake = FakeCuda(gpus=1).install(monkeypatch)
+    monkeypatch.setattr(graphpar.feeder, "torch_device", devices.placement)  # where it runs on the GPUs
+    with devices.device_map([0, 0, 0, 0]), cuda_on_cpu():
+        model = _relu_model(devices=(0, 1, 2, 3), gpu=True)
+        with DeviceFeeder(_numbered(1, rows=8), model, copier=_HostCopier()) as feeder:
+            (batch,) = list(feeder)
+        fake.log.clear()
+        feed(model, batch)
+        np.testing.assert_array_equal(workspace.FetchBlob("gpu_3/x"), np.zeros((2, 2)))
+    waits = [entry for entry in fake.log if entry[0] == "wait"]
+    assert [stream for _, stream, _ in waits] == ["default@cuda:0"] * 4
+    assert [event for _, _, event in waits] == [str(event) for event in batch.ready]
+
+
 @pytest.mark.cuda
 def test_a_loader_of_cuda_tensors_feeds_them_as_they_are():
     model = _relu_model(devices=(0,), gpu=True)
