@@ -73,12 +73,13 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(xent, "loss", scale=loss_scale)]
 
 
-def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
+def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool | None = None,
           rendezvous: dict | None = None, compute_dtype: str | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
-    updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
+    updates anything (RunNet raises, naming the loss); None: Parallelize's default (on for CPU
+    replicas; off on CUDA, where it costs a host read per device and step and rules out CUDA graphs). `compute_dtype="bfloat16"` trains and tests in
     mixed precision (docs/precision.md)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
@@ -124,8 +125,12 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
                         help="at the end, draw loss and test accuracy per epoch into training.png beside "
                              "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init, the split and the batch order")
-    parser.add_argument("--no-finite-check", action="store_true",
-                        help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
+    finite = parser.add_mutually_exclusive_group()
+    finite.add_argument("--finite-check", dest="finite_check", action="store_const", const=True, default=None,
+                        help="stop a step whose loss is NaN or inf (the default on CPU devices; on CUDA devices "
+                             "it costs a host sync per device and step)")
+    finite.add_argument("--no-finite-check", dest="finite_check", action="store_const", const=False,
+                        help="do not stop a step whose loss is NaN or inf (saves a host read per device and step)")
     parser.add_argument("--verbose", action="store_true",
                         help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=int, default=1,
@@ -308,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous(), args.dtype)
+                        args.finite_check, launch.rendezvous(), args.dtype)
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,

@@ -287,3 +287,22 @@ def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_pat
     assert train.main([*EPOCH_1, "--checkpoint", str(path), "--overwrite"]) == 130
     assert "interrupted at iteration 4; no epoch finished, so nothing was saved" in capsys.readouterr().err
     assert not path.exists() and not (tmp_path / "metrics.json").exists()
+
+
+# ---- the finite-loss check follows Parallelize's device-dependent default ---------------------------
+
+def test_the_finite_loss_check_is_parallelizes_default_unless_asked(tmp_path):
+    """On CUDA replicas the check is a host read per device and step and rules out CUDA graphs: off
+    unless --finite-check; on CPU replicas on unless --no-finite-check."""
+    from graphpar import workspace
+    from graphpar.devices import cuda_on_cpu
+
+    def checks(argv: list[str], cpu: bool) -> bool:
+        args = train.parse_args([*argv, "--checkpoint", str(tmp_path / "c")])
+        workspace.ResetWorkspace()
+        with cuda_on_cpu():
+            model, _ = train.build([0, 1], cpu, 0.05, 100, args.finite_check)
+        return any(op.type == "CheckFinite" for op in model.net.Proto().ops)
+
+    assert [checks([], cpu=False), checks(["--finite-check"], cpu=False)] == [False, True]
+    assert [checks([], cpu=True), checks(["--no-finite-check"], cpu=True)] == [True, False]
