@@ -4,7 +4,9 @@ The blocks of one file run in order, in one fresh interpreter (so an op a block 
 workspace it fills, cannot leak into other tests), sharing one namespace, in a temporary directory.
 A block whose first line is `# needs: N processes` runs on its own, as a script, under
 `python -m graphpar.launch --nproc-per-node N`; `# needs: a GPU` runs on its own when CUDA is
-available; any other `# needs: ...` is skipped with that reason.
+available; `# needs: package yacs` (or several, comma-separated: `package a, b`) runs on its own where
+those optional packages are installed and is skipped, naming them, elsewhere; any other
+`# needs: ...` is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 NEEDS = re.compile(r"#\s*needs:\s*(?P<what>.+?)\s*$")
 PROCESSES = re.compile(r"(?P<n>\d+) processes")
+PACKAGES = re.compile(r"package (?P<modules>[\w.]+(?:, *[\w.]+)*)")
 TIMEOUT = 600
 
 
@@ -112,8 +115,32 @@ def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
              tmp_path, f"{first.where} under the launcher")
     elif first.needs == "a GPU" and _cuda():
         _run([sys.executable, str(script)], tmp_path, first.where)
+    elif PACKAGES.fullmatch(first.needs):
+        missing = missing_packages(first)
+        if missing:
+            pytest.skip(f"{first.where} needs {', '.join(missing)} (not installed)")
+        _run([sys.executable, str(script)], tmp_path, first.where)
     else:
         pytest.skip(f"{first.where} needs {first.needs}")
+
+
+def missing_packages(block: Block) -> list[str]:
+    """The optional packages a `# needs: package ...` block names that are not installed."""
+    from tests.optional import installed
+
+    named = PACKAGES.fullmatch(block.needs or "")
+    return [m.strip() for m in named.group("modules").split(",") if not installed(m.strip())] if named else []
+
+
+def test_a_block_that_needs_a_package_runs_where_it_is_installed(tmp_path: Path) -> None:
+    doc = tmp_path / "pkg.md"
+    doc.write_text("```python\n# needs: package json, email.mime\nimport json\nprint(json.dumps(1))\n```\n"
+                   "```python\n# needs: package json, no_such_package_here\nraise SystemExit(1)\n```\n")
+    runs, absent = blocks(doc)
+    assert missing_packages(runs) == [] and missing_packages(absent) == ["no_such_package_here"]
+    run_blocks([runs], tmp_path)
+    with pytest.raises(pytest.skip.Exception, match="pkg.md:6 needs no_such_package_here"):
+        run_blocks([absent], tmp_path)
 
 
 def test_the_extractor_reads_indented_blocks_and_needs(tmp_path: Path) -> None:

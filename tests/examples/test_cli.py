@@ -16,6 +16,7 @@ import pytest
 
 from graphpar import checkpoint
 from graphpar.examples import cli, dlrm, resnet50_trainer, train
+from tests.optional import DIGITS
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH_1 = ["--devices", "2", "--epochs", "1"]
@@ -74,6 +75,7 @@ def _check_one_clean_stop(code: int, err: str, where: str) -> None:
     assert len(lines) == 1, f"{where}: {lines}"
 
 
+@DIGITS
 @pytest.mark.slow
 @pytest.mark.parametrize("where, trigger, delay", POINTS, ids=[p[0] for p in POINTS])
 def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path, where, trigger, delay):
@@ -100,6 +102,7 @@ def test_ctrl_c_inside_an_exec_of_source_still_ends_with_130(tmp_path):
     _check_one_clean_stop(done.returncode, done.stderr, "exec")
 
 
+@DIGITS
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [
     [*TRAIN, "--num-processes", "2", "--devices", "1"],
@@ -126,6 +129,7 @@ def _refused(argv: list[str], capsys) -> str:
     return err
 
 
+@DIGITS
 @pytest.mark.slow
 def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -138,6 +142,7 @@ def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path, capsys):
     assert len((tmp_path / "metrics.json").read_text().splitlines()) == 1
 
 
+@DIGITS
 @pytest.mark.slow
 def test_resuming_with_another_batch_size_is_refused(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -157,6 +162,7 @@ def test_plot_without_matplotlib_is_refused_at_start(tmp_path, capsys, monkeypat
 # ---- errors at run time: one line, the traceback with --verbose --------------------------------------
 
 
+@DIGITS
 @pytest.mark.slow
 def test_a_runtime_error_is_one_line_and_verbose_shows_the_traceback(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -184,6 +190,7 @@ def test_one_line_of_an_error_here_and_in_another_process():
     assert cli.one_line(KeyError("x")) == "KeyError: 'x'"
 
 
+@DIGITS
 @pytest.mark.slow
 def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
     for more in ([], ["--num-processes", "2"]):
@@ -242,6 +249,7 @@ def test_log_lines_have_the_time_and_the_rank_and_other_ranks_only_warn(capsys):
     cli.setup_logger()
 
 
+@DIGITS
 @pytest.mark.slow
 def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
     _fresh(tmp_path)
@@ -270,6 +278,7 @@ def test_launch_stops_a_process_that_ignores_the_interrupt_once_a_peer_has_stopp
     assert stops.returncode != 0 and stuck.returncode == -signal.SIGKILL
 
 
+@DIGITS
 @pytest.mark.slow
 def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
     from graphpar import data_parallel_model as dpm

@@ -9,8 +9,9 @@ import torch
 
 from graphpar import workspace
 from graphpar.examples import train
+from tests.optional import DIGITS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, DIGITS]
 
 
 def _run(tmp_path, capsys, *argv: str) -> float:
