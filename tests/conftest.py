@@ -1,9 +1,11 @@
-"""Shared test settings: a deterministic hypothesis profile and fresh workspaces."""
+"""Shared test settings: a deterministic hypothesis profile, fresh workspaces, and each test in its own
+empty directory."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,6 +30,13 @@ def fresh_workspace() -> None:
     workspace.reset_all(seed=0)
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own empty temporary directory: no test reads or writes the directory pytest
+    started in (the project root, where the main job leaves its checkpoint, say)."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,8 @@
 
 The blocks of one file run in order, in one fresh interpreter (so an op a block registers, or the
 workspace it fills, cannot leak into other tests), sharing one namespace, in a temporary directory.
+A block whose first line starts with `# In a fresh process` starts a new interpreter (in the same
+directory, so it sees the files earlier blocks wrote, not their namespace or workspace).
 A block whose first line is `# needs: N processes` runs on its own, as a script, under
 `python -m graphpar.launch --nproc-per-node N`; `# needs: a GPU` runs on its own when CUDA is
 available; `# needs: package yacs` (or several, comma-separated: `package a, b`) runs on its own where
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 NEEDS = re.compile(r"#\s*needs:\s*(?P<what>.+?)\s*$")
+FRESH = re.compile(r"#\s*in a fresh process\b", re.I)
 PROCESSES = re.compile(r"(?P<n>\d+) processes")
 PACKAGES = re.compile(r"package (?P<modules>[\w.]+(?:, *[\w.]+)*)")
 TIMEOUT = 600
@@ -36,6 +39,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     code: str
     needs: str | None  # what the block's first line says it needs
+    fresh: bool = False  # its first line says it runs in a fresh process
 
     @property
     def doc(self) -> str:
@@ -55,7 +59,7 @@ def blocks(path: Path) -> list[Block]:
         first = code.lstrip().splitlines()[0] if code.strip() else ""
         needs = NEEDS.fullmatch(first.strip())
         found.append(Block(path, text.count("\n", 0, match.start()) + 1, code,
-                           needs.group("what") if needs else None))
+                           needs.group("what") if needs else None, FRESH.match(first.strip()) is not None))
     return found
 
 
@@ -100,13 +104,24 @@ def test_python_blocks_run(docs_blocks: list[Block], tmp_path: Path) -> None:
     run_blocks(docs_blocks, tmp_path)
 
 
+def _processes(plain: list[Block]) -> list[list[Block]]:
+    """The plain blocks grouped by interpreter: a `# In a fresh process` block starts a new group."""
+    groups: list[list[Block]] = []
+    for block in plain:
+        if block.fresh or not groups:
+            groups.append([])
+        groups[-1].append(block)
+    return groups
+
+
 def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
     """Run one file's plain blocks together, or one `# needs:` block (see the module docstring)."""
     first = docs_blocks[0]
     script = tmp_path / "blocks.py"
     if first.needs is None:
-        script.write_text(_script(docs_blocks))
-        _run([sys.executable, str(script)], tmp_path, first.doc)
+        for group in _processes(docs_blocks):
+            script.write_text(_script(group))
+            _run([sys.executable, str(script)], tmp_path, f"{first.doc} (from line {group[0].line})")
         return
     script.write_text(first.code)
     processes = PROCESSES.fullmatch(first.needs)
@@ -146,10 +161,23 @@ def test_a_block_that_needs_a_package_runs_where_it_is_installed(tmp_path: Path)
 def test_the_extractor_reads_indented_blocks_and_needs(tmp_path: Path) -> None:
     doc = tmp_path / "x.md"
     doc.write_text("text\n```python\nx = 1\n```\n- item:\n\n  ```python\n  # needs: 2 processes\n  y = 2\n  ```\n"
-                   "```\nnot python\n```\n")
+                   "```\nnot python\n```\n```python\n# In a fresh process: z\nz = 3\n```\n")
     found = blocks(doc)
-    assert [(b.line, b.code, b.needs) for b in found] == [
-        (2, "x = 1\n", None), (7, "# needs: 2 processes\ny = 2\n", "2 processes")]
+    assert [(b.line, b.code, b.needs, b.fresh) for b in found] == [
+        (2, "x = 1\n", None, False), (7, "# needs: 2 processes\ny = 2\n", "2 processes", False),
+        (14, "# In a fresh process: z\nz = 3\n", None, True)]
+
+
+def test_a_fresh_process_block_sees_the_files_not_the_namespace(tmp_path: Path) -> None:
+    doc = tmp_path / "fresh.md"
+    doc.write_text("```python\nimport os\nvalue = os.getpid()\nopen('pid', 'w').write(str(value))\n```\n"
+                   "```python\n# In a fresh process\nimport os\nassert 'value' not in globals()\n"
+                   "assert open('pid').read() != str(os.getpid())\n```\n")
+    run_blocks(blocks(doc), tmp_path)
+    (tmp_path / "pid").write_text(str(os.getpid()))
+    doc.write_text(doc.read_text().replace("# In a fresh process\n", ""))
+    with pytest.raises(AssertionError, match="'value' not in globals"):
+        run_blocks(blocks(doc), tmp_path)
 
 
 def test_a_failing_block_fails_the_test(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def test_the_bucket_default_section_runs(capsys) -> None:
     blocks = _blocks("multihost.md", "## DDP's bucket default")
     assert len(blocks) == 1
     exec(compile(blocks[0], "docs/multihost.md", "exec"), {})
-    assert capsys.readouterr().out.split() == ["1500", "2"]
+    assert capsys.readouterr().out.split() == ["1500", "4"]
 
 
 @pytest.mark.slow

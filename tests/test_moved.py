@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import pkgutil
 import runpy
 import sys
 
@@ -60,8 +61,43 @@ def test_python_dash_m_runs_a_moved_module(monkeypatch):
 
 
 def test_no_moved_module_leaves_a_file_at_its_old_path():
-    """The finder answers for old names first, so a file left there would never be imported."""
+    """The finder answers for old names first, so a module left there would never be imported."""
     root = pathlib.Path(_moved.__file__).parent.parent
-    left = [old for old in _moved.MOVED
-            if root.joinpath(*old.split(".")).with_suffix(".py").exists() or root.joinpath(*old.split(".")).is_dir()]
+    left = [old for old in _moved.MOVED if root.joinpath(*old.split(".")).with_suffix(".py").exists()
+            or root.joinpath(*old.split("."), "__init__.py").exists()]
     assert left == []
+
+
+def _stub(old: str, new: str) -> str:
+    lines = [f'"""`{old}` for static tools: the old path of `{new}` (graphpar/_moved.py)."""', "",
+             f"from {new} import *  # noqa: F403"]
+    if "__getattr__" in vars(importlib.import_module(new)):  # names the module makes on first use
+        lines.append(f"from {new} import __getattr__ as __getattr__")
+    return "\n".join(lines) + "\n"
+
+
+def _old_paths() -> dict[str, str]:
+    """Every old module name (a moved package's submodules too) -> its new name."""
+    paths = {}
+    for old, new in _moved.MOVED.items():
+        paths[old] = new
+        module = importlib.import_module(new)
+        for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+            paths[f"{old}.{info.name}"] = f"{new}.{info.name}"
+    return paths
+
+
+def test_every_old_path_has_a_stub_that_static_tools_resolve():
+    """mypy, pyright and IDEs do not run the finder: a stub at each old path re-exports the new module
+    (its public names, and its module `__getattr__`), so `from graphpar.workspace import FeedBlob` type-checks."""
+    root = pathlib.Path(_moved.__file__).parent.parent
+    wrong = {}
+    for old, new in _old_paths().items():
+        path = root.joinpath(*old.split("."))
+        is_package = hasattr(importlib.import_module(new), "__path__")
+        stub = path / "__init__.pyi" if is_package else path.with_suffix(".pyi")
+        expected = _stub(old, new)
+        if not stub.exists() or stub.read_text() != expected:
+            wrong[str(stub.relative_to(root))] = expected
+    assert wrong == {}, "write these stubs:\n" + "\n".join(f"{k}:\n{v}" for k, v in wrong.items())
+    assert (root / "graphpar" / "py.typed").exists()  # PEP 561: installed graphpar's hints and stubs are read

@@ -40,7 +40,9 @@ unwanted ones) or a later live gradient op reads it; a gradient op with no live 
 live op's dead last output is dropped when its schema has Caffe2's `no_gradient_to_input` argument
 (FCGradient, ConvGradient: that output is dX, which the kernel then skips). So only gradients that
 flow solely into unwanted blobs disappear; an intermediate's gradient (Caffe2's tests read
-`tanh_grad`) is kept.
+`tanh_grad`) is kept. An op without a gradient maker (or not differentiable) that reads only values
+computed from unwanted blobs and constants (a `brew.cond` preprocessing the data) stops the gradient
+where it would otherwise raise: nothing it could pass on is wanted.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from typing import Any
 
 from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, OperatorDef, same_device
 from graphpar.core.naming import autosplit_grad_name, grad_name
-from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema
+from graphpar.core.schema import NO_GRADIENT, NOT_DIFFERENTIABLE, check_operator, get_schema, stops_gradient
 from graphpar.errors import GradientError
 
 Gradient = str | GradientSlice | None
@@ -95,7 +97,7 @@ def backward_pass(forward_ops: Sequence[OperatorDef], ys: Sequence[str] | dict[s
             naming the forward op).
     """
     unwanted = _blob_names(no_gradient_to)
-    backward = _BackwardPass(list(forward_ops))
+    backward = _BackwardPass(list(forward_ops), _fed_only(forward_ops, unwanted))
     grad_ops = backward.seed(ys)
     for index in reversed(range(len(backward.ops))):
         grad_ops += backward.differentiate(index)
@@ -105,6 +107,25 @@ def backward_pass(forward_ops: Sequence[OperatorDef], ys: Sequence[str] | dict[s
         return grad_ops, grad_map
     grad_map = {blob: g for blob, g in grad_map.items() if blob not in unwanted}
     return eliminate_dead_gradients(grad_ops, [part for g in grad_map.values() for part in _parts(g)]), grad_map
+
+
+def _fed_only(ops: Sequence[OperatorDef], unwanted: set[str]) -> frozenset[int]:
+    """The ops all of whose inputs hold values computed from unwanted blobs (data, labels) and constants
+    alone: no gradient they could pass on is wanted, so one without a gradient maker (an `If` choosing
+    how to preprocess the data) stops the gradient instead of raising."""
+    if not unwanted:
+        return frozenset()
+    derived: set[str] = set()  # blobs whose current value comes from unwanted blobs alone
+    written: set[str] = set()
+    found = []
+    for index, op in enumerate(ops):
+        fed = all(b in derived if b in written else b in unwanted for b in op.inputs)  # a fill: a constant
+        if fed:
+            found.append(index)
+        for blob in op.outputs:
+            written.add(blob)
+            (derived.add if fed else derived.discard)(blob)
+    return frozenset(found)
 
 
 def eliminate_dead_gradients(grad_ops: Sequence[OperatorDef], wanted: Iterable[str]) -> list[OperatorDef]:
@@ -203,11 +224,12 @@ class _Generator:
 class _BackwardPass:
     """The SSA replay of the forward ops and the state of the reverse walk over them."""
 
-    def __init__(self, ops: list[OperatorDef]) -> None:
+    def __init__(self, ops: list[OperatorDef], fed_only: frozenset[int] = frozenset()) -> None:
         for i, op in enumerate(ops):
             if not isinstance(op, OperatorDef):
                 raise TypeError(f"forward op #{i} must be an OperatorDef, got {type(op).__name__}")
         self.ops = ops
+        self.fed_only = fed_only  # ops reading only values computed from unwanted blobs (`_fed_only`)
         self.ssa: list[tuple[dict[str, int], dict[str, int]]] = []  # (input versions, output versions)
         self.frontier: dict[str, int] = {}  # blob -> its final forward version
         self.writer_of: dict[tuple[str, int], int] = {}  # (blob, version) -> the op that wrote it
@@ -239,7 +261,7 @@ class _BackwardPass:
     def _check_stop_gradients(self) -> None:
         read = {blob for op in self.ops for blob in op.inputs}
         for index, op in enumerate(self.ops):
-            if op.type == "StopGradient" and op.outputs and op.outputs[0] not in read:
+            if stops_gradient(op) and op.outputs and op.outputs[0] not in read:
                 raise GradientError(
                     f"{self._describe(index)}: its output {op.outputs[0]!r} is never read, so it stops "
                     f"no gradient. Run it in place (StopGradient({op.inputs[0]!r}, {op.inputs[0]!r})) or "
@@ -383,6 +405,8 @@ class _BackwardPass:
         maker = get_schema(op.type).gradient
         if maker is not None and maker is not NOT_DIFFERENTIABLE:
             return maker
+        if index in self.fed_only:
+            return NO_GRADIENT
         o = next(k for k, g in enumerate(grad_outputs) if g is not None)
         why = "must not be differentiated" if maker is NOT_DIFFERENTIABLE else "has no gradient maker"
         raise GradientError(

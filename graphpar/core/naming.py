@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from graphpar.core.ir import GradientSlice
 
 SCOPE_SEPARATOR = "/"
@@ -79,6 +81,35 @@ def parse_device_scope(blob: str) -> tuple[str, int] | None:
     if prefix not in ("gpu", "cpu") or not index.isdigit():
         return None
     return prefix, int(index)
+
+
+def first_replica_blobs(names: Iterable[str], available: Iterable[str]) -> dict[str, str]:
+    """{name: its first replica's blob} for each name of `names` outside any replica scope that `available`
+    lacks but a replica holds: 'fc_w' -> 'cpu_0/fc_w' (the lowest device id). That is the blob
+    `data_parallel_model.ExtractPredictorNet` names 'fc_w' in its predictor, so a checkpoint can save and
+    load a predictor's params by the predictor's names. Names no replica holds are left out.
+
+    Raises:
+        ValueError: both CPU and GPU replicas hold a name (which one is meant is unclear).
+    """
+    present = set(available)
+    wanted = {n for n in names if n not in present and parse_device_scope(n) is None}
+    if not wanted:
+        return {}
+    holders: dict[str, list[tuple[str, int, str]]] = {}
+    for blob in present:
+        scope = parse_device_scope(blob)
+        if scope is not None and (base := blob.split(SCOPE_SEPARATOR, 1)[1]) in wanted:
+            holders.setdefault(base, []).append((*scope, blob))
+    found = {}
+    for name, replicas in holders.items():
+        prefixes = sorted({prefix for prefix, _, _ in replicas})
+        if len(prefixes) > 1:
+            raise ValueError(f"blob {name!r} is held by replicas of several device types "
+                             f"({', '.join(p + '_*' for p in prefixes)}): name the one meant, e.g. "
+                             f"{min(replicas)[2]!r}")
+        found[name] = min(replicas)[2]
+    return found
 
 
 def stripBlobName(blob: str | GradientSlice) -> str:  # noqa: N802 - Caffe2 name

@@ -81,9 +81,19 @@ REQUIRED = _Marker("REQUIRED")
 NO_GRADIENT = _Marker("NO_GRADIENT")  # gradients stop here: the op's inputs get none (fills, StopGradient)
 NOT_DIFFERENTIABLE = _Marker("NOT_DIFFERENTIABLE")  # raise if a gradient reaches the op (Caffe2 SHOULD_NOT_DO)
 
-# Arguments Caffe2 code passes freely that graphpar accepts and ignores on ops that do not declare them.
-IGNORED_ARGS = frozenset({"order", "use_cudnn", "cudnn_exhaustive_search", "exhaustive_search",
-                          "ws_nbytes_limit", "float16_compute", "random_seed"})
+# The arguments Caffe2 accepted on any op and ignored (its ops read only the arguments they knew), which
+# Caffe2 code and tutorials pass freely: graphpar accepts and ignores them on ops that do not declare them
+# (an op that declares one reads it). Each changes no result: it picks a kernel or a buffer, or its
+# behaviour is Caffe2's default here. docs/caffe2_migration.md lists them; any other unknown argument is
+# an error.
+IGNORED_ARGS = frozenset({
+    "order",  # on ops without a layout (Caffe2's brew passes the model's arg_scope everywhere)
+    "use_cudnn", "cudnn_exhaustive_search", "exhaustive_search", "ws_nbytes_limit", "enable_tensor_core",
+    "deterministic", "cudnn_state", "shared_buffer",  # cuDNN algorithm search and workspace, shared buffers
+    "float16_compute",  # fp16 math in Caffe2's FP16 FC; graphpar's precision is Parallelize(compute_dtype=...)
+    "random_seed",  # an op-level seed; graphpar's seeds are the workspace's (SetSeed)
+    "run_once",  # fills: "fill only on the first run", dropped by Caffe2 long ago; tutorials pass run_once=0
+})
 
 ARG_KINDS = ("int", "float", "bool", "str", "ints", "floats", "strs", "net", "any")
 
@@ -111,6 +121,15 @@ class Trait(str, Enum):
     # shapes or values depend on data, not on input specs (such ops declare an `infer` rule). Copies
     # between devices are CROSS_DEVICE, not HOST_SYNC: they move data without Python reading it.
     HOST_SYNC = "host_sync"
+    # A spatial convolution of input 0 into output 0 (NCHW unless its `order` argument says "NHWC"): it gains
+    # from channels-last activations, and writes them from a channels-last input (`passes.channels_last`).
+    CONVOLUTION = "convolution"
+    # Normalises input 0 with statistics over the batch, in SpatialBN's form (X, scale, bias, running mean
+    # and variance -> Y, running mean and variance, saved mean, saved inverse std; the 8-input form takes the
+    # global sums Σx, Σx² and count) or, for a gradient op, SpatialBNGradient's (X, scale, dY, saved mean,
+    # saved inverse std -> dX, dscale, dbias; 8 inputs: the global sums and count): `passes.inter_device_bn`
+    # gives every replica's copy the statistics of the whole batch (`combine_spatial_bn`).
+    BATCH_NORM = "batch_norm"
 
 
 class Precision(str, Enum):
@@ -139,35 +158,13 @@ class PrecisionRule:
     dtype: str | None = None
 
 
-_LOW, _FP32, _FOLLOW = PrecisionRule(Precision.LOW), PrecisionRule(Precision.FP32), PrecisionRule(Precision.FOLLOW)
-_FIRST_ONLY = PrecisionRule(Precision.FOLLOW, inputs=(0,), outputs=(0,))
-
-# The mixed-precision rule of each built-in op type, next to its traits; `register_op(precision=...)`
-# declares (or overrides) one per op. An op in neither runs in fp32 (the safe default: its low inputs are
-# cast up). As torch.autocast's lists: matrix work low; softmax, losses, normalisation statistics,
-# reductions, exp/log and every update fp32; element-wise and layout ops in their inputs' dtype.
-PRECISION_TABLE: dict[str, PrecisionRule] = {
-    **dict.fromkeys(("Conv", "FC"), _LOW),
-    **dict.fromkeys(("Relu", "LeakyRelu", "Tanh", "Sigmoid", "Abs", "Negative", "Scale", "Clip", "Sum", "Add",
-                     "Sub", "Mul", "Div", "Max", "AveragePool", "Flatten", "FlattenToVec",
-                     "Split", "Transpose", "NHWC2NCHW", "NCHW2NHWC", "Alias", "StopGradient", "Copy",
-                     "CopyCPUToGPU", "CopyGPUToCPU", "ResizeLike"), _FOLLOW),
-    **dict.fromkeys(("Concat", "Dropout", "MaxPool"), PrecisionRule(Precision.FOLLOW, outputs=(0,))),
-    "Reshape": _FIRST_ONLY,
-    "Gather": PrecisionRule(Precision.FOLLOW, inputs=(0,)),
-    # batch norm: X and Y in X's dtype; scale, bias, running and saved statistics fp32 (torch's
-    # batch-norm kernels accumulate in fp32 and take fp32 statistics with low X)
-    "SpatialBN": _FIRST_ONLY,
-    "Cast": PrecisionRule(Precision.CONVERT),
-    "FloatToHalf": PrecisionRule(Precision.CONVERT, dtype="float16"),
-    "HalfToFloat": PrecisionRule(Precision.CONVERT, dtype="float32"),
-}
+_FP32 = PrecisionRule(Precision.FP32)
 
 
 def precision_rule(type_: str) -> PrecisionRule:
-    """The mixed-precision rule of an op type: its own declaration, else the table's, else FP32."""
-    schema = get_schema(type_)
-    return schema.precision or PRECISION_TABLE.get(type_, _FP32)
+    """The mixed-precision rule an op type declares at registration (`register_op(precision=...)`), else
+    FP32: the safe default, whose low inputs are cast up."""
+    return get_schema(type_).precision or _FP32
 
 
 @dataclass(frozen=True)
@@ -255,6 +252,18 @@ class MultiTensor(NamedTuple):
     updated: tuple[int, ...]
 
 
+class PredictAs(NamedTuple):
+    """What a prediction net runs instead of an op whose outputs `unused` nothing reads (a loss whose loss
+    nobody reads becomes the prediction it computes): op `type` on this op's inputs `inputs`, writing its
+    outputs `outputs`, with its arguments named in `args` (those the op has). `passes.predictor` reads it."""
+
+    unused: tuple[int, ...]
+    type: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    args: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Effects:
     """What an op type does to its inputs beyond computing outputs, for passes (see the module docstring).
@@ -303,8 +312,9 @@ class OpSchema:
     infer: InferRule | None = None  # None: run the kernel on meta tensors (see the module docstring)
     check: InputCheck | None = None  # what the inputs must satisfy; kernel and infer already run it
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
-    precision: PrecisionRule | None = None  # mixed precision (None: PRECISION_TABLE's rule or FP32)
+    precision: PrecisionRule | None = None  # mixed precision (None: FP32)
     effects: Effects = NO_EFFECTS  # what passes must know of its inputs' tensors (see `Effects`)
+    predict_as: PredictAs | None = None  # the op a prediction net runs instead, when some outputs are unused
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
         """The (input, output) pairs that must name the same blob, for an op with these counts."""
@@ -361,8 +371,9 @@ def register_op(
     infer: InferRule | None = None,
     check: InputCheck | None = None,
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
-    precision: PrecisionRule | None = None,
+    precision: PrecisionRule | Precision | None = None,
     effects: Effects = NO_EFFECTS,
+    predict_as: PredictAs | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
 
@@ -378,8 +389,10 @@ def register_op(
     registered kernel and shape rule run it first, so it holds at CreateNet and on every run.
     `reuse=(input, kernel)` adds a kernel that may overwrite that input (see `InputReuse`); it is used
     only where a net writes the op in place on that input (so the op must allow that).
-    `precision` is the op's mixed-precision rule (`PrecisionRule`; default `PRECISION_TABLE`'s or FP32).
+    `precision` is the op's mixed-precision rule (a `PrecisionRule`, or a `Precision` for the rule over
+    all inputs and outputs; default FP32), read by `passes.precision` and `passes.channels_last`.
     `effects` declares aliasing, equal values, rebound inputs and fusion for passes (see `Effects`).
+    `predict_as` is the op a prediction net runs instead when some outputs are unused (see `PredictAs`).
     """
     if type_ in _REGISTRY:
         raise ValueError(f"operator {type_!r} is already registered")
@@ -395,7 +408,8 @@ def register_op(
         gradient=gradient, doc=doc, inplace=lambda i, o: enforce(i, o) or allowed(i, o),
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
-        reuse=reuse and InputReuse(*reuse), precision=precision, effects=effects)
+        reuse=reuse and InputReuse(*reuse), effects=effects, predict_as=predict_as,
+        precision=PrecisionRule(precision) if isinstance(precision, Precision) else precision)
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:
@@ -533,6 +547,15 @@ def crosses_devices(op: OperatorDef) -> bool:
         schema = _REGISTRY[op.type]
     rule = schema.effects.cross_device
     return Trait.CROSS_DEVICE in schema.traits or (rule is not None and rule(op))
+
+
+def stops_gradient(op: OperatorDef) -> bool:
+    """Whether `op` is a gradient stop: output 0 is input 0's value and no gradient flows back through
+    it (its registration: `gradient=NO_GRADIENT` and `Effects(same_value={(0, 0)})`, as StopGradient)."""
+    if not is_registered(op.type):
+        return False
+    schema = _REGISTRY[op.type]
+    return schema.gradient is NO_GRADIENT and (0, 0) in schema.effects.same_value
 
 
 def _coerce(kind: str, value: Any) -> Any:

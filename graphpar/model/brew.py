@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from graphpar.core.ir import CPU, BlobReference, DeviceOption
-from graphpar.core.scope import DeviceScope
+from graphpar.core.scope import DeviceScope, ScopedName
 from graphpar.errors import DuplicateHelperError
 from graphpar.model.model_helper import Initializer, ModelHelper, ParameterTags
 
@@ -413,12 +413,13 @@ def add_weight_decay(model: ModelHelper, weight_decay: float) -> Any:
 
 def _net_blobs(models: Sequence[ModelHelper], scope: Sequence[str], where: str) -> tuple[list[str], list[str]]:
     """(blobs the models' nets read before writing them, blobs they write that are in `scope`), in first-use
-    order, as Caffe2's control_ops_util.get_external_blob_names.
+    order, as Caffe2's control_ops_util.get_external_blob_names. A str of `scope` names a blob as given
+    or inside the current NameScope (the nets' ops were recorded in it), a BlobReference as it is.
 
     Raises:
         ValueError: a net reads a blob that is neither written before by it nor in `scope`.
     """
-    lexical, reads, writes = {str(b) for b in scope}, [], []
+    lexical, reads, writes = {str(b) for b in scope} | {_absolute(b) for b in scope}, [], []
     for model in models:
         defined: set[str] = set()
         for op in model.net.Proto().ops:
@@ -432,6 +433,20 @@ def _net_blobs(models: Sequence[ModelHelper], scope: Sequence[str], where: str) 
     return reads, writes
 
 
+def _absolute(blob: str) -> str:
+    """A blob's name as an op records it: a BlobReference as it is, a str inside the current NameScope."""
+    return str(blob) if isinstance(blob, BlobReference) else ScopedName(blob)
+
+
+def _control_op(model: ModelHelper, op_type: str, cond_blob: str, reads: list[str], writes: list[str],
+                nets: dict[str, Any]) -> list[BlobReference]:
+    """Record `op_type` with [cond_blob, *reads] -> writes, names taken as they are (already scoped: a
+    replica's nets read `gpu_0/data`, which must not become `gpu_0/gpu_0/data`)."""
+    inputs = [BlobReference(name) for name in dict.fromkeys([cond_blob, *reads])]
+    outputs = getattr(model.net, op_type)(inputs, [BlobReference(name) for name in writes], **nets)
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
 @Register
 def cond(model: ModelHelper, cond_blob: str, external_blobs: Sequence[str], then_model: ModelHelper,
          else_model: ModelHelper | None = None) -> list[BlobReference]:
@@ -439,14 +454,15 @@ def cond(model: ModelHelper, cond_blob: str, external_blobs: Sequence[str], then
     else_model's (if given). `external_blobs`: the blobs of the enclosing net the branches may read or
     write; what they read becomes the op's inputs, what they write of them its outputs (without an
     else branch the outputs are read too, so they keep their values when the condition is false).
-    Returns the outputs."""
+    Names are taken as ops take them: a str inside the current NameScope (so it works in a Parallelize
+    builder, where the branches' blobs are `gpu_<id>/...`), a BlobReference as it is. Returns the
+    outputs."""
     models = [then_model] if else_model is None else [then_model, else_model]
     reads, writes = _net_blobs(models, external_blobs, f"brew.cond({cond_blob!r})")
     if else_model is None:
         reads += [b for b in writes if b not in reads]
     nets = {"then_net": then_model.net.Proto(), **({} if else_model is None else {"else_net": else_model.net.Proto()})}
-    outputs = model.net.If([str(cond_blob), *[b for b in reads if b != str(cond_blob)]], writes, **nets)
-    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    return _control_op(model, "If", _absolute(cond_blob), reads, writes, nets)
 
 
 @Register
@@ -459,5 +475,4 @@ def loop(model: ModelHelper, cond_blob: str, external_blobs: Sequence[str], loop
     reads, writes = _net_blobs(models, external_blobs, f"brew.loop({cond_blob!r})")
     reads += [b for b in writes if b not in reads]
     nets = {"loop_net": loop_model.net.Proto(), **({} if cond_model is None else {"cond_net": cond_model.net.Proto()})}
-    outputs = model.net.While([str(cond_blob), *[b for b in reads if b != str(cond_blob)]], writes, **nets)
-    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    return _control_op(model, "While", _absolute(cond_blob), reads, writes, nets)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
-from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, gradient_op, register_op
+from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, KernelContext, PredictAs, gradient_op, register_op
 from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import flatten_2d
@@ -139,6 +139,7 @@ register_op(
     args={"scale": 1.0, "label_prob": False, "axis": 1, "only_loss": False},
     kernel=_softmax_with_loss,
     gradient=_softmax_with_loss_gradient,
+    predict_as=PredictAs(unused=(1,), type="Softmax", inputs=(0,), outputs=(0,), args=("axis",)),  # P without the loss
     doc="SoftmaxWithLoss(logits, labels[, weights]) -> P (softmax of logits viewed as [N, D] at `axis`, "
     "logits' shape), loss (0-d) = scale·Σ w_i·(-log P[i, label_i]) / Σw, with Σw = N without "
     "weights. Labels are int [N], or probabilities [N, D] with label_prob=1. Computed with "

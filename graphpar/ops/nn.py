@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.core.ir import OperatorDef
-from graphpar.core.schema import GI, KernelContext, Trait, gradient_op, register_op
+from graphpar.core.schema import GI, KernelContext, Precision, PrecisionRule, Trait, gradient_op, register_op
 from graphpar.ops.common import elementwise_grad, one_input_gradient, op_label, register_gradient, shaped
 
 aten = torch.ops.aten
@@ -140,6 +140,7 @@ register_op(
     outputs=1,
     args={"axis": 1, "axis_w": 1},
     kernel=_fc,
+    precision=Precision.LOW,
     gradient=lambda op, g: (
         [gradient_op("FCGradient", [op.inputs[0], op.inputs[1], g[0]], [GI(op, 1), GI(op, 2), GI(op, 0)])],
         [GI(op, 0), GI(op, 1), GI(op, 2)],
@@ -324,6 +325,8 @@ register_op(
     args={**_SPATIAL_ARGS, **_DILATION_ARGS, "group": 1},
     kernel=nhwc_capable(_conv),
     gradient=_conv_gradient,
+    traits=(Trait.CONVOLUTION,),
+    precision=Precision.LOW,
     doc="2-D convolution, NCHW: X [N, C, H, W], filter [M, C/group, kh, kw], optional bias [M] -> Y. "
     "kernel (checked against the filter; inferred from it when absent), stride, pad (asymmetric "
     "pads allowed), dilation and group as in Caffe2; out = floor((in + pad_head + pad_tail - "
@@ -482,6 +485,7 @@ register_op(
     args=_POOL_ARGS,
     kernel=nhwc_capable(_max_pool),
     gradient=_max_pool_gradient,
+    precision=PrecisionRule(Precision.FOLLOW, outputs=(0,)),  # output 1: the arg-max indices
     doc="2-D max pooling, NCHW, with Conv's kernel/stride/pad arguments (pads must be smaller than the "
     "kernel; padded cells never win) or global_pooling over H x W. An optional second output records "
     "the arg-max indices (int64, PyTorch's, within each (padded) H x W plane), which MaxPoolGradient "
@@ -506,6 +510,7 @@ register_op(
     args=_POOL_ARGS,
     kernel=nhwc_capable(_average_pool),
     gradient=_pool_gradient("AveragePoolGradient"),
+    precision=Precision.FOLLOW,
     doc="2-D average pooling, NCHW, with Conv's kernel/stride/pad arguments or global_pooling; each "
     "window divides by its count of NON-padded elements (Caffe2 CPU, cuDNN EXCLUDE_PADDING).",
 )
@@ -555,7 +560,7 @@ def _activation(name: str, fn: Callable, fn_: Callable, backward: Callable, back
     changes the dtype, so `fn_` serves every input as it is."""
     reuse = (lambda a, ctx: fn_) if keeps_dtype else _in_place(fn, fn_)
     register_op(name, inplace={(0, 0)}, kernel=lambda a, ctx: fn, reuse=(0, reuse),
-                gradient=one_input_gradient(f"{name}Gradient", "Y"), doc=doc)
+                gradient=one_input_gradient(f"{name}Gradient", "Y"), precision=Precision.FOLLOW, doc=doc)
     elementwise_grad(f"{name}Gradient", name, backward, inplace={(1, 0)},
                      reuse=(1, lambda a, ctx: _into_dy(backward, backward_into_dy)), doc=grad_doc)
 
@@ -572,6 +577,7 @@ register_op(
     kernel=lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha),
     reuse=(0, lambda a, ctx: lambda x: F.leaky_relu(x, a.alpha, inplace=x.is_floating_point())),
     gradient=one_input_gradient("LeakyReluGradient", "Y"),
+    precision=Precision.FOLLOW,
     doc="Y = X where X > 0, else alpha·X (alpha = 0.01); may run in place.",
 )
 
@@ -667,6 +673,7 @@ register_op(
     kernel=_dropout,
     gradient=_dropout_gradient,
     traits=(Trait.RANDOM,),
+    precision=PrecisionRule(Precision.FOLLOW, outputs=(0,)),  # output 1: the bool mask
     doc="Training: mask ~ Bernoulli(1 - ratio) (bool, drawn on X's device from the op's random "
     "stream), Y = X·mask / (1 - ratio); outputs Y and mask. is_test=1: Y = X (a mask output, if any, "
     "is all true). May run in place.",

@@ -35,7 +35,17 @@ from torch._prims_common import suggest_memory_format
 
 from graphpar.core.capture import capturing
 from graphpar.core.ir import OperatorDef
-from graphpar.core.schema import GI, NOT_DIFFERENTIABLE, InputCheck, KernelContext, gradient_op, register_op
+from graphpar.core.schema import (
+    GI,
+    NOT_DIFFERENTIABLE,
+    InputCheck,
+    KernelContext,
+    Precision,
+    PrecisionRule,
+    Trait,
+    gradient_op,
+    register_op,
+)
 from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import nhwc_capable, require_nchw
@@ -245,6 +255,10 @@ register_op(
     kernel=nhwc_capable(_spatial_bn),
     gradient=_spatial_bn_gradient,
     check=_per_channel_inputs(1, 2, 3, 4, 5, 6),
+    traits=(Trait.BATCH_NORM,),
+    # X and Y in X's dtype; scale, bias, running and saved statistics fp32 (torch's batch-norm kernels
+    # accumulate in fp32 and take fp32 statistics with a low X)
+    precision=PrecisionRule(Precision.FOLLOW, inputs=(0,), outputs=(0,)),
     doc="Batch norm over NCHW channels. Training: X, scale, bias, running_mean, running_var[, sums, "
     "sumsq] -> Y, running_mean, running_var (in place), saved_mean, saved_inv_std; batch mean and "
     "biased variance normalise, running stats move by momentum (weight of the old value), the "
@@ -310,7 +324,7 @@ def _bn_grad_local(epsilon: float, x: torch.Tensor, scale: torch.Tensor, dy: tor
 
 register_gradient(
     "SpatialBNGradient", "SpatialBN", nhwc_capable(_spatial_bn_grad), inputs=(5, 8), outputs=3, inplace={(5, 1), (6, 2)},
-    check=_per_channel_inputs(1, 3, 4, 5, 6, like_x=(2,)),
+    check=_per_channel_inputs(1, 3, 4, 5, 6, like_x=(2,)), traits=(Trait.BATCH_NORM,),
     doc="SpatialBNGradient(X, scale, dY, saved_mean, saved_inv_std[, dscale, dbias[, count]]) -> dX, "
     "dscale, dbias. Without the extras: the usual batch-norm backward. With them (the GLOBAL dscale/dbias "
     "summed over num_batches devices, possibly in place on outputs 1, 2): dX uses the global sums "

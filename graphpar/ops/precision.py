@@ -20,15 +20,23 @@ from types import SimpleNamespace
 
 import torch
 
-from graphpar.core.schema import NOT_DIFFERENTIABLE, KernelContext, Trait, register_op, same_index
+from graphpar.core.schema import (
+    NOT_DIFFERENTIABLE,
+    KernelContext,
+    Precision,
+    PrecisionRule,
+    Trait,
+    register_op,
+    same_index,
+)
 from graphpar.errors import GradientOverflowError
 from graphpar.ops.common import one_input_gradient
 
 register_op("FloatToHalf", kernel=lambda _a, _ctx: lambda x: x.to(torch.float16),
-            gradient=one_input_gradient("HalfToFloat"),
+            gradient=one_input_gradient("HalfToFloat"), precision=PrecisionRule(Precision.CONVERT, dtype="float16"),
             doc="Y = X as float16 (Caffe2's name). Gradient: HalfToFloat(dY).")
 register_op("HalfToFloat", kernel=lambda _a, _ctx: lambda x: x.to(torch.float32),
-            gradient=one_input_gradient("FloatToHalf"),
+            gradient=one_input_gradient("FloatToHalf"), precision=PrecisionRule(Precision.CONVERT, dtype="float32"),
             doc="Y = X as float32 (Caffe2's name). Gradient: FloatToHalf(dY).")
 
 

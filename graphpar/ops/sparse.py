@@ -21,7 +21,17 @@ from types import SimpleNamespace
 import torch
 
 from graphpar.core.ir import GradientSlice, OperatorDef
-from graphpar.core.schema import GI, NO_GRADIENT, KernelContext, TensorSpec, Trait, gradient_op, register_op
+from graphpar.core.schema import (
+    GI,
+    NO_GRADIENT,
+    KernelContext,
+    Precision,
+    PrecisionRule,
+    TensorSpec,
+    Trait,
+    gradient_op,
+    register_op,
+)
 from graphpar.ops.common import op_label, register_gradient
 
 
@@ -90,6 +100,7 @@ def _gather_gradient(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]
 
 register_op(
     "Gather", inputs=2, kernel=_gather, gradient=_gather_gradient,
+    precision=PrecisionRule(Precision.FOLLOW, inputs=(0,)),  # input 1: the indices
     doc="[DATA, INDICES] -> OUTPUT = DATA[INDICES] along axis 0 (shape INDICES.shape + DATA.shape[1:]). "
         "Gradient: GradientSlice(INDICES, dOUTPUT) for DATA, without an op.")
 

@@ -26,6 +26,8 @@ from graphpar.core.schema import (
     Arg,
     Effects,
     KernelContext,
+    Precision,
+    PrecisionRule,
     TensorSpec,
     Trait,
     gradient_op,
@@ -78,6 +80,7 @@ def _copy_gradient(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 register_op(
     "Copy", args=_INPUT_DEVICES, kernel=_copy_kernel, gradient=_copy_gradient, copy_args_to_gradient=False,
     device_inference=lambda op, d: (_input_devices(op, d), [d]), traits=_COPY, effects=Effects(same_value={(0, 0)}),
+    precision=Precision.FOLLOW,
     doc="Y = a copy of X on the op's device (a new tensor, also when X is already there). X may live "
         "on another device of the op's type: `input_device_ids=[id]` says which (default: the op's).")
 register_op(
@@ -88,16 +91,17 @@ register_op(
         "as for Copy.")
 register_op(
     "CopyCPUToGPU", kernel=_copy_kernel, gradient=one_input_gradient("CopyGPUToCPU"),
-    device_inference=lambda op, d: ([_HOST], [d]), traits=_COPY,
+    device_inference=lambda op, d: ([_HOST], [d]), traits=_COPY, precision=Precision.FOLLOW,
     doc="Y = a copy of X (a CPU blob) on the op's (CUDA) device.")
 register_op(
     "CopyGPUToCPU", kernel=lambda _a, ctx: (lambda host: lambda x: x.to(host, copy=True))(ctx.device_of(_HOST)),
     gradient=one_input_gradient("CopyCPUToGPU"), device_inference=lambda op, d: ([d], [_HOST]), traits=_COPY,
-    doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
+    precision=Precision.FOLLOW, doc="Y = a copy of X (on the op's CUDA device) on the CPU.")
 register_op("Alias", kernel=lambda _a, _ctx: lambda x: x, gradient=_pass_through, effects=Effects(aliases={(0, 0)}),
+            precision=Precision.FOLLOW,
             doc="Y is X: the same tensor under another name, no copy (an in-place update of either is seen through both; Parallelize's cpu_update_once binds replicas to the first device's tensors with it). The gradient passes straight through.")
 register_op("StopGradient", inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda x: x, gradient=NO_GRADIENT,
-            effects=Effects(same_value={(0, 0)}),
+            effects=Effects(same_value={(0, 0)}), precision=Precision.FOLLOW,
             doc="Y = X; no gradient flows to X through this op (in place blocks all of X's gradient).")
 
 
@@ -139,7 +143,7 @@ register_op(
     "Sum", inputs=(1, None), inplace={(0, 0)}, args=_INPUT_DEVICES, kernel=_sum_kernel, gradient=_pass_through,
     reuse=(0, _sum_into_first),
     device_inference=lambda op, d: (_input_devices(op, d), [d]),
-    effects=Effects(cross_device=lambda op: op.name == CROSS_REPLICA_SUM_NAME),
+    effects=Effects(cross_device=lambda op: op.name == CROSS_REPLICA_SUM_NAME), precision=Precision.FOLLOW,
     doc="Y = X0 + X1 + ... (equal shapes), added in input order on the op's device; inputs may live on "
         "other devices of its type (`input_device_ids`, as for Copy). In place into X0 allowed. Gradient: "
         "each input gets dY, with no op.")
@@ -216,7 +220,7 @@ for _name, _fn, _inplace, _grads, _formula in _BINARY:
     _div = _name == "Div"
     register_op(
         _name, inputs=2, inplace=_inplace, args=_BROADCAST_ARGS, kernel=_binary_kernel(_fn),
-        gradient=_binary_maker(f"{_name}Gradient", with_output=_div),
+        gradient=_binary_maker(f"{_name}Gradient", with_output=_div), precision=Precision.FOLLOW,
         doc=f"C = {_formula} NumPy broadcasting; with Caffe2's `broadcast=1`, B's dims align with A's "
             f"from `axis` (-1: trailing). `{_name}Gradient(dC, A, B{', C' if _div else ''})` sums dA, dB "
             f"over the broadcast dims; as it reads A, autodiff refuses an in-place {_name} on the path of "
@@ -238,7 +242,7 @@ def _max_grad(_a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple[t
 
 
 register_op("Max", inputs=(1, None), inplace={(0, 0)}, kernel=lambda _a, _ctx: lambda *xs: _elementwise_max(xs),
-            gradient=_max_maker,
+            gradient=_max_maker, precision=Precision.FOLLOW,
             doc="Y = the element-wise maximum of X0, X1, ... (NumPy broadcasting). Gradient "
                 "`MaxGradient(Y, dY, X0, ...)`: each Xi gets dY where it equals Y (ties: every maximal input, "
                 "as Caffe2).")
@@ -254,28 +258,29 @@ def _elementwise_max(xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 _UNARY = (
-    # name, forward, in place ok, what the gradient reads, gradient formula (saved, dY) -> dX
-    ("Sqr", lambda x: x * x, False, "X", lambda x, dy: 2 * x * dy),
-    ("Sqrt", torch.sqrt, True, "Y", lambda y, dy: 0.5 * dy / y),
-    ("Exp", torch.exp, True, "Y", lambda y, dy: dy * y),
-    ("Log", torch.log, False, "X", lambda x, dy: dy / x),
-    ("Abs", torch.abs, False, "X", lambda x, dy: torch.sign(x) * dy),
+    # name, forward, in place ok, what the gradient reads, gradient formula (saved, dY) -> dX, precision
+    ("Sqr", lambda x: x * x, False, "X", lambda x, dy: 2 * x * dy, Precision.FP32),
+    ("Sqrt", torch.sqrt, True, "Y", lambda y, dy: 0.5 * dy / y, Precision.FP32),
+    ("Exp", torch.exp, True, "Y", lambda y, dy: dy * y, Precision.FP32),
+    ("Log", torch.log, False, "X", lambda x, dy: dy / x, Precision.FP32),
+    ("Abs", torch.abs, False, "X", lambda x, dy: torch.sign(x) * dy, Precision.FOLLOW),
 )
-for _name, _fn, _in_place, _reads, _formula in _UNARY:
+for _name, _fn, _in_place, _reads, _formula, _precision in _UNARY:
     register_op(_name, inplace={(0, 0)} if _in_place else (), kernel=(lambda f: lambda _a, _ctx: f)(_fn),
-                gradient=one_input_gradient(f"{_name}Gradient", _reads),
+                gradient=one_input_gradient(f"{_name}Gradient", _reads), precision=_precision,
                 doc=f"Y = {_name}(X) element-wise; gradient `{_name}Gradient({_reads}, dY)`.")
     elementwise_grad(f"{_name}Gradient", _name, _formula, doc=f"dX of {_name} from {_reads} and dY.")
 
 register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
-            gradient=one_input_gradient("Negative"), doc="Y = -X; gradient Negative(dY).")
+            gradient=one_input_gradient("Negative"), precision=Precision.FOLLOW, doc="Y = -X; gradient Negative(dY).")
 register_op("Scale", inplace={(0, 0)}, args={"scale": 1.0},
             kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=one_input_gradient("Scale"),
             reuse=(0, lambda a, _ctx: lambda x: x.mul_(a.scale) if x.is_floating_point() else x * a.scale),
+            precision=Precision.FOLLOW,
             doc="Y = scale * X; gradient Scale(dY) with the same scale.")
 register_op("Clip", inplace={(0, 0)}, args={"min": -math.inf, "max": math.inf},
             kernel=lambda a, _ctx: lambda x: torch.clamp(x, a.min, a.max),
-            gradient=one_input_gradient("ClipGradient", "Y"),
+            gradient=one_input_gradient("ClipGradient", "Y"), precision=Precision.FOLLOW,
             doc="Y = X clamped to [min, max]; gradient ClipGradient(Y, dY) passes dY where min < Y < max.")
 register_gradient("ClipGradient", "Clip", lambda a, _ctx: lambda y, dy: torch.where((y > a.min) & (y < a.max), dy, 0),
                   doc="dX of Clip: dY where min < Y < max, else 0 (Caffe2's rule).")
@@ -289,7 +294,8 @@ def _resize_like_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], lis
 
 
 register_op("ResizeLike", inputs=2, kernel=lambda _a, _ctx: lambda x, like: x.reshape(like.shape),
-            gradient=_resize_like_maker, doc="Y = X reshaped to the shape of the second input (same numel).")
+            gradient=_resize_like_maker, precision=Precision.FOLLOW,
+            doc="Y = X reshaped to the shape of the second input (same numel).")
 
 
 def _flatten_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -297,9 +303,10 @@ def _flatten_kernel(a: SimpleNamespace, _ctx: KernelContext) -> Callable[[torch.
 
 
 register_op("Flatten", args={"axis": 1}, kernel=_flatten_kernel, gradient=_resize_like_maker,
-            copy_args_to_gradient=False,
+            copy_args_to_gradient=False, precision=Precision.FOLLOW,
             doc="Y = X as a 2-D [prod(dims[:axis]), prod(dims[axis:])]; gradient ResizeLike(dY, X).")
 register_op("FlattenToVec", kernel=lambda _a, _ctx: lambda x: x.reshape(-1), gradient=_resize_like_maker,
+            precision=Precision.FOLLOW,
             doc="Y = X as a 1-D vector; gradient ResizeLike(dY, X).")
 
 
@@ -334,6 +341,7 @@ def _reshape_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 register_op(
     "Reshape", inputs=(1, 2), outputs=2, inplace={(0, 0)}, args={"shape": Arg("ints", None)},
     kernel=_reshape_kernel, gradient=_reshape_maker, copy_args_to_gradient=False, infer=_reshape_infer,
+    precision=PrecisionRule(Precision.FOLLOW, inputs=(0,), outputs=(0,)),  # the shapes are CPU ints
     traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d, _HOST]),
     doc="Y = X reshaped to `shape` (or the CPU int64 second input); a 0 keeps X's dim at that index, "
         "one -1 is inferred. Output 1 is X's old shape (CPU int64). Gradient Reshape(dY, old_shape).")
@@ -366,6 +374,7 @@ def _concat_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tupl
 
 register_op(
     "Concat", inputs=(1, None), outputs=2, args=_AXIS_ARGS, kernel=_concat_kernel,
+    precision=PrecisionRule(Precision.FOLLOW, outputs=(0,)),  # output 1: the input sizes (CPU ints)
     gradient=lambda op, g: ([gradient_op("Split", [g[0], op.outputs[1]], [GI(op, i) for i in
                                                                            range(len(op.inputs))])],
                             [GI(op, i) for i in range(len(op.inputs))]),
@@ -416,6 +425,7 @@ def _split_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]:
 register_op(
     "Split", inputs=(1, 2), outputs=(1, None), args={**_AXIS_ARGS, "split": Arg("ints", ())},
     kernel=_split_kernel, gradient=_split_maker, copy_args_to_gradient=False, infer=_split_infer,
+    precision=Precision.FOLLOW,
     traits=(Trait.HOST_SYNC,), device_inference=lambda op, d: ([d, _HOST][: len(op.inputs)], [d] * len(op.outputs)),
     doc="Outputs = X cut along `axis` into the sizes of `split` (or the CPU second input; default equal "
         "parts); add_axis drops the axis (sizes 1). Gradient Concat(dY...), zeros for missing dY.")
@@ -442,13 +452,15 @@ def _transpose_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], list]
 
 
 register_op("Transpose", args={"axes": Arg("ints", ())}, kernel=_transpose_kernel, gradient=_transpose_maker,
-            copy_args_to_gradient=False,
+            copy_args_to_gradient=False, precision=Precision.FOLLOW,
             doc="Y = X with dims permuted by `axes` (default: reversed), contiguous. Gradient: Transpose "
                 "by the inverse permutation.")
 register_op("NHWC2NCHW", kernel=lambda _a, _ctx: lambda x: x.movedim(-1, 1).contiguous(),
-            gradient=one_input_gradient("NCHW2NHWC"), doc="Y = X[N, H, W, C] as [N, C, H, W] (any spatial rank).")
+            gradient=one_input_gradient("NCHW2NHWC"), precision=Precision.FOLLOW,
+            doc="Y = X[N, H, W, C] as [N, C, H, W] (any spatial rank).")
 register_op("NCHW2NHWC", kernel=lambda _a, _ctx: lambda x: x.movedim(1, -1).contiguous(),
-            gradient=one_input_gradient("NHWC2NCHW"), doc="Y = X[N, C, H, W] as [N, H, W, C] (any spatial rank).")
+            gradient=one_input_gradient("NHWC2NCHW"), precision=Precision.FOLLOW,
+            doc="Y = X[N, C, H, W] as [N, H, W, C] (any spatial rank).")
 
 
 def _cast_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -457,6 +469,7 @@ def _cast_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tens
 
 
 register_op("Cast", args={"to": Arg("any")}, kernel=_cast_kernel, gradient=one_input_gradient("CastGradient", "X"),
+            precision=Precision.CONVERT,
             doc="Y = X converted to dtype `to` (a Caffe2 code, a name or a torch dtype, see ops.fill). "
                 "Gradient CastGradient(X, dY) casts dY back to X's dtype.")
 elementwise_grad("CastGradient", "Cast", lambda x, dy: dy.to(x.dtype), doc="dX of Cast: dY in X's dtype.")

@@ -29,22 +29,21 @@ from __future__ import annotations
 
 import copy
 import gc
-import inspect
 import logging
-import operator
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from functools import partial, wraps
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef
 from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import CheckpointError, DeviceScopeError, GradientOverflowError, ParallelizeError
+from graphpar.errors import (CheckpointError, DeviceScopeError, GradientOverflowError, MissingBlobError,
+                             ParallelizeError)
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.model.model_helper import ModelHelper
@@ -55,7 +54,7 @@ from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
-from graphpar.passes.options import ParallelizeOptions, args_doc, blob_names, checked, parameters
+from graphpar.passes.options import LossScale, ParallelizeOptions, args_doc, blob_names, checked
 from graphpar.passes.pipeline import run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
@@ -89,25 +88,63 @@ __all__ = [
     "Synchronize", "save_checkpoint", "stripBlobName",
 ]
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 Builder = Callable[[ModelHelper], Any]
+P = ParamSpec("P")
 
 
-def _takes_the_options(fun: Callable[..., None]) -> Callable[..., None]:
-    """Give Parallelize the signature and the Args entries its options declare (`passes.options`)."""
-    fun.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
+def _documented(fun: Callable[P, None]) -> Callable[P, None]:
+    """Fill Parallelize's docstring with the Args entries its options declare (`passes.options`)."""
     if fun.__doc__:  # None under python -OO
         fun.__doc__ = fun.__doc__.replace("        <the options>\n", args_doc() + "\n")
     return fun
 
 
-_SIGNATURE = inspect.Signature([inspect.Parameter("model_helper_obj", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                                *parameters()])
-
-
-@_takes_the_options
-def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
+@_documented
+def Parallelize(  # noqa: N802 - Caffe2 name
+    model_helper_obj: ModelHelper,
+    input_builder_fun: Builder,
+    forward_pass_builder_fun: Callable[[ModelHelper, float], Any],
+    param_update_builder_fun: Builder | None = None,
+    optimizer_builder_fun: Builder | None = None,
+    post_sync_builder_fun: Builder | None = None,
+    pre_grad_net_transformer_fun: Builder | None = None,
+    net_transformer_fun: Callable[..., Any] | None = None,
+    devices: Iterable[int] | None = None,
+    rendezvous: Mapping[str, Any] | None = None,
+    net_type: str = "dag",
+    broadcast_computed_params: bool = True,
+    optimize_gradient_memory: bool = False,
+    dynamic_memory_management: bool = False,
+    blobs_to_keep: Iterable[str] | None = None,
+    use_nccl: bool = False,
+    max_concurrent_distributed_ops: int = 16,
+    cpu_device: bool = False,
+    ideep: bool = False,
+    num_threads_per_device: int = 4,
+    shared_model: bool = False,
+    combine_spatial_bn: bool | str | Sequence[Sequence[int]] = False,
+    barrier_net_timeout_sec: float = 300,
+    static_shapes: bool = False,
+    # graphpar's own options
+    gradient_bucket_bytes: int | None = None,
+    first_bucket_bytes: int = 1024 * 1024,
+    bucket_cap_mb: float | None = None,
+    average_computed_params: bool = False,
+    uneven_batches: bool = False,
+    check_finite_loss: bool | None = None,
+    accumulate_gradients: int = 1,
+    cpu_update_once: bool = True,
+    cuda_graph: bool = False,
+    compute_dtype: str | torch.dtype | None = None,
+    loss_scale: float | str | Mapping[str, Any] | LossScale | None = None,
+    channels_last: bool = False,
+    allreduce_dtype: str | torch.dtype | None = None,
+) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
     The signature is Caffe2's, `Parallelize(model_helper_obj, input_builder_fun,
@@ -132,12 +169,13 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
             cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
             loss_scale with shared_model, allreduce_dtype with a rendezvous. The model is left as it was.
-        TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not callable,
-            non-int gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict
-            with unknown keys).
+        TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not
+            callable (or None, where optional), a flag that is not True or False, non-int
+            gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict with
+            unknown keys).
     """
+    given = dict(locals())  # every argument by name: the first statement, so nothing else is in locals()
     _check_no_device_scope("Parallelize")
-    given = _bound(args, kwargs)
     model = _check_model(given.pop("model_helper_obj"))
     given = checked(given, "Parallelize")
     cpu_device = given["cpu_device"] or bool(given["ideep"])
@@ -152,6 +190,7 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
     _check_combinations(given)
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
+    _check_bn_groups(given["combine_spatial_bn"], rdv)
     layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
     if not cpu_device and given["use_nccl"] and shares_a_gpu(layout.devices):
         raise ParallelizeError(f"Parallelize: use_nccl=True needs a distinct GPU per replica, but the device map "
@@ -167,8 +206,10 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
         "check_finite_loss": _finite_loss_check(given["check_finite_loss"], cpu_device, training)})
     if not options.training and model.init_params:
         log.warning("Parallelize: model %r has no parameter updates but init_params=True; a test/eval "
-                    "model that shares a training model's params should use ModelHelper(init_params=False), "
-                    "or running its init net will overwrite the trained params", model.name)
+                    "model that shares the params of a training model in this workspace should use "
+                    "ModelHelper(init_params=False), or running its init net will overwrite the trained "
+                    "params (to predict from a checkpoint in a fresh process, see docs/inference.md)",
+                    model.name)
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
@@ -178,16 +219,6 @@ def Parallelize(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - Caffe2 name
         model._parallel_runs = RunState()
         run_pipeline(model._parallel)
     _log_built(model._parallel)
-
-
-def _bound(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Parallelize's arguments by name, defaults filled in; TypeError as Python's for a bad call."""
-    try:
-        bound = _SIGNATURE.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"Parallelize() {exc}") from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
@@ -204,19 +235,38 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
 
 
-def Parallelize_CPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
-    """`Parallelize` with `cpu_device=True` (replicas `cpu_<id>`); same arguments and errors."""
-    Parallelize(*args, **{**kwargs, "cpu_device": True})
+def _check_bn_groups(combine: Any, rdv: Rendezvous | None) -> None:
+    """combine_spatial_bn's groups of shards name shards of the rendezvous, this one among them."""
+    if not isinstance(combine, tuple):
+        return
+    shard, shards = (0, 1) if rdv is None else (rdv.shard_id, rdv.num_shards)
+    outside = sorted(r for group in combine for r in group if r >= shards)
+    if outside or not any(shard in group for group in combine):
+        raise ParallelizeError(f"Parallelize: combine_spatial_bn's groups {[list(g) for g in combine]} must name "
+                               f"shards 0..{shards - 1} of the rendezvous ({shards} shard(s)), this shard "
+                               f"({shard}) among them" + (f"; {outside} are not shards" if outside else ""))
 
 
-def Parallelize_GPU(*args: Any, **kwargs: Any) -> None:  # noqa: N802
-    """`Parallelize` with `cpu_device=False` (replicas `gpu_<id>` on CUDA); same arguments and errors."""
-    Parallelize(*args, **{**kwargs, "cpu_device": False})
+def _variant(base: Callable[P, None], name: str, doc: str, **fixed: bool) -> Callable[P, None]:
+    """`base` with the options `fixed` set whatever the caller passes, under `name`; same signature."""
+    @wraps(base)
+    def variant(*args: P.args, **kwargs: P.kwargs) -> None:
+        base(*args, **{**kwargs, **fixed})  # type: ignore[arg-type]
+
+    variant.__name__ = variant.__qualname__ = name
+    variant.__doc__ = doc
+    return variant
 
 
-def Parallelize_iDeep(*args: Any, **kwargs: Any) -> None:  # noqa: N802
-    """Caffe2's MKL-DNN variant: `Parallelize` with `ideep=True` (CPU replicas); same arguments and errors."""
-    Parallelize(*args, **{**kwargs, "ideep": True})
+Parallelize_CPU = _variant(  # noqa: N816 - Caffe2 name
+    Parallelize, "Parallelize_CPU", "`Parallelize` with `cpu_device=True` (replicas `cpu_<id>`); same arguments and "
+                                    "errors.", cpu_device=True)
+Parallelize_GPU = _variant(  # noqa: N816
+    Parallelize, "Parallelize_GPU", "`Parallelize` with `cpu_device=False` (replicas `gpu_<id>` on CUDA); same "
+                                    "arguments and errors.", cpu_device=False)
+Parallelize_iDeep = _variant(  # noqa: N816
+    Parallelize, "Parallelize_iDeep", "Caffe2's MKL-DNN variant: `Parallelize` with `ideep=True` (CPU replicas); "
+                                      "same arguments and errors.", ideep=True)
 
 
 def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
@@ -286,12 +336,14 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                          num_threads_per_device=num_threads_per_device, use_nccl=use_nccl, cpu_device=cpu_device,
                          optimize_gradient_memory=optimize_gradient_memory,
                          max_concurrent_distributed_ops=max_concurrent_distributed_ops,
-                         barrier_net_timeout_sec=barrier_net_timeout_sec), "Parallelize_BMUF")
+                         barrier_net_timeout_sec=barrier_net_timeout_sec, devices=devices,
+                         check_finite_loss=check_finite_loss), "Parallelize_BMUF")
+    cpu_device = given["cpu_device"]
     _check_options(cpu_device, param_update_builder_fun, None, False, net_type)
-    layout = DeviceLayout(_resolve_devices(devices, cpu_device), device_prefix(cpu_device))
+    layout = DeviceLayout(_resolve_devices(given["devices"], cpu_device), device_prefix(cpu_device))
     options = ParallelizeOptions(**{
         **given, "devices": layout.devices, "rendezvous": rdv, "cpu_update_once": False,
-        "check_finite_loss": _finite_loss_check(check_finite_loss, cpu_device, True)})
+        "check_finite_loss": _finite_loss_check(given["check_finite_loss"], cpu_device, True)})
     blob_to_device: dict[str, DeviceOption] = {}
     reducers = partial(make_reducer, num_shards=options.num_shards, max_concurrent=max_concurrent_distributed_ops,
                        order=rdv.reduce_order if rdv else "ring")
@@ -307,14 +359,12 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     _log_built(model._parallel)
 
 
-def Parallelize_CPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
-    """`Parallelize_BMUF` with `cpu_device=True`; same arguments and errors."""
-    Parallelize_BMUF(*args, **{**kwargs, "cpu_device": True})
-
-
-def Parallelize_GPU_BMUF(*args: Any, **kwargs: Any) -> None:  # noqa: N802
-    """`Parallelize_BMUF` with `cpu_device=False`; same arguments and errors."""
-    Parallelize_BMUF(*args, **{**kwargs, "cpu_device": False})
+Parallelize_CPU_BMUF = _variant(  # noqa: N816 - Caffe2 name
+    Parallelize_BMUF, "Parallelize_CPU_BMUF", "`Parallelize_BMUF` with `cpu_device=True`; same arguments and errors.",
+    cpu_device=True)
+Parallelize_GPU_BMUF = _variant(  # noqa: N816
+    Parallelize_BMUF, "Parallelize_GPU_BMUF", "`Parallelize_BMUF` with `cpu_device=False`; same arguments and "
+                                              "errors.", cpu_device=False)
 
 
 def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
@@ -416,13 +466,15 @@ def RunInitNet(model: ModelHelper) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized.
         RuntimeError: the model's nets were created already (RunInitNet or CreateNet was called).
-        MissingBlobError: an input of a net is neither fed nor created by an init net.
+        MissingBlobError: an input of a net is neither fed nor created by an init net (for a model
+            built with init_params=False: its params, which no init net creates).
         CheckpointError: a checkpoint was loaded before RunInitNet (`graphpar.resume`).
         Workspace errors of the runs propagate, with the workspace unchanged.
     """
     state = _state_of(model)
     ws = workspace.get_workspace()
     defined = {*ws.blobs, *ws.objects}
+    _check_shared_params(model, defined, "RunInitNet")
     for net in state.init_nets:
         netdef = net.Proto()
         check_inputs_exist(netdef, defined, ws.name, "RunInitNet")
@@ -460,8 +512,23 @@ def _check_can_create(model: ModelHelper, ws: workspace.Workspace, defined: set[
                            f"model was initialised already (a second RunInitNet would reset its trained params, "
                            f"optimizer state and counters). To start again, ResetWorkspace() first; to only "
                            f"recompile, CreateNet(model, overwrite=True)")
+    _check_shared_params(model, defined, what)
     for netdef in netdefs:
         check_inputs_exist(netdef, set(defined), ws.name, what)
+
+
+def _check_shared_params(model: ModelHelper, defined: set[str], what: str) -> None:
+    """A model built with init_params=False creates none of its params: they must exist already."""
+    if model.init_params:
+        return
+    missing = [name for name in map(str, model.GetParams("")) if name not in defined]
+    if missing:
+        raise MissingBlobError(
+            f"{what}({model.name!r}): its params do not exist ({', '.join(map(repr, missing[:3]))}"
+            f"{' ...' if len(missing) > 3 else ''}), and the model was built with init_params=False, so no init "
+            f"net creates them. init_params=False is for a model that shares the params of a training model "
+            f"in this workspace: run that model's RunInitNet first. To predict from a checkpoint in a fresh "
+            f"process, extract a forward-only net and load the checkpoint's params into it (docs/inference.md)")
 
 
 def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
@@ -514,8 +581,9 @@ def skipped_steps(model: ModelHelper) -> int:
 
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning and, with a dynamic scale,
-    shrinks it (`passes.loss_scale`)."""
+    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
+    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
+    (the running sums, which may hold an inf, are zeros again)."""
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
@@ -526,6 +594,20 @@ def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
         backoff = getattr(model, "_loss_scale_backoff_net", None)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
+        reset_accumulated_gradients(model)
+
+
+def reset_accumulated_gradients(model: ModelHelper) -> None:
+    """With `accumulate_gradients` > 1: make the running sums of the micro-batches' gradients zeros
+    again, dropping the micro-batches run since the last update (after a step that raised: its
+    micro-batches were added, its update did not run). Without accumulation: nothing.
+
+    Raises:
+        ParallelizeError: the model was not parallelized.
+    """
+    reset = _state_of(model).reset_accumulated_net
+    if reset is not None:
+        workspace.RunNetOnce(reset)
 
 
 # ---- checkpoints and syncing ----------------------------------------------------------------------
@@ -765,24 +847,16 @@ def _check_model(model: Any) -> ModelHelper:
     return model
 
 
-def _resolve_devices(devices: Iterable[int] | None, cpu_device: bool) -> tuple[int, ...]:
-    """Device ids, checked: non-negative ints, unique, existing (CUDA, unless simulated on the CPU)."""
+def _resolve_devices(devices: tuple[int, ...] | None, cpu_device: bool) -> tuple[int, ...]:
+    """The checked device ids (option `devices`), or the default ones; ParallelizeError for none, or for
+    CUDA ids that do not exist (unless simulated on the CPU)."""
     defaulted = devices is None
-    if devices is None:
-        devices = range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())
-    try:
-        listed = list(devices)
-        if any(isinstance(d, bool) for d in listed):  # True is index 1: [True, False] would be devices 1, 0
-            raise TypeError
-        ids = tuple(operator.index(d) for d in listed)
-    except TypeError:
-        raise TypeError(f"Parallelize: devices must be a list of int device ids, got {devices!r}") from None
+    ids = tuple(range(os.cpu_count() or 1) if cpu_device else range(num_cuda_devices())) if devices is None \
+        else devices
     if not ids:
         why = "no CUDA device was found" if defaulted else "devices is empty"
         raise ParallelizeError(f"Parallelize: no devices ({why}); pass devices=[...], cpu_device=True, or "
                                f"GRAPHPAR_CUDA_ON_CPU=1 to simulate CUDA devices")
-    if len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ParallelizeError(f"Parallelize: device ids must be unique and >= 0, got {list(ids)}")
     if not cpu_device and (not cuda_is_simulated() or current_device_map() is not None):
         missing = [d for d in ids if d >= num_cuda_devices()]  # with a device map: outside the map
         if missing:

@@ -7,7 +7,10 @@ data-parallel gradient g, by `Sum(g_accumulated, g) -> g_accumulated`. It append
 per gradient, `Sum(g, g_accumulated) -> g`, `Scale(g, 1/k) -> g` and `ConstantFill(g) ->
 g_accumulated` (zeros again); the all-reduce and the updates that later passes append then act on
 the mean gradient of the k micro-batches. `param_init_net` creates every `g_accumulated` as zeros
-shaped like its param.
+shaped like its param; `state.reset_accumulated_net` (`model._reset_accumulated_net`) makes them
+zeros again, for a step that wrote nothing back: one the loss scale skipped on an overflow (whose
+micro-batches may have put an inf in the sums) or one that raised (`data_parallel_model.RunNet`
+and the `Trainer` run it, so the next step starts from zero sums).
 
 A step is then k - 1 runs of the accumulate net and one run of the train net, each on its own
 micro-batch (`engine.Trainer` does this): the same update as one step on the k-times batch (equal
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import copy
 
-from graphpar.core.ir import GradientSlice
+from graphpar.core.ir import GradientSlice, NetDef
 from graphpar.core.naming import accumulated_grad_name
 from graphpar.core.net import Net
 from graphpar.errors import ParallelizeError
@@ -51,15 +54,20 @@ def accumulate_gradients(state: ParallelState) -> None:
     micro = copy.deepcopy(net)
     micro.name = f"{net.name}_accumulate"
     init = model.param_init_net.Proto()
+    reset = NetDef(f"{net.name}_reset_accumulated")
     for name in state.grad_names:
         for device, grad in state.grouped[name].items():
             grad, option = str(grad), layout.option(device)
             acc = accumulated_grad_name(grad)
             init.ops.append(make_op("ConstantFill", [param_of[grad]], [acc], option, value=0.0))
+            reset.ops.append(make_op("ConstantFill", [param_of[grad]], [acc], option, value=0.0))
             micro.ops.append(make_op("Sum", [acc, grad], [acc], option))
             net.ops += [make_op("Sum", [grad, acc], [grad], option),
                         make_op("Scale", [grad], [grad], option, scale=1.0 / k),
                         make_op("ConstantFill", [grad], [acc], option, value=0.0)]
     declare_external_inputs(micro)
+    declare_external_inputs(reset)
     state.accumulate_net = Net(micro)
+    state.reset_accumulated_net = Net(reset)
     model._accumulate_net = state.accumulate_net
+    model._reset_accumulated_net = state.reset_accumulated_net

@@ -1,8 +1,8 @@
 """Pass: channels-last activations for NCHW models (`Parallelize(channels_last=True)`).
 
-A Conv whose input is not known to be channels-last gets a `ChannelsLast` op before it (one per
-blob value, as the precision pass places casts). A blob is known to be channels-last when a Conv
-wrote it, or an op that keeps its input's layout (a FOLLOW or CONVERT precision rule: batch norm,
+A convolution (an op with `Trait.CONVOLUTION`, e.g. Conv) whose input is not known to be
+channels-last gets a `ChannelsLast` op before it (one per blob value, as the precision pass places
+casts). A blob is known to be channels-last when a convolution wrote it, or an op that keeps its input's layout (a FOLLOW or CONVERT precision rule: batch norm,
 element-wise, pooling, casts) wrote it from a channels-last input 0. On an NCHW ResNet this converts
 the data once and leaves no layout conversion between consecutive convs; torch's kernels then keep
 every activation and activation gradient channels-last (cuDNN's fast path on CUDA). Values and shapes
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from graphpar.core.ir import NetDef
-from graphpar.core.schema import Precision, precision_rule
+from graphpar.core.schema import Precision, Trait, has_trait, precision_rule
 from graphpar.passes.common import make_op
 
 if TYPE_CHECKING:
@@ -32,17 +32,19 @@ _KEEPS_LAYOUT = (Precision.FOLLOW, Precision.CONVERT)
 
 
 def rewrite_channels_last(net: NetDef, taken: set[str] | None = None) -> NetDef:
-    """Insert `ChannelsLast` before each Conv reading a blob not known to be channels-last; returns `net`.
+    """Insert `ChannelsLast` before each convolution reading a blob not known to be channels-last;
+    returns `net`.
 
-    Input: a forward net (no gradient ops yet). Guarantees: every Conv's input 0 is channels-last
-    at run time; one conversion per blob value.
+    Input: a forward net (no gradient ops yet). Guarantees: every NCHW convolution's input 0 is
+    channels-last at run time; one conversion per blob value.
     """
     taken = (taken or set()) | {b for op in net.ops for b in (*op.inputs, *op.outputs)}
     last: set[str] = set()  # blobs known channels-last
     converted: dict[str, str] = {}  # blob -> its channels-last copy
     ops = []
     for op in net.ops:
-        if op.type == "Conv" and op.inputs[0] not in last and op.args.get("order", "NCHW") == "NCHW":
+        conv = has_trait(op, Trait.CONVOLUTION)
+        if conv and op.inputs[0] not in last and op.args.get("order", "NCHW") == "NCHW":
             blob = op.inputs[0]
             if blob not in converted:
                 name, k = f"{blob}_cl", 1
@@ -58,7 +60,7 @@ def rewrite_channels_last(net: NetDef, taken: set[str] | None = None) -> NetDef:
         for out in op.outputs:
             converted.pop(out, None)
             last.discard(out)
-        if op.type == "Conv" or keeps:
+        if conv or keeps:
             last.update(op.outputs[:1])
         ops.append(op)
     net.ops[:] = ops

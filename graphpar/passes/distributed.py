@@ -28,9 +28,10 @@ SYNC_WORLD = "graphpar_sync_cw"  # Synchronize's barrier
 
 def model_signature(state: ParallelState) -> str:
     """What every shard must agree on: device count, params and their shapes, the cross-shard
-    collectives of the init and train nets in order, and the first replica's learning-rate and update
-    ops with their arguments (lr, policy, momentum, ...: shards with other optimizer settings would
-    train apart). Unscoped names, so device ids may differ."""
+    collectives of the init and train nets in order (but those on a group of shards' communicator),
+    and the first replica's learning-rate and update ops with their arguments (lr, policy, momentum,
+    ...: shards with other optimizer settings would train apart). Unscoped names, so device ids may
+    differ."""
     layout = state.layout
     lines = [f"{len(layout.devices)} {layout.prefix} devices"]
     for op in state.model.param_init_net.Proto().ops:
@@ -39,10 +40,12 @@ def model_signature(state: ParallelState) -> str:
             lines.append(f"init {op.type} {[stripBlobName(b) for b in outputs]} {op.args.get('shape', '')}")
     for label, net in (("init", state.model.param_init_net.Proto()), ("train", state.model.net.Proto())):
         lines.extend(f"{label} {op.type} {op.inputs[0]} {[stripBlobName(b) for b in op.inputs[1:]]}"
-                     for op in net.ops if has_trait(op, Trait.DISTRIBUTED))
+                     for op in net.ops if has_trait(op, Trait.DISTRIBUTED)
+                     and op.inputs[0] not in state.group_worlds)  # a group's: the same within the group
     # types and arguments, not names: an optimizer's blob names count the optimizers a process built
-    lines.extend(f"update {op.type} {sorted(op.args.items())}" for op in state.model.net.Proto().ops
-                 if _first_replica_update(state, op))
+    # num_batches: how many replicas batch norm combines, which differs between groups of shards
+    lines.extend(f"update {op.type} {sorted((k, v) for k, v in op.args.items() if k != 'num_batches')}"
+                 for op in state.model.net.Proto().ops if _first_replica_update(state, op))
     return "\n".join(lines)
 
 
@@ -56,13 +59,20 @@ def _first_replica_update(state: ParallelState, op: OperatorDef) -> bool:
 
 
 def create_world_op(rendezvous: Rendezvous, name: str, timeout_sec: float, store: tuple[list[str], int],
-                    signature: str = "") -> OperatorDef:
-    """A `CreateCommonWorld` writing blob `name` on `store` (`store_of(rendezvous)`)."""
+                    signature: str = "", group: tuple[int, ...] | None = None) -> OperatorDef:
+    """A `CreateCommonWorld` writing blob `name` on `store` (`store_of(rendezvous)`): over every shard,
+    or over the shards of `group` (this shard among them), met under a name of the group's own, so
+    that the groups of one model (the same blob on every shard) do not meet each other."""
     inputs, store = store
-    return make_op("CreateCommonWorld", inputs, [name], DeviceOption(CPU, 0), size=rendezvous.num_shards,
-                   rank=rendezvous.shard_id, engine=rendezvous.engine, timeout_ms=int(timeout_sec * 1000),
-                   name=name, store=store, signature=signature, transport=rendezvous.transport,
-                   interface=rendezvous.interface)
+    size, rank, key = rendezvous.num_shards, rendezvous.shard_id, name
+    if group is not None:
+        size, rank, key = len(group), group.index(rendezvous.shard_id), f"{name}/{'-'.join(map(str, group))}"
+    op = make_op("CreateCommonWorld", inputs, [name], DeviceOption(CPU, 0), name, size=size, rank=rank,
+                 engine=rendezvous.engine, timeout_ms=int(timeout_sec * 1000), store=store, signature=signature,
+                 transport=rendezvous.transport, interface=rendezvous.interface)
+    if group is not None:
+        op.args["name"] = key  # the op's argument (make_op's `name` is the op's own name)
+    return op
 
 
 def store_of(rendezvous: Rendezvous) -> tuple[list[str], int]:
@@ -84,12 +94,14 @@ def create_common_worlds(state: ParallelState) -> None:
     assert isinstance(reducer, DistributedReducer) and rendezvous is not None
     listed = [entry[0] if isinstance(entry, tuple) else entry for entry in (*state.init_nets, *state.nets)]
     nets = [*state.netdefs(), *(net.Proto() for net in listed)]  # BMUF's global nets too
-    used = {op.inputs[0] for net in nets for op in net.ops if has_trait(op, Trait.DISTRIBUTED)}
+    used = {op.inputs[0] for net in nets for op in net.ops if has_trait(op, Trait.DISTRIBUTED)} - set(state.group_worlds)
     reducer.worlds = [w for w in reducer.worlds if w in used] or reducer.worlds[:1]
     worlds = sorted(used | set(reducer.worlds), key=lambda w: int(w[len(WORLD_PREFIX):]))
     signature, store = model_signature(state), store_of(rendezvous)
     creates = [create_world_op(rendezvous, world, rendezvous.timeout_sec, store, signature if k == 0 else "")
                for k, world in enumerate(worlds)]
+    creates += [create_world_op(rendezvous, world, rendezvous.timeout_sec, store, group=group)
+                for world, group in state.group_worlds.items()]
     init = state.model.param_init_net.Proto()
     first = next((i for i, op in enumerate(init.ops) if has_trait(op, Trait.DISTRIBUTED)), len(init.ops))
     init.ops[first:first] = creates

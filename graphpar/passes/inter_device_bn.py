@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from graphpar.core.ir import NetDef, OperatorDef
 from graphpar.core.naming import stripBlobName
+from graphpar.core.schema import Trait, get_schema, has_trait
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout, make_op
 from graphpar.passes.reducers import DistributedReducer, Reducer, copies
 from graphpar.passes.state import ParallelState
-
-BN_TYPES = ("SpatialBN", "SpatialBNGradient")
 
 
 def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
@@ -78,8 +77,9 @@ def inter_device_batch_norm(netdef: NetDef, reducer: Reducer) -> NetDef:
 
 
 def _is_combinable(op: OperatorDef) -> bool:
-    """A training SpatialBN or SpatialBNGradient that does not have the global statistics yet."""
-    return op.type in BN_TYPES and len(op.inputs) == 5 and not op.args.get("is_test", False)
+    """A training batch norm (`Trait.BATCH_NORM`: SpatialBN, SpatialBNGradient) that does not have the
+    global statistics yet."""
+    return has_trait(op, Trait.BATCH_NORM) and len(op.inputs) == 5 and not op.args.get("is_test", False)
 
 
 def _check_group(netdef: NetDef, index: int, group: list[OperatorDef], layout: DeviceLayout) -> None:
@@ -93,7 +93,7 @@ def _check_group(netdef: NetDef, index: int, group: list[OperatorDef], layout: D
 
 
 def _label(op: OperatorDef) -> str:
-    if op.type in BN_TYPES and not _is_combinable(op):
+    if has_trait(op, Trait.BATCH_NORM) and not _is_combinable(op):
         return f"{op.type} (is_test or already combined)"
     return op.type
 
@@ -101,7 +101,7 @@ def _label(op: OperatorDef) -> str:
 def _combine(group: list[OperatorDef], reducer: Reducer, taken: set[str],
              counts: dict[str, str]) -> list[OperatorDef]:
     """The stats ops and their all-reduce, then the group's ops, edited to read the global stats."""
-    if group[0].type == "SpatialBN":
+    if get_schema(group[0].type).gradient_of is None:  # the forward op
         stats = [make_op("ChannelStats", [op.inputs[0]],
                          [_fresh(f"{op.inputs[0]}_{what}", taken) for what in ("sums", "sumsq", "count")],
                          op.device_option) for op in group]
@@ -134,11 +134,25 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 
 
+BN_GROUP_WORLD = "graphpar_bn_cw"  # the communicator of combine_spatial_bn's group of shards
+
+
 def combine_batch_norm(state: ParallelState) -> None:
-    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`); with
-    `combine_spatial_bn="shard"` over this shard's devices only (the local reducer of a
-    `DistributedReducer`, so num_batches counts this shard's replicas)."""
-    reducer = state.reducer
-    if state.options.combine_spatial_bn == "shard" and isinstance(reducer, DistributedReducer):
+    """`inter_device_batch_norm` on the (interleaved) train net (`combine_spatial_bn`): over every
+    replica of every shard; with "shard", this shard's devices only (the local reducer of a
+    `DistributedReducer`, so num_batches counts this shard's replicas); with groups of shards, the
+    devices of this shard's group (a `DistributedReducer` on communicator `BN_GROUP_WORLD`, recorded in
+    `state.group_worlds` for `passes.distributed` to create over the group alone)."""
+    reducer, combine = state.reducer, state.options.combine_spatial_bn
+    if isinstance(reducer, DistributedReducer) and combine == "shard":
         reducer = reducer.local
+    elif isinstance(reducer, DistributedReducer) and isinstance(combine, tuple):
+        rendezvous = state.options.rendezvous
+        group = next(g for g in combine if rendezvous is not None and rendezvous.shard_id in g)
+        if len(group) == 1:
+            reducer = reducer.local
+        elif len(group) < reducer.num_shards:
+            reducer = DistributedReducer(reducer.local, len(group), 1, reducer.blob_devices, reducer.order)
+            reducer.worlds = [BN_GROUP_WORLD]
+            state.group_worlds[BN_GROUP_WORLD] = group
     inter_device_batch_norm(state.model.net.Proto(), reducer)

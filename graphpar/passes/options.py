@@ -1,18 +1,20 @@
 """Parallelize's options: each declared once, as a field of `ParallelizeOptions` with its default,
 its check and its doc; and the values some of them take (`LossScale`).
 
-`Parallelize`'s signature (after `model_helper_obj`) and the options part of its docstring are made
-from these fields, in order (Caffe2's arguments first, in Caffe2's order), its argument checks run
-from them, and the passes read the checked options as `state.options`. Adding an option is one field
-here and the pass that reads it. A check is `check(value, caller) -> canonical value` and raises
+`Parallelize` writes the same parameters out after `model_helper_obj` (so static tools and IDEs see
+them), with these names, defaults and order (Caffe2's arguments first, in Caffe2's order;
+`tests/passes/test_options.py` checks that they match); the options part of its docstring is made
+from these fields, every argument goes through its field's check, and the passes read the checked
+options as `state.options`. Adding an option is one field here, its parameter in `Parallelize`, and
+the pass that reads it. A check is `check(value, caller) -> canonical value` and raises
 (`ParallelizeError` / `TypeError`, naming the caller and the option) for a bad value; rules that
-relate an option to others or to the machine (devices, the rendezvous engine, default buckets on
-CUDA) are `Parallelize`'s. The module imports nothing from the passes, so every pass can import it.
+relate an option to others or to the machine (which devices exist, the rendezvous's shards and
+engine, default buckets on CUDA, the executor types) are `Parallelize`'s. The module imports nothing
+from the passes, so every pass can import it.
 """
-
 from __future__ import annotations
 
-import inspect
+import operator
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -101,10 +103,12 @@ def blob_names(names: Iterable[str] | None, what: str) -> tuple[str, ...]:
 # ---- checks: (value, caller) -> canonical value --------------------------------------------------
 
 
-def _function(name: str) -> Check:
+def _function(name: str, optional: bool = False) -> Check:
+    """A callable (or, when `optional`, None); TypeError '<caller>: <name> must be a function, got ...'."""
     def check(value: Any, caller: str) -> Any:
-        if not callable(value):
-            raise TypeError(f"{caller}: {name} must be a function, got {type(value).__name__}")
+        if not (callable(value) or (optional and value is None)):
+            raise TypeError(f"{caller}: {name} must be a function{' or None' if optional else ''}, got "
+                            f"{type(value).__name__}")
         return value
     return check
 
@@ -142,14 +146,88 @@ def _positive(name: str, unit: str) -> Check:
     return check
 
 
-def _flag(value: Any, caller: str) -> bool:
-    return bool(value)
+def _flag(name: str) -> Check:
+    """True or False (an int 0 or 1 is taken as one); TypeError for anything else (None, a str, ...)."""
+    def check(value: Any, caller: str) -> bool:
+        if not isinstance(value, int) or value not in (0, 1):
+            raise TypeError(f"{caller}: {name} must be True or False, got {value!r}")
+        return bool(value)
+    return check
 
 
-def _spatial_bn(value: Any, caller: str) -> bool | str:
-    if value not in (True, False, "shard"):
-        raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False or 'shard' (statistics over "
-                               f"this shard's devices only), got {value!r}")
+def _flag_or_none(name: str) -> Check:
+    """None (the option decides), or True or False."""
+    flag = _flag(name)
+    return lambda value, caller: None if value is None else flag(value, caller)
+
+
+def _device_ids(value: Any, caller: str) -> tuple[int, ...] | None:
+    """None (the default devices), or unique int (not bool) device ids >= 0; which exist is Parallelize's."""
+    if value is None:
+        return None
+    try:
+        listed = list(value)
+        if any(isinstance(d, bool) for d in listed):  # True is index 1: [True, False] would be devices 1, 0
+            raise TypeError
+        ids = tuple(operator.index(d) for d in listed)
+    except TypeError:
+        raise TypeError(f"{caller}: devices must be a list of int device ids, got {value!r}") from None
+    if len(set(ids)) != len(ids) or min(ids, default=0) < 0:
+        raise ParallelizeError(f"{caller}: device ids must be unique and >= 0, got {list(ids)}")
+    return ids
+
+
+def _rendezvous(value: Any, caller: str) -> Any:
+    """None, a parsed Rendezvous or Caffe2's dict (its keys and values are checked by `parse_rendezvous`,
+    which may ask torch.distributed, so Parallelize calls it)."""
+    if value is not None and not isinstance(value, (Mapping, Rendezvous)):
+        raise ParallelizeError(f"{caller}: rendezvous must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _net_type(value: Any, caller: str) -> str:
+    """A non-empty str (which executors exist is the executor registry's; Parallelize asks it)."""
+    if not isinstance(value, str) or not value:
+        raise ParallelizeError(f"{caller}: net_type must be the name of an executor type, got {value!r}")
+    return value
+
+
+BnGroups = tuple[tuple[int, ...], ...]
+
+
+def _spatial_bn(value: Any, caller: str) -> bool | str | BnGroups:
+    """True, False, "shard", or groups of shards: a list of lists of shard ids (torch.distributed's
+    `new_group` ranks), or a torch.distributed ProcessGroup (its ranks are this shard's group)."""
+    if isinstance(value, (bool, str)) or (isinstance(value, int) and value in (0, 1)):
+        if value not in (True, False, "shard"):
+            raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False, 'shard' or groups of shard "
+                                   f"ids, got {value!r}")
+        return value
+    if _is_process_group(value):
+        import torch.distributed as dist
+
+        value = [dist.get_process_group_ranks(value)]
+    try:
+        groups = tuple(tuple(int(_shard_id(r)) for r in group) for group in value)
+    except (TypeError, ValueError):
+        raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False, 'shard' (statistics over this "
+                               f"shard's devices only), a list of groups of shard ids (as torch.distributed."
+                               f"new_group's ranks, e.g. [[0, 1], [2, 3]]) or a torch ProcessGroup, got "
+                               f"{value!r}") from None
+    ids = [r for group in groups for r in group]
+    if not groups or not all(groups) or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ParallelizeError(f"{caller}: combine_spatial_bn's groups must be non-empty groups of distinct shard "
+                               f"ids >= 0, each shard in one group at most, got {value!r}")
+    return groups
+
+
+def _is_process_group(value: Any) -> bool:
+    return type(value).__name__ == "ProcessGroup" and type(value).__module__.startswith("torch")
+
+
+def _shard_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
     return value
 
 
@@ -199,26 +277,31 @@ class ParallelizeOptions:
     """Parallelize's options after checking (see the module docstring); built by name."""
 
     input_builder_fun: Builder = option(_REQUIRED, """
-        `f(model)`, per device, inside the device's scopes (may add nothing).""", _function("input_builder_fun"))
+        `f(model)`, per device, inside the device's scopes (may add nothing).""",
+        _function("input_builder_fun"))
     forward_pass_builder_fun: Builder = option(_REQUIRED, """
         `f(model, loss_scale) -> [loss, ...]`, per device, scoped; the user multiplies each loss by
         `loss_scale` = 1/len(devices). Training needs a list of BlobReferences.""",
         _function("forward_pass_builder_fun"))
     param_update_builder_fun: Builder | None = option(None, """
-        `f(model)` per device, scoped: records that replica's updates.""")
+        `f(model)` per device, scoped: records that replica's updates.""",
+        _function("param_update_builder_fun", optional=True))
     optimizer_builder_fun: Builder | None = option(None, """
         `f(model)` once, unscoped (e.g. `optimizer.build_sgd`); its result is kept as `model._optimizer`.
-        At most one of the two update builders; none = forward only.""")
+        At most one of the two update builders; none = forward only.""",
+        _function("optimizer_builder_fun", optional=True))
     post_sync_builder_fun: Builder | None = option(None, """
-        `f(model)` per device, scoped, after the initial sync was added.""")
+        `f(model)` per device, scoped, after the initial sync was added.""",
+        _function("post_sync_builder_fun", optional=True))
     pre_grad_net_transformer_fun: Builder | None = option(None, """
-        `f(model)` once, before the gradient ops are added.""")
+        `f(model)` once, before the gradient ops are added.""",
+        _function("pre_grad_net_transformer_fun", optional=True))
     net_transformer_fun: Builder | None = option(None, """
         `f(model, num_devices, prefix, device_type)` exactly once, after the gradient ops (train and test
-        models alike).""")
+        models alike).""", _function("net_transformer_fun", optional=True))
     devices: tuple[int, ...] | None = option(None, """
         device ids (need not start at 0); default all CUDA devices, or `os.cpu_count()` CPU devices with
-        `cpu_device`.""")
+        `cpu_device`.""", _device_ids)
     rendezvous: Rendezvous | None = option(None, """
         train over several processes (shards, on one machine or many), each owning `devices`: Caffe2's
         dict `{"shard_id", "num_shards", "engine": "GLOO"|"NCCL", "kv_handler", ...}` (engine default:
@@ -230,43 +313,47 @@ class ParallelizeOptions:
         FinalizeAfterCheckpoint broadcast from shard 0's first device (average_computed_params averages
         over every replica of every shard). `RunInitNet` checks that every shard built the same model and
         ends at a barrier; combine_spatial_bn uses the statistics of every shard's batch; sparse gradients
-        are gathered across shards (`Allgather`). Not with shared_model.""")
+        are gathered across shards (`Allgather`). Not with shared_model.""", _rendezvous)
     net_type: str = option("dag", """
-        the train net's executor type.""")
+        the train net's executor type.""", _net_type)
     broadcast_computed_params: bool = option(True, """
-        copy computed params (BN running stats) from the first device to the others every iteration.""")
+        copy computed params (BN running stats) from the first device to the others every iteration.""",
+        _flag("broadcast_computed_params"))
     optimize_gradient_memory: bool = option(False, """
         each replica's gradient blobs whose lifetimes do not overlap share one name (Caffe2's memonger,
         `passes.memonger`), so a step holds fewer of them; param gradients are never shared. Same results;
-        may be combined with dynamic_memory_management (Caffe2 refused the combination).""")
+        may be combined with dynamic_memory_management (Caffe2 refused the combination).""",
+        _flag("optimize_gradient_memory"))
     dynamic_memory_management: bool = option(False, """
         the train net frees every intermediate right after its last use within a step and keeps only
         persistent blobs (params, optimizer state, fed inputs, counters), each replica's losses and
         `blobs_to_keep` (see `graphpar.executor.frame`); fetching a freed blob afterwards raises an error
-        naming the option. Same results.""")
+        naming the option. Same results.""", _flag("dynamic_memory_management"))
     blobs_to_keep: tuple[str, ...] = option(None, """
         unscoped names kept on every replica under dynamic_memory_management.""", _names("blobs_to_keep"))
     use_nccl: bool = option(False, """
-        all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.""")
+        all-reduce CUDA gradients with `NCCLAllreduce` instead of a Sum tree.""", _flag("use_nccl"))
     max_concurrent_distributed_ops: int = option(16, """
         with a rendezvous, the communicators cross-shard collectives take turns on: up to that many are in
         flight at once (an int >= 1).""", _int("max_concurrent_distributed_ops", 1))
     cpu_device: bool = option(False, """
-        replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.""")
+        replicas `cpu_<id>` on the CPU instead of `gpu_<id>` on CUDA.""", _flag("cpu_device"))
     ideep: bool = option(False, """
         Caffe2's MKL-DNN CPU devices; here the same as `cpu_device=True` (torch's CPU kernels use oneDNN
-        themselves), replicas named `cpu_<id>`.""")
+        themselves), replicas named `cpu_<id>`.""", _flag("ideep"))
     num_threads_per_device: int = option(4, """
         `num_workers = len(devices) * num_threads_per_device` for the train net's executor.""",
         _int("num_threads_per_device", 1))
     shared_model: bool = option(False, """
-        CPU only: every replica reads the first device's params (one copy updated).""")
-    combine_spatial_bn: bool | str = option(False, """
+        CPU only: every replica reads the first device's params (one copy updated).""", _flag("shared_model"))
+    combine_spatial_bn: bool | str | BnGroups = option(False, """
         training batch norm uses the statistics of the whole global batch (interleaved replicas,
         per-device sums and value counts all-reduced, so devices fed batches of different sizes still get
         the whole batch's statistics); forward-only models ignore it. "shard": the statistics of this
-        shard's devices only (SyncBatchNorm with a process group of one process), the gradients still
-        all-reduced over every shard.""", _spatial_bn)
+        shard's devices only (SyncBatchNorm with a process group of one process); groups of shards
+        (`[[0, 2], [1, 3]]`, as torch.distributed.new_group's ranks, or a torch ProcessGroup as
+        SyncBatchNorm's process_group): the statistics of the devices of this shard's group; the
+        gradients are all-reduced over every shard either way.""", _spatial_bn)
     barrier_net_timeout_sec: float = option(300, """
         with a rendezvous, how long RunInitNet's barrier waits for the others.""", _seconds)
     static_shapes: bool = option(False, """
@@ -275,7 +362,7 @@ class ParallelizeOptions:
         engine may compile the step for those shapes, and running them refuses a fed input whose shape or
         dtype differs from the one it had at CreateNet (or, fed later, at the first run): a ValueError
         naming the blob, before anything changes. Feed full batches (a loader's `drop_last=True`).""",
-        _flag)
+        _flag("static_shapes"))
     gradient_bucket_bytes: int | None = option(None, """
         None (default): on real CUDA devices buckets of DDP's default 25 MiB (`bucket_cap_mb=25`, the
         first bucket 1 MiB; each gradient on its own when a param's size cannot be told), elsewhere (CPU
@@ -297,12 +384,12 @@ class ParallelizeOptions:
     average_computed_params: bool = option(False, """
         instead (whatever broadcast_computed_params says), replace every replica's computed params by their
         mean over the replicas every iteration (all-reduce, then Scale by 1/N), at the same place in the
-        net. Off by default, as in Caffe2.""")
+        net. Off by default, as in Caffe2.""", _flag("average_computed_params"))
     uneven_batches: bool = option(False, """
         allow `graphpar.data.feed` to give devices chunks of different sizes (a batch that is not a
         multiple of the device count): each replica's loss gradient is multiplied by its fed
         `_batch_weight` blob, N·n_d/n, so the gradients are those of the whole batch. `feed` must then
-        feed every step (the train net reads the blob).""", _flag)
+        feed every step (the train net reads the blob).""", _flag("uneven_batches"))
     check_finite_loss: bool | None = option(None, """
         stop every step whose loss is NaN or infinite before it updates anything: a `CheckFinite` op per
         replica on its losses (placed before the gradients) makes RunNet raise an OperatorError naming
@@ -310,7 +397,7 @@ class ParallelizeOptions:
         device sync per replica and step), so the default (None) is on for training CPU replicas, where
         that costs a few µs per step (docs/errors.md), and off on CUDA, where the sync would stall the
         step's queue, and for models without an optimizer (an evaluation reports a NaN loss); pass True
-        or False to choose. See docs/errors.md.""")
+        or False to choose. See docs/errors.md.""", _flag_or_none("check_finite_loss"))
     accumulate_gradients: int = option(1, """
         k >= 1 micro-batches per update (DDP's `no_sync`): `model._accumulate_net` runs forward and
         backward and adds the gradients to running sums (no all-reduce); the train net adds its own
@@ -322,10 +409,10 @@ class ParallelizeOptions:
         device: the other replicas' params, optimizer state and summed gradients become aliases of the
         first device's tensors (no copies, no repeated updates; see `graphpar.passes.cpu_update_once`).
         Same results, bit for bit; a value fed to one replica's param or state alone is replaced by the
-        first device's at the next step. Ignored on CUDA and across shards.""", _flag)
+        first device's at the next step. Ignored on CUDA and across shards.""", _flag("cpu_update_once"))
     cuda_graph: bool = option(False, """
         capture the whole train step in a CUDA graph after warm-up and replay it on every RunNet (net type
-        "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""")
+        "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""", _flag("cuda_graph"))
     compute_dtype: str | None = option(None, """
         "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
         docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
@@ -342,7 +429,7 @@ class ParallelizeOptions:
     channels_last: bool = option(False, """
         keep an NCHW model's activations in torch.channels_last memory format (cuDNN's fast path): the
         input of the first Conv is converted once, and no conversion is left between consecutive convs
-        (`graphpar.passes.channels_last`). Same values and shapes.""", _flag)
+        (`graphpar.passes.channels_last`). Same values and shapes.""", _flag("channels_last"))
     allreduce_dtype: str | None = option(None, """
         "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype (half the bytes, as
         DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
@@ -375,13 +462,6 @@ def checked(values: Mapping[str, Any], caller: str) -> dict[str, Any]:
         value = values[f.name] if f.name in values or f.default is MISSING else f.default
         options[f.name] = value if f.metadata["check"] is None else f.metadata["check"](value, caller)
     return options
-
-
-def parameters() -> list[inspect.Parameter]:
-    """Parallelize's parameters after `model_helper_obj`, from the declarations."""
-    return [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                              default=inspect.Parameter.empty if f.default is MISSING else f.default)
-            for f in declared()]
 
 
 def args_doc(indent: str = "        ", width: int = 108) -> str:

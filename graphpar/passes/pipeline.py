@@ -157,6 +157,8 @@ FINISH = (
     Pass("free_intermediates", finish.free_intermediates, _option("dynamic_memory_management")),
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
+    Pass("check_finite_across_shards", check_losses.check_finite_across_shards,
+         lambda s: s.training and s.options.check_finite_loss and s.options.num_shards > 1),
     Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.training and s.options.num_shards > 1),
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),

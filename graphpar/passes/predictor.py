@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
+from graphpar.core.schema import get_schema, stops_gradient
 
 
 def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[str],
@@ -15,8 +16,9 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
     Input: a train net whose forward ops read `inputs` and write `outputs`. Guarantees: a new NetDef
     `<net>_predict` with the forward ops (no gradient ops) from the first op reading an input to the
     last op writing an output whose inputs are all known (inputs, the net's external inputs, or
-    earlier outputs), a SoftmaxWithLoss whose loss is unused replaced by its Softmax (so labels are
-    neither read nor listed), placed on `device` if given and with blobs renamed through `renames`;
+    earlier outputs), an op whose outputs its registration's `predict_as` names are unused replaced by
+    the op it names (a SoftmaxWithLoss whose loss is unused by its Softmax, so labels are neither read
+    nor listed), placed on `device` if given and with blobs renamed through `renames`;
     and the list of blobs (renamed) the predictor needs besides `inputs` (its params), in first-use order.
 
     Raises:
@@ -25,8 +27,7 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
     """
     inputs, outputs = [str(b) for b in inputs], [str(b) for b in outputs]
     ops = [op for op in net.ops if not op.is_gradient_op]
-    start = next((i for i, op in enumerate(ops) if set(inputs) & set(op.inputs) and op.type != "StopGradient"),
-                 None)
+    start = next((i for i, op in enumerate(ops) if set(inputs) & set(op.inputs) and not stops_gradient(op)), None)
     stop = max((i for i, op in enumerate(ops) if set(outputs) & set(op.outputs)), default=None)
     if start is None or stop is None:
         raise ValueError(f"net {net.name!r}: no op reads {inputs} or none writes {outputs}")
@@ -41,12 +42,20 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
 
 
 def _without_losses(ops: list[OperatorDef], outputs: list[str]) -> list[OperatorDef]:
-    """A SoftmaxWithLoss whose loss nothing in the predictor uses becomes the Softmax it computes, so
-    the predictor neither reads nor lists the labels only the loss needed."""
+    """Each op whose `predict_as` outputs nothing in the predictor reads becomes the op it names (a
+    SoftmaxWithLoss whose loss is unused becomes the Softmax it computes), so the predictor neither
+    reads nor lists the inputs (labels) only those outputs needed."""
     read = set(outputs).union(*(op.inputs for op in ops))
-    return [OperatorDef("Softmax", [op.inputs[0]], [op.outputs[0]], {"axis": op.args.get("axis", 1)},
-                        op.device_option, op.name, op.engine, list(op.control_inputs), source=op.source)
-            if op.type == "SoftmaxWithLoss" and op.outputs[1] not in read else op for op in ops]
+    return [_predicted(op, read) for op in ops]
+
+
+def _predicted(op: OperatorDef, read: set[str]) -> OperatorDef:
+    rule = get_schema(op.type).predict_as
+    if rule is None or any(i < len(op.outputs) and op.outputs[i] in read for i in rule.unused):
+        return op
+    return OperatorDef(rule.type, [op.inputs[i] for i in rule.inputs], [op.outputs[i] for i in rule.outputs],
+                       {name: op.args[name] for name in rule.args if name in op.args}, op.device_option, op.name,
+                       op.engine, list(op.control_inputs), source=op.source)
 
 
 def _check_test_mode(op: OperatorDef, net_name: str) -> None:

@@ -46,7 +46,10 @@ class ParallelState:
     init_nets: list[Any] = field(default_factory=list)
     nets: list[Any] = field(default_factory=list)
     accumulate_net: Any = None  # accumulate_gradients > 1: forward, backward and the running sums
+    reset_accumulated_net: Any = None  # accumulate_gradients > 1: the running sums made zeros again
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
+    # communicators over a group of shards only (combine_spatial_bn's groups): blob -> the group's shard ids
+    group_worlds: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def training(self) -> bool:

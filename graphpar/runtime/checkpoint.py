@@ -15,6 +15,10 @@ header key) is refused before the file is touched.
 the target and the directory fsynced), so a crash never leaves a truncated file under the final name; an
 existing target keeps its permission bits. `load` reads and checks everything before it feeds a single
 blob, so a bad file changes nothing.
+
+Both read an unscoped name that the workspace (on save) or the file (on load) lacks from the first
+replica's blob of that name (`fc_w` from `cpu_0/fc_w`, `core.naming.first_replica_blobs`): the names
+`data_parallel_model.ExtractPredictorNet` gives a predictor's params.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 from safetensors.torch import save as serialize
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption
-from graphpar.core.naming import OPTIMIZER_ITERATION, device_scope_name, parse_device_scope, stripBlobName
+from graphpar.core.naming import (OPTIMIZER_ITERATION, device_scope_name, first_replica_blobs, parse_device_scope,
+                                  stripBlobName)
 from graphpar.errors import CheckpointError
 from graphpar.ops.db import FORMAT_VERSION, HEADER_KEY, checksum, read_file
 from graphpar.passes.model_state import first_device_scope
@@ -92,12 +97,14 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
 
     Args:
         path: the file to (over)write.
-        blobs: blob names (e.g. `data_parallel_model.GetCheckpointParams(model)`).
+        blobs: blob names (e.g. `data_parallel_model.GetCheckpointParams(model)`); an unscoped name the
+            workspace lacks is saved, under that name, from the first replica's blob (see the module).
         workspace: a Workspace, a workspace name, or None for the current workspace.
         metadata: JSON-serialisable user data stored in the file.
 
     Raises:
-        CheckpointError: a named blob does not exist (nothing is written).
+        CheckpointError: a named blob does not exist, or an unscoped name is held by both CPU and GPU
+            replicas (nothing is written).
         KeyError: `workspace` names a workspace that does not exist.
         TypeError: `blobs` is a single string, or `metadata` is not JSON-serialisable.
         OSError: the file could not be written (the previous file, if any, is left intact).
@@ -107,11 +114,12 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
     if _RESERVED in names:
         raise CheckpointError(f"checkpoint.save({os.fspath(path)!r}): a blob named {_RESERVED!r} cannot be "
                               f"saved (safetensors reserves the name); rename the blob")
-    missing = [n for n in names if not ws.has_blob(n)]
+    sources = _sources(names, ws.blobs, f"checkpoint.save({os.fspath(path)!r})")
+    missing = [n for n in names if not ws.has_blob(sources[n])]
     if missing:
         raise CheckpointError(f"checkpoint.save({os.fspath(path)!r}): blobs {missing} do not exist in the "
                               f"workspace; run the init net first or check the names")
-    tensors = {n: _host_copy(ws.fetch_tensor(n)) for n in names}
+    tensors = {n: _host_copy(ws.fetch_tensor(sources[n])) for n in names}
     iteration = tensors.get(OPTIMIZER_ITERATION)
     header = {"format_version": FORMAT_VERSION, "blobs": names,
               "iteration": None if iteration is None else int(iteration.reshape(-1)[0]),
@@ -123,6 +131,16 @@ def save(path: str | os.PathLike[str], blobs: Iterable[str], workspace: Workspac
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint.save: metadata must be JSON-serialisable: {exc}") from None
     _atomic_write(os.fspath(path), serialize(tensors, metadata={HEADER_KEY: text}))
+
+
+def _sources(names: list[str], available: Iterable[str], what: str) -> dict[str, str]:
+    """{name: the blob it is read from}: itself, or for an unscoped name `available` lacks, its first
+    replica's blob (core.naming.first_replica_blobs)."""
+    try:
+        found = first_replica_blobs(names, available)
+    except ValueError as exc:
+        raise CheckpointError(f"{what}: {exc}") from None
+    return {n: found.get(n, n) for n in names}
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -167,7 +185,9 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
 
     Args:
         path: a file written by `save`.
-        blobs: the names to load, as in the file (default: every blob in the file).
+        blobs: the names to load, as in the file (default: every blob in the file); an unscoped name the
+            file lacks is read from the file's first replica's blob and fed under the unscoped name (see
+            the module): `load(path, params)` with the params of a predictor from ExtractPredictorNet.
         workspace: a Workspace, a workspace name, or None for the current workspace.
         model: a parallelized model to resume: the file's replica-scoped blobs (`gpu_0/fc_w`, saved
             with any first device of any type) are fed under the model's first device's scope
@@ -175,8 +195,9 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
 
     Raises:
         CheckpointError: the file is unreadable, corrupt or of another format version; a requested blob
-            is not in it; a tensor's shape or dtype differs from the existing blob of the same name; or,
-            with `model`, the blobs come from several replica scopes.
+            is not in it; an unscoped name is held by both CPU and GPU replicas in it; a tensor's shape or
+            dtype differs from the existing blob of the same name; or, with `model`, the blobs come from
+            several replica scopes.
         KeyError: `workspace` names a workspace that does not exist.
         TypeError: `blobs` is a single string.
         ParallelizeError: `model` was not parallelized.
@@ -185,6 +206,8 @@ def load(path: str | os.PathLike[str], blobs: Iterable[str] | None = None,
     ws = _workspace(workspace)
     header, data = read_file(path)
     names = list(header["blobs"]) if blobs is None else _names(blobs, "load")
+    sources = _sources(names, data, f"checkpoint {path!r}")
+    data = {n: data[sources[n]] for n in names if sources[n] in data}
     absent = [n for n in names if n not in data]
     if absent:
         raise CheckpointError(f"checkpoint {path!r} has no blobs {absent}; it holds {header['blobs']}")

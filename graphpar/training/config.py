@@ -68,14 +68,19 @@ def _defaults() -> CfgNode:
     c.SOLVER.MOMENTUM = 0.9
     c.SOLVER.NESTEROV = False
     c.SOLVER.WEIGHT_DECAY = 0.0001
-    c.SOLVER.LR_SCHEDULER_NAME = "WarmupMultiStepLR"  # or "WarmupCosineLR"
+    c.SOLVER.LR_SCHEDULER_NAME = "WarmupMultiStepLR"  # or "WarmupCosineLR", "WarmupStepWithFixedGammaLR"
     c.SOLVER.STEPS = (30000,)
     c.SOLVER.GAMMA = 0.1
+    c.SOLVER.NUM_DECAYS = 3  # WarmupStepWithFixedGammaLR: GAMMA ** k over NUM_DECAYS + 1 equal parts
     c.SOLVER.MAX_ITER = 40000
+    c.SOLVER.BASE_LR_END = 0.0  # WarmupCosineLR's LR at MAX_ITER
     c.SOLVER.WARMUP_FACTOR = 1.0 / 1000
     c.SOLVER.WARMUP_ITERS = 1000
     c.SOLVER.WARMUP_METHOD = "linear"  # or "constant"
+    c.SOLVER.RESCALE_INTERVAL = False  # the schedule restarts its clock when the warmup ends
     c.SOLVER.CHECKPOINT_PERIOD = 5000
+    c.SOLVER.AMP = CfgNode()
+    c.SOLVER.AMP.ENABLED = False  # mixed precision (AMPTrainer): float16 + dynamic loss scale on GPUs, bf16 on CPUs
     c.SOLVER.REFERENCE_WORLD_SIZE = 0  # devices IMS_PER_BATCH and BASE_LR were tuned for (0: do not scale)
 
     c.TEST = CfgNode()

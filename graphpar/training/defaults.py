@@ -10,7 +10,8 @@
 Every part comes from a classmethod a subclass overrides: `build_model` (the parallelized model, from
 `MODEL_REGISTRY[cfg.MODEL.META_ARCHITECTURE]`, on this process's devices), `build_optimizer` (SGD with
 momentum and weight decay, the LR multiplied by the scheduler through `lr_injection`),
-`build_lr_scheduler` (Detectron2's warmup + multi-step or cosine multiplier of BASE_LR),
+`build_lr_scheduler` (Detectron2's warmup + multi-step, cosine or fixed-gamma multiplier of BASE_LR),
+`precision_options` (SOLVER.AMP.ENABLED: mixed precision, float16 on GPUs and bfloat16 on CPUs),
 `build_train_loader` / `build_test_loader` (`graphpar.loaders` over DATASETS.TRAIN / TEST with
 `mapper`), `build_evaluator` and `test`. `SOLVER.IMS_PER_BATCH` is the global batch over every device
 of every process; with `SOLVER.REFERENCE_WORLD_SIZE` the config is first scaled to the device count
@@ -21,10 +22,8 @@ the optimizer state and `state_dict()`: the iteration, the scheduler and the hoo
 from __future__ import annotations
 
 import argparse
-import bisect
 import functools
 import logging
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from graphpar.training.evaluation import (
     inference_on_dataset,
 )
 from graphpar.training.loaders import DatasetCatalog, build_test_loader, build_train_loader
+from graphpar.training.lr_schedules import LRMultiplier
 
 __all__ = ["MODEL_REGISTRY", "DefaultTrainer", "LRMultiplier", "default_argument_parser", "default_mapper",
            "devices_of"]
@@ -89,49 +89,6 @@ def default_mapper(sample: Mapping[str, Any]) -> dict[str, Any] | None:
     if sample.get("image") is None:
         return None
     return {"data": np.asarray(sample["image"], dtype=np.float32), "label": np.int32(sample["label"])}
-
-
-class LRMultiplier:
-    """BASE_LR's multiplier at an iteration, as Detectron2's `WarmupParamScheduler` over a multi-step
-    (`WarmupMultiStepLR`: GAMMA ** (steps passed)) or cosine (`WarmupCosineLR`: (1 + cos(pi t / T)) / 2)
-    schedule: during the first `warmup_iters` iterations also times the warmup factor, linear from
-    `warmup_factor` to 1 (or constant `warmup_factor`). Stateless in the iteration: `state_dict` keeps
-    its settings and the last iteration asked for, `load_state_dict` checks and restores them."""
-
-    def __init__(self, name: str, max_iter: int, steps: tuple = (), gamma: float = 0.1,
-                 warmup_factor: float = 0.001, warmup_iters: int = 0, warmup_method: str = "linear") -> None:
-        if name not in ("WarmupMultiStepLR", "WarmupCosineLR"):
-            raise ValueError(f"SOLVER.LR_SCHEDULER_NAME must be WarmupMultiStepLR or WarmupCosineLR, got {name!r}")
-        if warmup_method not in ("linear", "constant"):
-            raise ValueError(f"SOLVER.WARMUP_METHOD must be 'linear' or 'constant', got {warmup_method!r}")
-        if list(steps) != sorted(steps):
-            raise ValueError(f"SOLVER.STEPS must be increasing, got {tuple(steps)}")
-        self.settings = {"name": name, "max_iter": max_iter, "steps": list(steps), "gamma": gamma,
-                         "warmup_factor": warmup_factor, "warmup_iters": warmup_iters, "warmup_method": warmup_method}
-        self.last_iter = -1
-
-    def __call__(self, iteration: int) -> float:
-        s = self.settings
-        self.last_iter = iteration
-        if s["name"] == "WarmupMultiStepLR":
-            value = s["gamma"] ** bisect.bisect_right(s["steps"], iteration)
-        else:
-            value = 0.5 * (1.0 + math.cos(math.pi * min(iteration, s["max_iter"]) / s["max_iter"]))
-        if iteration < s["warmup_iters"]:
-            alpha = iteration / s["warmup_iters"]
-            factor = s["warmup_factor"] * (1 - alpha) + alpha if s["warmup_method"] == "linear" else s["warmup_factor"]
-            value *= factor
-        return value
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.settings, "last_iter": self.last_iter}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        settings = {k: v for k, v in state.items() if k != "last_iter"}
-        if settings != self.settings:
-            log.warning("LRMultiplier: the checkpoint's schedule %s differs from the config's %s; using the config's",
-                        settings, self.settings)
-        self.last_iter = int(state["last_iter"])
 
 
 class _Checkpointer(PeriodicCheckpointer):
@@ -186,8 +143,22 @@ class DefaultTrainer(Trainer):
         model = ModelHelper(name=f"{name}_train")
         dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                         optimizer_builder_fun=lambda m: cls.build_optimizer(cfg, m), devices=devices, cpu_device=cpu,
-                        rendezvous=rendezvous)
+                        rendezvous=rendezvous, **cls.precision_options(cfg, cpu))
         return model
+
+    @classmethod
+    def precision_options(cls, cfg: CfgNode, cpu: bool) -> dict[str, Any]:
+        """Parallelize's mixed-precision options for SOLVER.AMP.ENABLED (Detectron2's AMPTrainer, which
+        needs CUDA): on CUDA devices float16 with torch.amp.GradScaler's dynamic loss scale (a step whose
+        gradients overflow is skipped and the scale halves); on CPU devices bfloat16, which needs no
+        loss scale (it has float32's range; CPU float16 kernels are slow). None of them when AMP is off.
+        The evaluation model computes in float32."""
+        if not cfg.SOLVER.AMP.ENABLED:
+            return {}
+        options = {"compute_dtype": "bfloat16"} if cpu else {"compute_dtype": "float16", "loss_scale": "dynamic"}
+        log.info("SOLVER.AMP.ENABLED: training in %s%s", options["compute_dtype"],
+                 "" if cpu else " with a dynamic loss scale")
+        return options
 
     @classmethod
     def build_optimizer(cls, cfg: CfgNode, model: ModelHelper) -> Any:
@@ -199,9 +170,11 @@ class DefaultTrainer(Trainer):
 
     @classmethod
     def build_lr_scheduler(cls, cfg: CfgNode) -> LRMultiplier:
+        """Detectron2's `build_lr_scheduler`: BASE_LR's multiplier per iteration (`training.lr_schedules`)."""
         s = cfg.SOLVER
         return LRMultiplier(s.LR_SCHEDULER_NAME, s.MAX_ITER, tuple(s.STEPS), s.GAMMA, s.WARMUP_FACTOR,
-                            s.WARMUP_ITERS, s.WARMUP_METHOD)
+                            s.WARMUP_ITERS, s.WARMUP_METHOD, end_value=s.BASE_LR_END / s.BASE_LR,
+                            num_decays=s.NUM_DECAYS, rescale_interval=s.RESCALE_INTERVAL)
 
     @classmethod
     def build_train_loader(cls, cfg: CfgNode) -> Any:

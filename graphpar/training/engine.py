@@ -564,6 +564,8 @@ class Trainer:
 
         With `Parallelize(accumulate_gradients=k)`, first k - 1 micro-batches each through the
         accumulate net (no all-reduce, no update); the losses recorded are the micro-batches' mean.
+        A step that raises (a NaN loss, say) drops the micro-batches it accumulated, so the next one
+        starts from zero sums.
         The loss tensors stay on their devices until `record_losses` (every `record_period` iterations
         and at `max_iter`). Under a rendezvous the losses are every shard's (one all-gather per
         recording), so every shard records the same values, which equal one process's on the whole batch.
@@ -571,15 +573,19 @@ class Trainer:
         state = self.model._parallel
         micro = state.accumulate_net
         held: list[tuple[list[list[torch.Tensor]], list[int]]] = []
-        for _ in range(state.options.accumulate_gradients - 1):
-            fed = feed(self.model, self._next_batch())
-            if micro.Proto().name not in workspace.get_workspace().nets:
-                workspace.CreateNet(micro)
-            workspace.RunNet(micro)
-            held.append((self._loss_tensors(), list(fed.sizes)))
-        fed = self.last_fed = feed(self.model, self._next_batch())
-        skipped = dpm.skipped_steps(self.model)
-        dpm.RunNet(self.model, 1)
+        try:
+            for _ in range(state.options.accumulate_gradients - 1):
+                fed = feed(self.model, self._next_batch())
+                if micro.Proto().name not in workspace.get_workspace().nets:
+                    workspace.CreateNet(micro)
+                workspace.RunNet(micro)
+                held.append((self._loss_tensors(), list(fed.sizes)))
+            fed = self.last_fed = feed(self.model, self._next_batch())
+            skipped = dpm.skipped_steps(self.model)
+            dpm.RunNet(self.model, 1)
+        except BaseException:
+            dpm.reset_accumulated_gradients(self.model)  # the step's micro-batches made no update: drop them
+            raise
         if dpm.skipped_steps(self.model) == skipped:  # else a loss-scaled step whose gradients overflowed: no loss
             held.append((self._loss_tensors(), list(fed.sizes)))
             self._unrecorded.append((self.iter, held))

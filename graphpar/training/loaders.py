@@ -15,13 +15,16 @@ every W-th index from r on, so the processes together draw the one global order 
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch.utils.data as torchdata
 
 from graphpar.parallel import comm
@@ -54,27 +57,66 @@ DatasetCatalog = _Catalog()
 
 
 class DatasetFromList(torchdata.Dataset):
-    """A map-style dataset over a list (copied per item when `copy`, so a mapper may change its dict)."""
+    """A map-style dataset over a list, as Detectron2's.
 
-    def __init__(self, items: Sequence[Any], copy: bool = True) -> None:
-        self._items, self._copy = list(items), copy
+    `serialize` (default) pickles every item into one byte buffer (Detectron2's `NumpySerializedList`):
+    each `dataset[i]` is a fresh object, a deep copy, so a mapper may edit what it gets in place, and
+    DataLoader workers share one buffer instead of touching every item's reference count. Without it,
+    `copy` deep-copies each item (`copy.deepcopy`); with neither, the item itself comes back.
+
+    Raises:
+        TypeError: an item cannot be pickled (with `serialize`; pass serialize=False).
+    """
+
+    def __init__(self, items: Sequence[Any], copy: bool = True, serialize: bool = True) -> None:
+        self._copy, self._serialize = copy, bool(serialize)
+        self._items: Any = _SerializedList(items) if self._serialize else list(items)
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, index: int) -> Any:
         item = self._items[index]
-        return dict(item) if self._copy and isinstance(item, dict) else item
+        return copy.deepcopy(item) if self._copy and not self._serialize else item
+
+
+class _SerializedList:
+    """A list kept as its items' pickles, end to end in one uint8 array (item i: bytes ends[i-1]:ends[i])."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        pickles = []
+        for k, item in enumerate(items):
+            try:
+                pickles.append(np.frombuffer(pickle.dumps(item, protocol=-1), dtype=np.uint8))
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise TypeError(f"DatasetFromList: item {k} cannot be pickled ({exc}); pass serialize=False") from None
+        self._ends = np.cumsum([len(p) for p in pickles], dtype=np.int64)
+        self._bytes = np.concatenate(pickles) if pickles else np.zeros(0, np.uint8)
+        log.debug("DatasetFromList: %d items serialized into %.2f MiB", len(pickles), self._bytes.nbytes / 2**20)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int) -> Any:
+        index = range(len(self._ends))[index]  # IndexError as a list's, negative indices too
+        start = int(self._ends[index - 1]) if index else 0
+        return pickle.loads(memoryview(self._bytes[start:int(self._ends[index])]))
 
 
 class MapDataset(torchdata.Dataset):
     """`map_func` over a dataset. A sample it maps to None (a failed read, an image without boxes) is
     replaced by another one, as Detectron2 does: first retried, then a random other index (seeded),
-    warning every 3 failures in a row; more than `max_retries` in a row raise.
+    warning every 3 failures in a row; more than `max_retries` in a row raise. Over an iterable
+    dataset, the samples are mapped in order and those mapped to None are left out (Detectron2's).
 
     Raises:
         RuntimeError: `max_retries` consecutive samples failed (naming the last index).
     """
+
+    def __new__(cls, dataset: Any, map_func: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(dataset, torchdata.IterableDataset):  # Detectron2: mapped in order, None dropped
+            return _MapIterableDataset(dataset, map_func)
+        return super().__new__(cls)
 
     def __init__(self, dataset: Any, map_func: Callable[[Any], Any], max_retries: int = 100, seed: int = 42) -> None:
         self._dataset, self._map_func, self._max_retries = dataset, map_func, max_retries
@@ -102,26 +144,51 @@ class MapDataset(torchdata.Dataset):
                            f"{index}); the mapper fails on every sample it tried")
 
 
+class _MapIterableDataset(torchdata.IterableDataset):
+    """`MapDataset` of an iterable dataset: each sample mapped in order, those mapped to None left out."""
+
+    def __init__(self, dataset: Any, map_func: Callable[[Any], Any]) -> None:
+        self._dataset, self._map_func = dataset, map_func
+
+    def __iter__(self) -> Iterator[Any]:
+        return (data for data in map(self._map_func, self._dataset) if data is not None)
+
+
 class ToIterableDataset(torchdata.IterableDataset):
     """An iterable dataset from a map-style `dataset` and a `sampler` of its indices. With DataLoader
-    workers, worker w of K takes the sampler's w-th, (w+K)-th, ... index (when `shard_sampler`), so
-    the workers together yield each index once, in the sampler's order per worker."""
+    workers (when `shard_sampler`), worker w of K takes the sampler's chunks w, w + K, w + 2K, ... of
+    `shard_chunk_size` indices, so the workers together yield each index once; with the chunk the
+    DataLoader's batch size, batch k is the sampler's k-th chunk however many workers there are (the
+    DataLoader takes batches from the workers in turn), as Detectron2's."""
 
-    def __init__(self, dataset: Any, sampler: Any, shard_sampler: bool = True) -> None:
+    def __init__(self, dataset: Any, sampler: Any, shard_sampler: bool = True, shard_chunk_size: int = 1) -> None:
         if isinstance(dataset, torchdata.IterableDataset):
             raise TypeError("ToIterableDataset: the dataset is iterable already")
+        if isinstance(shard_chunk_size, bool) or not isinstance(shard_chunk_size, int) or shard_chunk_size < 1:
+            raise ValueError(f"ToIterableDataset: shard_chunk_size must be an int >= 1, got {shard_chunk_size!r}")
         self.dataset, self.sampler, self.shard_sampler = dataset, sampler, shard_sampler
+        self.shard_chunk_size = shard_chunk_size
 
     def __iter__(self) -> Iterator[Any]:
         indices: Any = self.sampler
         info = torchdata.get_worker_info()
         if self.shard_sampler and info is not None and info.num_workers > 1:
-            indices = itertools.islice(indices, info.id, None, info.num_workers)
+            indices = _worker_chunks(iter(indices), info.id, info.num_workers, self.shard_chunk_size)
         for index in indices:
             yield self.dataset[index]
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def _worker_chunks(indices: Iterator[Any], worker: int, workers: int, chunk: int) -> Iterator[Any]:
+    """Worker `worker`'s share of `indices`: chunks worker, worker + workers, ... of `chunk` indices."""
+    for k in itertools.count():
+        part = list(itertools.islice(indices, chunk))
+        if not part:
+            return
+        if k % workers == worker:
+            yield from part
 
 
 class AspectRatioGroupedDataset(torchdata.IterableDataset):
@@ -162,26 +229,58 @@ def single_device_batch_size(total_batch_size: int, num_devices: int, world: int
     return total_batch_size // every
 
 
-def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None, total_batch_size: int = 16,
+def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None, total_batch_size: int | None = None,
                        sampler: Any = None, aspect_ratio_grouping: bool = False, num_workers: int = 0,
-                       seed: int = 0, num_devices: int = 1) -> torchdata.DataLoader:
-    """An infinite loader of this process's share of each global batch (`total_batch_size` over every
-    device of every process; checked by `single_device_batch_size`), each a `collate`d batch of
-    `mapper(sample)`s, as Detectron2's `build_detection_train_loader`. `dataset` is a list (of dicts)
-    or a map-style dataset; `sampler` defaults to a `TrainingSampler` seeded with `seed`."""
-    per_device = single_device_batch_size(total_batch_size, num_devices)
-    per_process, batch = per_device * num_devices, functools.partial(collate, samples_per_device=per_device)
+                       seed: int = 0, num_devices: int = 1, *, collate_fn: Callable[[list], Any] | None = None,
+                       drop_last: bool = True, single_gpu_batch_size: int | None = None) -> Any:
+    """An infinite loader of this process's share of each global batch, each `collate`d from
+    `mapper(sample)`s, as Detectron2's `build_detection_train_loader`.
+
+    The batch: `total_batch_size` over every device of every process (checked by
+    `single_device_batch_size`), or `single_gpu_batch_size` samples per device (not both). `dataset`
+    is a list (of dicts; serialized, see `DatasetFromList`), a map-style dataset read in the order of
+    `sampler` (default a `TrainingSampler` seeded with `seed`), or an iterable dataset read as it
+    yields (its sampler must be None; it shards itself over processes and workers). `collate_fn`
+    turns this process's list of samples into a batch (default `graphpar.data.collate`, split per
+    device); `drop_last=False` keeps a short last batch of a finite sampler. The batches do not depend
+    on `num_workers` (`ToIterableDataset`'s chunks are the batches).
+
+    Raises:
+        ValueError: a batch size missing, given twice or not splitting over the devices; a sampler
+            with an iterable dataset; aspect_ratio_grouping with drop_last=False.
+    """
+    per_device = _batch_size(total_batch_size, single_gpu_batch_size, num_devices)
+    per_process = per_device * num_devices
+    batch = collate_fn or functools.partial(collate, samples_per_device=per_device)
+    if aspect_ratio_grouping and not drop_last:
+        raise ValueError("build_train_loader: aspect_ratio_grouping drops incomplete batches; it needs drop_last=True")
     if isinstance(dataset, list):
-        dataset = DatasetFromList(dataset)
+        dataset = DatasetFromList(dataset, copy=False)
     if mapper is not None:
         dataset = MapDataset(dataset, mapper)
-    sampler = TrainingSampler(len(dataset), seed=seed) if sampler is None else sampler
-    iterable = ToIterableDataset(dataset, sampler)
+    if isinstance(dataset, torchdata.IterableDataset):
+        if sampler is not None:
+            raise ValueError("build_train_loader: an iterable dataset yields its samples itself: pass sampler=None")
+    else:
+        sampler = TrainingSampler(len(dataset), seed=seed) if sampler is None else sampler
+        dataset = ToIterableDataset(dataset, sampler, shard_chunk_size=per_process)
     if aspect_ratio_grouping:
-        grouped = AspectRatioGroupedDataset(iterable, per_process)
+        grouped = AspectRatioGroupedDataset(dataset, per_process)
         return torchdata.DataLoader(grouped, batch_size=None, num_workers=num_workers, collate_fn=batch)
-    return torchdata.DataLoader(iterable, batch_size=per_process, num_workers=num_workers, drop_last=True,
+    return torchdata.DataLoader(dataset, batch_size=per_process, num_workers=num_workers, drop_last=drop_last,
                                 collate_fn=batch)
+
+
+def _batch_size(total: int | None, per_device: int | None, num_devices: int) -> int:
+    """Samples per device from build_train_loader's total_batch_size or single_gpu_batch_size."""
+    if (total is None) == (per_device is None):
+        raise ValueError(f"build_train_loader: pass total_batch_size (the global batch) or single_gpu_batch_size "
+                         f"(per device), exactly one (got {total!r} and {per_device!r})")
+    if per_device is None:
+        return single_device_batch_size(total, num_devices)
+    if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+        raise ValueError(f"build_train_loader: single_gpu_batch_size must be an int >= 1, got {per_device!r}")
+    return per_device
 
 
 def build_test_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None, batch_size: int = 1,

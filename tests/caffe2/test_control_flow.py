@@ -150,3 +150,61 @@ def test_clone_renames_blobs_inside_the_nets_of_control_flow_ops() -> None:
     workspace.FeedBlob("x2", np.array([-1.0, 2.0], np.float32))
     workspace.RunNetOnce(clone)
     np.testing.assert_array_equal(workspace.FetchBlob("y2"), [0.0, 2.0])
+
+
+def _replica_with_control_flow(model: ModelHelper, loss_scale: float) -> list:
+    """Per replica: brew.cond clips the data when the fed `flag` is true, brew.loop halves it `LIMIT`
+    times (both on the data, before the first layer), then an FC layer and a softmax loss."""
+    then_model, else_model = ModelHelper(name="clip"), ModelHelper(name="keep")
+    then_model.net.Clip("data", "x", min=-0.5, max=0.5)
+    else_model.net.Copy("data", "x")
+    brew.cond(model, "flag", ["data", "x"], then_model, else_model)
+    model.net.ConstantFill([], "counter", shape=[], value=0, dtype="int64")
+    model.net.ConstantFill([], "limit", shape=[], value=2, dtype="int64")
+    model.net.ConstantFill([], "one", shape=[], value=1, dtype="int64")
+    model.net.ConstantFill([], "go", shape=[], value=True, dtype="bool")
+    cond_model, loop_model = ModelHelper(name="below"), ModelHelper(name="halve")
+    cond_model.net.LT(["counter", "limit"], "go")
+    loop_model.net.Scale("x", "x", scale=0.5)
+    loop_model.net.Add(["counter", "one"], "counter")
+    brew.loop(model, "go", ["go", "counter", "limit", "one", "x"], loop_model, cond_model)
+    pred = brew.fc(model, "x", "pred", dim_in=4, dim_out=3)
+    _, loss = model.net.SoftmaxWithLoss([pred, "label"], ["softmax", "loss"])
+    return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+
+def _train_with_control_flow(devices: list[int], flags: list[bool], batches: list) -> dict:
+    from graphpar import data_parallel_model as dpm
+    from graphpar import optimizer
+
+    workspace.ResetWorkspace()
+    model = ModelHelper(name=f"control_flow_{len(devices)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=_replica_with_control_flow,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.5, momentum=0.9), devices=devices,
+                    cpu_device=True)
+    assert [op.inputs[0] for op in model.net.Proto().ops if op.type in ("If", "While")] == [
+        f"cpu_{d}/{c}" for d in devices for c in ("flag", "go")]  # scoped once, not cpu_0/cpu_0/...
+    for step, (flag, (x, y)) in enumerate(zip(flags, batches)):
+        for d, xs, ys in zip(devices, np.split(x, len(devices)), np.split(y, len(devices))):
+            workspace.FeedBlob(f"cpu_{d}/data", xs)
+            workspace.FeedBlob(f"cpu_{d}/label", ys)
+            workspace.FeedBlob(f"cpu_{d}/flag", np.array(flag))
+        if step == 0:
+            dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+        taken = np.clip(xs, -0.5, 0.5) if flag else xs
+        np.testing.assert_allclose(workspace.FetchBlob(f"cpu_{devices[-1]}/x"), taken / 4, rtol=1e-6)
+    return {name: workspace.FetchBlob(f"cpu_{devices[0]}/{name}") for name in ("pred_w", "pred_b")}
+
+
+def test_a_replicated_model_with_cond_and_loop_trains_on_n_devices_as_on_one() -> None:
+    rng = np.random.default_rng(3)
+    batches = [(rng.standard_normal((8, 4)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32))
+               for _ in range(3)]
+    flags = [True, False, True]
+    one = _train_with_control_flow([0], flags, batches)
+    four = _train_with_control_flow([0, 1, 2, 3], flags, batches)
+    initial = np.zeros((3, 4), np.float32)
+    for name in one:
+        np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not np.allclose(one["pred_w"], initial)  # it trained

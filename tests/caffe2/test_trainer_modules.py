@@ -79,6 +79,50 @@ def test_an_exported_predictor_loads_and_predicts_like_the_original(tmp_path) ->
         pred_utils.GetNet(meta_net_def, "nope")
 
 
+def test_a_trained_parallel_model_exports_and_a_fresh_workspace_predicts(tmp_path) -> None:  # noqa: ANN001
+    """Caffe2's train-then-export flow (issue 35 item 2): ExtractPredictorNet's unscoped params are saved
+    from the first replica, and prepare_prediction_net loads them and creates the predict net."""
+    from graphpar import data_parallel_model as dpm
+    from graphpar import optimizer
+
+    def forward(model, loss_scale):  # noqa: ANN001, ANN202
+        h = brew.relu(model, brew.fc(model, "data", "fc1", dim_in=4, dim_out=8), "h")
+        _, loss = model.net.SoftmaxWithLoss([brew.fc(model, h, "pred", dim_in=8, dim_out=3), "label"],
+                                            ["softmax", "loss"])
+        return [model.net.Scale(loss, "scaled_loss", scale=loss_scale)]
+
+    model = ModelHelper(name="export_trained")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.5), devices=[0, 1], cpu_device=True)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    for step in range(3):
+        for d in (0, 1):
+            workspace.FeedBlob(f"cpu_{d}/data", x[d * 4:(d + 1) * 4])
+            workspace.FeedBlob(f"cpu_{d}/label", (x[d * 4:(d + 1) * 4, :3].argmax(1)).astype(np.int32))
+        if step == 0:
+            dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)
+    params = {n: workspace.FetchBlob(f"cpu_0/{n}") for n in ("fc1_w", "fc1_b", "pred_w", "pred_b")}
+    predict_net, export = dpm.ExtractPredictorNet(model, ["data"], ["softmax"], core.DeviceOption(core.CPU, 0))
+    meta = pred_exp.PredictorExportMeta(predict_net=predict_net.Proto(), parameters=export, inputs=["data"],
+                                        outputs=["softmax"], shapes={"data": (1, 4)})
+    path = str(tmp_path / "digits.minidb")
+    pred_exp.save_to_db("minidb", path, meta)
+
+    workspace.ResetWorkspace()
+    net = pred_exp.prepare_prediction_net(path, "minidb")
+    assert workspace.FetchBlob("data").shape == (1, 4)  # the predict init net filled the input
+    workspace.FeedBlob("data", x)
+    workspace.RunNet(net)
+    h = np.maximum(x @ params["fc1_w"].T + params["fc1_b"], 0)
+    logits = h @ params["pred_w"].T + params["pred_b"]
+    expected = np.exp(logits - logits.max(1, keepdims=True))
+    np.testing.assert_allclose(workspace.FetchBlob("softmax"), expected / expected.sum(1, keepdims=True),
+                               rtol=1e-5, atol=1e-6)
+    assert not workspace.HasBlob("label") and sorted(export) == sorted(params)
+
+
 def test_load_from_db_refuses_a_plain_checkpoint(tmp_path) -> None:  # noqa: ANN001
     from graphpar import checkpoint
 

@@ -503,6 +503,20 @@ def test_a_gradient_read_after_being_overwritten_keeps_both_writers():
     assert grad_map == {"out": "out_grad", "h": "h_grad"}
 
 
+def test_an_op_without_gradient_on_data_and_constants_alone_stops_the_gradient():
+    """LT has no gradient: reading the data and a constant only, it needs none; reading a param, it raises."""
+    ops = [op("ConstantFill", [], "limit", shape=[1], value=0.0), op("LT", ["data", "limit"], "mask"),
+           op("Cast", "mask", "fmask", to="float"), op("Mul", ["fmask", "data"], "x"), op(D, "x", "out")]
+    grad_ops, grad_map = backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["data"])
+    assert [o.type for o in grad_ops] == [DG, "MulGradient", "CastGradient"]  # the intermediates' gradients, as ever
+    assert grad_map["fmask"] == "fmask_grad" and "data" not in grad_map and "limit" not in grad_map
+    ops[1] = op("LT", ["data", "w"], "mask")  # a param reaches the op: its missing gradient is an error
+    with pytest.raises(GradientError, match="LT.*must not be differentiated"):
+        backward_pass(ops, {"out": "out_grad"}, no_gradient_to=["data"])
+    with pytest.raises(GradientError, match="LT.*must not be differentiated"):
+        backward_pass(ops[:1] + [op("LT", ["data", "limit"], "mask")] + ops[2:], {"out": "out_grad"})
+
+
 def test_dead_input_gradient_of_fc_and_conv_is_dropped_by_no_gradient_to_input():
     ops = [op("Conv", ["x", "k"], "c", kernel=3), op("FC", ["c", "w", "b"], "h"), op("Relu", "h", "h"),
            op("FC", ["h", "w2", "b2"], "y"), op("FC", ["d", "w3", "b3"], "z")]

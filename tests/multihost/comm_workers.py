@@ -152,3 +152,40 @@ def bn_stats(out: str, shard: int, num_shards: int, slice_of: int, store: str, c
 def bn_stats_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:
     for k, run in enumerate(runs):
         bn_stats(f"{out}_{k}.npz", **{**common, **run})
+
+
+def bn_group_stats(out: str, shard: int, num_shards: int, store: str, slices: list[int], combine: Any) -> None:
+    """The CNN (batch norm) for one step on one device per slice of `slices` (device i fed global slice
+    slices[i] of 4); saves the batch statistics each replica normalised with, the initial conv1_w and
+    the params after the step to `out` (or the error)."""
+    import torch
+
+    from graphpar import data_parallel_model as dpm
+    from graphpar import workspace
+
+    torch.set_num_threads(1)
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
+    rendezvous = None
+    if num_shards > 1:
+        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    try:
+        devices = list(range(len(slices)))
+        model = workers.build("cnn", devices, rendezvous, combine_spatial_bn=combine, max_concurrent_distributed_ops=1)
+        x, y = workers.batch("cnn", 0)
+        parts = np.split(np.arange(workers.GLOBAL_BATCH), 4)
+        for device, part in zip(devices, slices):
+            workspace.FeedBlob(f"cpu_{device}/data", x[parts[part]])
+            workspace.FeedBlob(f"cpu_{device}/label", y[parts[part]])
+        dpm.RunInitNet(model)
+        initial = workspace.FetchBlob("cpu_0/conv1_w")
+        dpm.RunNet(model, 1)
+        saved = {f"{d}/{s}": workspace.FetchBlob(f"cpu_{d}/bn1_{s}") for d in devices for s in ("sm", "siv")}
+        saved.update({name: workspace.FetchBlob(f"cpu_0/{name}") for name in ("conv1_w", "pred_w")}, initial=initial)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        with open(out + ".error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        return
+    np.savez(out, **saved)
+

@@ -37,15 +37,18 @@ def test_each_gradient_is_summed_locally_all_reduced_across_shards_and_copied_ba
     ops = model.net.Proto().ops
     reduction = [(op.type, op.inputs, op.outputs) for op in ops if has_trait(op, Trait.CROSS_DEVICE)
                  or op.name == "dpm"]
-    expected = []
+    # first every replica's losses checked together across the shards (issue 32 item 1)
+    checked = "_losses_checked_across_shards"
+    expected = [("CheckFiniteAcrossShards", ["graphpar_cw_0", "cpu_0/scaled_loss", "cpu_1/scaled_loss"], [checked])]
     for k, grad in enumerate(["pred_b_grad", "pred_w_grad", "fc1_b_grad", "fc1_w_grad"]):
         expected += [("Sum", [f"cpu_0/{grad}", f"cpu_1/{grad}"], [f"cpu_0/{grad}"]),
                      ("Allreduce", [f"graphpar_cw_{k % 2}", f"cpu_0/{grad}"], [f"cpu_0/{grad}"]),
                      ("Copy", [f"cpu_0/{grad}"], [f"cpu_1/{grad}"])]
     assert reduction == expected
     allreduces = [op for op in ops if op.type == "Allreduce"]
-    # one chain per communicator: up to two in flight
-    assert [op.control_inputs for op in allreduces] == [[], [], ["cpu_0/pred_b_grad"], ["cpu_0/pred_w_grad"]]
+    # one chain per communicator: up to two in flight, none before the losses' check
+    assert [op.control_inputs for op in allreduces] == [[checked], [checked], [checked, "cpu_0/pred_b_grad"],
+                                                        [checked, "cpu_0/pred_w_grad"]]
     assert model.net.Proto().num_workers == 2 * 4 + 2
 
 
@@ -96,7 +99,7 @@ def test_one_device_per_shard_still_all_reduces_and_buckets_across_shards(tmp_pa
     model, scales = _model(tmp_path, devices=(0,), gradient_bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
     assert scales == [0.5]
     types = [op.type for op in model.net.Proto().ops if has_trait(op, Trait.DISTRIBUTED)]
-    assert types == ["Allreduce"]  # one bucket of the four gradients
+    assert types == ["CheckFiniteAcrossShards", "Allreduce"]  # the losses' check, one bucket of the four gradients
 
 
 def test_one_shard_builds_what_no_rendezvous_builds(tmp_path: Path) -> None:
@@ -202,3 +205,43 @@ def test_collectives_of_two_communicators_overlap_under_the_dag_executor_even_wi
     assert (schedule.concurrency, schedule.waits, schedule.wait_slots) == (1, frozenset({2, 4}), 2)
     workspace.RunNet("overlap")
     assert event.is_set() and workspace.FetchBlob("c").tolist() == [1.0, 1.0, 1.0]
+
+
+def _cnn_model(tmp_path: Path, shard: int, combine: object):
+    model = model_helper.ModelHelper(name="bn_groups")
+    rendezvous = {"shard_id": shard, "num_shards": 4, "kv_handler": torch.distributed.FileStore(
+        str(tmp_path / "store"), -1)}
+    dpm.Parallelize(model, lambda m: None, forward("cnn"), optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1),
+                    devices=[0, 1], cpu_device=True, rendezvous=rendezvous, combine_spatial_bn=combine,
+                    max_concurrent_distributed_ops=1)
+    return model
+
+
+@pytest.mark.parametrize("shard, rank", [(1, 0), (3, 1)])
+def test_batch_norm_statistics_are_all_reduced_within_the_group_of_shards(tmp_path: Path, shard: int, rank: int):
+    model = _cnn_model(tmp_path, shard, [[0, 2], [1, 3]])
+    train, init = model.net.Proto().ops, model.param_init_net.Proto().ops
+    by_world = {w: [op.inputs[1] for op in train if op.type == "Allreduce" and op.inputs[0] == w]
+                for w in ("graphpar_bn_cw", "graphpar_cw_0")}
+    # the statistics forward and the scale / bias sums backward: within the group of shards
+    assert by_world["graphpar_bn_cw"] == ["cpu_0/conv1_sums", "cpu_0/conv1_sumsq", "cpu_0/conv1_count",
+                                          "cpu_0/bn1_s_grad", "cpu_0/bn1_b_grad"]
+    assert {"cpu_0/conv1_w_grad", "cpu_0/bn1_s_grad", "cpu_0/pred_w_grad"} <= set(by_world["graphpar_cw_0"])
+    assert {op.args["num_batches"] for op in train if op.type in ("SpatialBN", "SpatialBNGradient")} == {4}
+    group = next(op for op in init if op.type == "CreateCommonWorld" and op.outputs == ["graphpar_bn_cw"])
+    assert (group.args["size"], group.args["rank"], group.args["name"]) == (2, rank, "graphpar_bn_cw/1-3")
+    alone = _cnn_model(tmp_path, 2, [[0, 1, 3], [2]])  # a group of one shard: this shard's devices
+    assert not any(op.inputs[0] == "graphpar_bn_cw" for op in alone.net.Proto().ops if op.type == "Allreduce")
+    everyone = _cnn_model(tmp_path, 2, [[0, 1, 2, 3]])  # every shard: as combine_spatial_bn=True
+    assert {op.args["num_batches"] for op in everyone.net.Proto().ops if op.type == "SpatialBN"} == {8}
+
+
+def test_bad_groups_of_shards_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ParallelizeError, match=r"groups \[\[0, 1\]\] must name shards 0..3 .* this shard \(2\)"):
+        _cnn_model(tmp_path, 2, [[0, 1]])
+    with pytest.raises(ParallelizeError, match=r"\[5\] are not shards"):
+        _cnn_model(tmp_path, 0, [[0, 5]])
+    with pytest.raises(ParallelizeError, match="each shard in one group at most"):
+        _cnn_model(tmp_path, 0, [[0, 1], [1, 2]])
+    with pytest.raises(ParallelizeError, match="groups of shard ids"):
+        _cnn_model(tmp_path, 0, [["a"]])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from tests.multihost import comm_workers
+from tests.multihost import comm_workers, workers
 from tests.multihost.helpers import run_processes
 from tests.optional import needs
 
@@ -105,3 +106,30 @@ def test_batch_norm_synced_over_each_shard_only(tmp_path: Path) -> None:
     synced = [_load(tmp_path / f"shard{r}_1.npz") for r in range(2)]
     np.testing.assert_array_equal(synced[0]["0/sm"], synced[1]["1/sm"])
     np.testing.assert_allclose(synced[0]["0/sm"], (halves[0]["0/sm"] + halves[1]["0/sm"]) / 2, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_batch_norm_synced_over_groups_of_shards(tmp_path: Path) -> None:
+    """combine_spatial_bn=[[0, 2], [1]] (SyncBatchNorm's process_group, from new_group's ranks): each of 3
+    shards normalises with the statistics of its group's batch (torch's batch statistics of the conv
+    output on the group's slices), while the gradients are all-reduced over all 3 shards: after the
+    step every shard holds the same params."""
+    groups = [[0, 2], [1]]
+    codes = run_processes(comm_workers.bn_group_stats, [(str(tmp_path / f"shard{r}.npz"),) for r in range(3)],
+                          [dict(shard=r, num_shards=3, store=str(tmp_path), slices=[r], combine=groups)
+                           for r in range(3)])
+    assert codes == [0] * 3
+    got = [_load(tmp_path / f"shard{r}.npz") for r in range(3)]
+    x, _ = workers.batch("cnn", 0)
+    parts = np.split(np.arange(workers.GLOBAL_BATCH), 4)
+    for r in range(3):
+        group = next(g for g in groups if r in g)
+        rows = np.concatenate([parts[s] for s in group])
+        conv = torch.nn.functional.conv2d(torch.from_numpy(x[rows]), torch.from_numpy(got[r]["initial"]), padding=1)
+        mean, var = conv.mean(dim=(0, 2, 3)), conv.var(dim=(0, 2, 3), unbiased=False)
+        np.testing.assert_allclose(got[r]["0/sm"], mean.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"shard {r}")
+        np.testing.assert_allclose(got[r]["0/siv"], (1 / torch.sqrt(var + 1e-5)).numpy(), rtol=1e-4,
+                                   err_msg=f"shard {r}")
+        for name in ("initial", "conv1_w", "pred_w"):
+            np.testing.assert_array_equal(got[r][name], got[0][name], err_msg=f"shard {r} {name}")
+    assert not np.allclose(got[0]["0/sm"], got[1]["0/sm"])

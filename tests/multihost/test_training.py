@@ -129,6 +129,34 @@ def test_a_shard_that_dies_makes_the_other_raise_within_its_timeout(tmp_path: Pa
     assert "shard 0 of 2" in error and "Allreduce" in error and "graphpar_cw_" in error, error
 
 
+def test_a_nan_loss_on_one_shard_stops_the_step_on_every_shard_and_training_goes_on(tmp_path: Path) -> None:
+    """Issue 32 item 1: check_finite_loss raised on the shard with the NaN only; the other shard's step
+    went on, its all-reduce met the failing shard's next step's (gradients of different steps summed)
+    and a later step failed in Allreduce. Now every shard refuses the step and nothing changes: 2
+    shards x 1 device, shard 1's batch holds a NaN at step 1, equal after every step to 1 process of
+    2 devices with the same NaN (a local check), which skips that step."""
+    nan = {"kind": "mlp", "steps": 4, "nan_at": (1, 1)}
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    codes = run_processes(workers.train_all, [(str(ref_dir / "ref"), [nan])] + [
+        (str(tmp_path / f"shard{r}"), [nan]) for r in range(2)],
+        [dict(shard=0, num_shards=1, devices=[0, 1], store=str(ref_dir))] + [
+            dict(shard=r, num_shards=2, devices=[0], store=str(tmp_path), seed=r, timeout_sec=10) for r in range(2)],
+        limit=60)
+    assert codes == [0, 0, 0]
+    assert not list(tmp_path.glob("**/*.error")), [p.read_text() for p in tmp_path.glob("**/*.error")]
+    ref = load(ref_dir / "ref_0.npz")
+    for key in (k for k in ref if k.startswith("1/")):  # the NaN step changed nothing
+        np.testing.assert_array_equal(ref[key], ref[key.replace("1/", "0/", 1)], err_msg=key)
+    for r in range(2):
+        assert_identical(load(tmp_path / f"shard{r}_0.npz"), ref)
+    assert "'cpu_1/" in (ref_dir / "ref_0.npz.step1").read_text()
+    assert "is nan (not finite) on shard 1: the step stopped on every shard" in \
+        (tmp_path / "shard1_0.npz.step1").read_text()
+    assert "shard(s) [1] of 2 had a loss that is not finite: the step stopped on every shard" in \
+        (tmp_path / "shard0_0.npz.step1").read_text()
+
+
 def test_a_shard_with_another_model_fails_at_init_on_every_shard(tmp_path: Path) -> None:
     codes = run_processes(workers.train_all, [(str(tmp_path / f"shard{r}"), [{"kind": "mlp", "hidden": 8 + r}])
                                               for r in range(2)],

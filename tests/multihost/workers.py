@@ -108,12 +108,14 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
           bmuf: bool = False, reduce_order: str = "ring", save_to: str | None = None,
-          resume_from: str | None = None, **options: Any) -> None:
+          resume_from: str | None = None, nan_at: tuple[int, int] | None = None, **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
     `hang_at` makes it sleep there for three timeouts, then exit. `save_to` writes a checkpoint after
-    the last step (shard 0 only); `resume_from` loads one after init and continues from its step."""
+    the last step (shard 0 only); `resume_from` loads one after init and continues from its step.
+    `nan_at=(step, replica)`: global replica `replica` gets a NaN in its batch at `step`; the error that
+    step raises (on any shard) goes to `out + ".step<step>"` and training goes on."""
     import torch
 
     from graphpar import data_parallel_model as dpm
@@ -147,7 +149,15 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
                 time.sleep(3 * timeout_sec)
                 os._exit(4)
             feed(kind, step, shard, num_shards, devices)
-            dpm.RunNet(model, 2 if bmuf else 1)
+            if nan_at is not None and step == nan_at[0]:
+                _poison(nan_at[1], shard, devices)
+            try:
+                dpm.RunNet(model, 2 if bmuf else 1)
+            except Exception as exc:  # noqa: BLE001 - the NaN step's error is reported, then training goes on
+                if nan_at is None or step != nan_at[0]:
+                    raise
+                with open(f"{out}.step{step}", "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
         if save_to is not None:
             dpm.save_checkpoint(model, save_to)
@@ -156,6 +166,17 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
             f.write(f"{type(exc).__name__}: {exc}")
         return
     np.savez(out, **saved)
+
+
+def _poison(replica: int, shard: int, devices: list[int]) -> None:
+    """A NaN in the first row of global replica `replica`'s data, if it is one of this shard's."""
+    from graphpar import workspace
+
+    if shard * len(devices) <= replica < (shard + 1) * len(devices):
+        name = f"cpu_{devices[replica - shard * len(devices)]}/data"
+        data = workspace.FetchBlob(name).copy()
+        data[0] = np.nan
+        workspace.FeedBlob(name, data)
 
 
 def train_all(out: str, runs: list[dict[str, Any]], **common: Any) -> None:

@@ -178,6 +178,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "Allreduce": [ex(_WORLD, f(2, 3), outputs=1), ex(_WORLD, f(2), ints(3, 4), outputs=2, order="tree")],
     "Allgather": [ex(_WORLD, f(3, 2), unknown=(0,)), ex(_WORLD, ints(4, 5, dtype=torch.int64), unknown=(0,))],
     "Barrier": [ex(_WORLD, outputs=0)],
+    "CheckFiniteAcrossShards": [ex(_WORLD, f(1), unknown=(0,)), ex(_WORLD, f(2, 3), f(1), unknown=(0,))],
     "Broadcast": [ex(_WORLD, f(2, 3), outputs=1, root=0)],
     "CreateCommonWorld": [ex(_STORE, size=1, rank=0, name="example_cw"), ex(size=1, rank=0, name="example_cw")],
     "FileStoreHandlerCreate": [ex(path=_STORE_DIR, prefix="example")],

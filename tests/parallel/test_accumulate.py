@@ -94,3 +94,51 @@ def test_the_accumulated_sums_are_zero_after_each_update():
 def test_bad_accumulation_options_are_refused(k, options, message):
     with pytest.raises(ParallelizeError, match=message):
         _model([0, 1], k, **options)
+
+
+def _fp16_run(batches: list[dict], init_scale: float, iterations: int) -> tuple[Trainer, dict[str, np.ndarray]]:
+    workspace.ResetWorkspace()
+    workspace.SetSeed(2)
+    model = _model([0, 1], 2, compute_dtype="float16", loss_scale={"init_scale": init_scale})
+    trainer = Trainer(model, batches, max_iter=iterations)
+    trainer.train()
+    return trainer, {name: workspace.FetchBlob(name) for name in sorted(dpm.GetCheckpointParams(model))}
+
+
+def test_a_skipped_step_drops_its_micro_batches_and_training_goes_on():
+    """Issue 32 item 2: an overflowing micro-batch put an inf into `<grad>_accumulated`; the skipped
+    step wrote nothing back, so the sums were never zeroed and every later step overflowed (20 of 20
+    skipped, the scale backed off to 16). A skipped step now drops its micro-batches: the run equals
+    one that started at the backed-off scale on the batches after the skipped step."""
+    micro = _micro_batches(16)
+    micro[0] = {"data": micro[0]["data"] * np.float32(3000), "label": micro[0]["label"]}  # scaled grads overflow
+    trainer, got = _fp16_run(micro, 2.0 ** 10, 8)
+    assert dpm.skipped_steps(trainer.model) == 1 and int(got["optimizer_iteration"][0]) == 7
+    assert [at for at, _ in trainer.storage.history["scaled_loss"]] == list(range(1, 8))
+    _, expected = _fp16_run(micro[2:], 2.0 ** 9, 7)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_step_that_raises_drops_the_micro_batches_it_accumulated():
+    """A NaN loss in the k-th micro-batch stopped the step after k - 1 micro-batches were added: the
+    next step added its own to them (k + k - 1 micro-batches scaled by 1/k). The Trainer now drops them."""
+    micro = _micro_batches(8)
+    bad = [dict(b) for b in micro[:3]]
+    bad[2]["data"] = bad[2]["data"].copy()
+    bad[2]["data"][0, 0] = np.nan  # the third micro-batch: the train net's, after the accumulate net's
+    workspace.ResetWorkspace()
+    workspace.SetSeed(2)
+    model = _model([0, 1], K)
+    trainer = Trainer(model, [*bad, *micro[3:6]], max_iter=1)
+    with pytest.raises(Exception, match="CheckFinite"):
+        trainer.train()
+    trainer.train()  # the next K micro-batches
+    got = {name: workspace.FetchBlob(name) for name in sorted(dpm.GetCheckpointParams(model))}
+    workspace.ResetWorkspace()
+    workspace.SetSeed(2)
+    reference = _model([0, 1], K)
+    Trainer(reference, micro[3:6], max_iter=1).train()
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, workspace.FetchBlob(name.replace(model.name, reference.name)),
+                                      err_msg=name)

@@ -18,7 +18,7 @@ from graphpar import data_parallel_model as dpm
 from graphpar.core import CPU, CUDA, BlobReference, CurrentNameScope, DeviceOption, DeviceScope, Net
 from graphpar.core.schema import validate_net
 from graphpar.devices import cuda_on_cpu, num_cuda_devices
-from graphpar.errors import ParallelizeError
+from graphpar.errors import MissingBlobError, ParallelizeError
 from graphpar.models import lenet, mlp
 from graphpar.models.common import softmax_loss
 from graphpar.ops.collective import nccl_backend
@@ -850,6 +850,30 @@ def test_extract_predictor_net_gives_an_unscoped_forward_net(interleaved):
     expected = F.softmax(mlp_logits({n: torch.tensor(workspace.FetchBlob(n)) for n in MLP_PARAMS},
                                     torch.tensor(x)), dim=1)
     np.testing.assert_allclose(workspace.FetchBlob("prob"), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_run_init_net_of_an_init_params_false_model_without_its_params_points_to_inference(caplog):
+    """In a fresh workspace nothing creates such a model's params (issue 35 item 4): the error says
+    what init_params=False is for and where predicting from a checkpoint is explained."""
+    def forward(model, loss_scale):
+        return softmax_loss(model, brew.fc(model, "data", "pred", dim_in=6, dim_out=3), "label", loss_scale)
+
+    model = model_helper.ModelHelper(name="predict_only", init_params=False)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward, devices=[0, 1],
+                    cpu_device=True)
+    for d in (0, 1):
+        workspace.FeedBlob(f"cpu_{d}/data", np.ones((2, 6), np.float32))
+        workspace.FeedBlob(f"cpu_{d}/label", np.zeros(2, np.int32))
+    before = sorted(workspace.Blobs())
+    with pytest.raises(MissingBlobError, match=r"RunInitNet\('predict_only'\): its params do not exist "
+                                               r"\('cpu_0/pred_w', 'cpu_0/pred_b', 'cpu_1/pred_w' \.\.\.\), and the model "
+                                               r"was built with init_params=False.*\(docs/inference.md\)"):
+        dpm.RunInitNet(model)
+    assert sorted(workspace.Blobs()) == before
+    with caplog.at_level("WARNING"):
+        dpm.Parallelize(model_helper.ModelHelper(name="eval_with_init"), input_builder_fun=lambda m: None,
+                        forward_pass_builder_fun=forward, devices=[0], cpu_device=True)
+    assert "in this workspace" in caplog.text and "docs/inference.md" in caplog.text
 
 
 def test_strip_blob_name_is_exported():

@@ -86,5 +86,5 @@ def test_options_match_torch_batch_norm_on_the_whole_batch(devices, combine, opt
 
 def test_a_bad_combine_spatial_bn_is_refused() -> None:
     workspace.ResetWorkspace()
-    with pytest.raises(ParallelizeError, match="combine_spatial_bn must be True, False or 'shard'"):
+    with pytest.raises(ParallelizeError, match="combine_spatial_bn must be True, False, 'shard' or groups"):
         _build([0, 1], {}, "all")

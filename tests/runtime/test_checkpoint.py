@@ -375,3 +375,39 @@ def test_identical_runs_write_byte_identical_files(tmp_path):
         subprocess.run([sys.executable, "-c", _SAVE_A_SET, str(path)], check=True, env=env, timeout=300)
         files.append(path.read_bytes())
     assert files[0] == files[1]
+
+
+def test_an_unscoped_name_is_saved_and_loaded_from_the_first_replica(tmp_path):
+    """The names ExtractPredictorNet gives a parallelized model's params (issue 35 item 2)."""
+    first, second = np.arange(6, dtype=np.float32), np.zeros(6, np.float32)
+    workspace.FeedBlob("cpu_1/fc_w", second)
+    workspace.FeedBlob("cpu_0/fc_w", first)
+    workspace.FeedBlob("fc_b", np.ones(2, np.float32))
+    path = tmp_path / "predictor.safetensors"
+    checkpoint.save(path, ["fc_w", "fc_b"])  # fc_w from cpu_0, the lowest device; fc_b is its own
+    assert checkpoint.read_metadata(path)["blobs"] == ["fc_w", "fc_b"]
+    assert not workspace.HasBlob("fc_w")
+    scoped = tmp_path / "trained.safetensors"
+    checkpoint.save(scoped, ["cpu_0/fc_w", "fc_b"])
+    workspace.ResetWorkspace()
+    assert checkpoint.load(scoped, ["fc_w", "fc_b"]) == ["fc_w", "fc_b"]
+    np.testing.assert_array_equal(workspace.FetchBlob("fc_w"), first)
+    assert not workspace.HasBlob("cpu_0/fc_w")
+    checkpoint.load(path, ["fc_w"])
+    np.testing.assert_array_equal(workspace.FetchBlob("fc_w"), first)
+    with pytest.raises(CheckpointError, match=r"has no blobs \['fc_x'\]"):
+        checkpoint.load(scoped, ["fc_x"])
+
+
+def test_an_unscoped_name_held_by_cpu_and_gpu_replicas_is_refused(tmp_path):
+    workspace.FeedBlob("cpu_0/w", np.ones(2, np.float32))
+    with cuda_on_cpu():
+        workspace.FeedBlob("gpu_0/w", np.zeros(2, np.float32))
+        with pytest.raises(CheckpointError, match=r"'w' is held by replicas of several device types \(cpu_\*, "
+                                                  r"gpu_\*\): name the one meant, e.g. 'cpu_0/w'"):
+            checkpoint.save(tmp_path / "w.safetensors", ["w"])
+        assert not (tmp_path / "w.safetensors").exists()
+        checkpoint.save(tmp_path / "both.safetensors", ["cpu_0/w", "gpu_0/w"])
+    with pytest.raises(CheckpointError, match="several device types"):
+        checkpoint.load(tmp_path / "both.safetensors", ["w"])
+    assert not workspace.HasBlob("w")

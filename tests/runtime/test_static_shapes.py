@@ -72,15 +72,15 @@ def test_an_input_fed_after_createnet_is_held_to_its_shape_at_the_first_run():
     net = core.Net("plain")
     net.Relu("x", "y")
     net.Proto().args[STATIC_SHAPES_ARG] = 1
+    name = net.Proto().name
     workspace.CreateBlob("x")
     workspace.CreateNet(net)
     workspace.FeedBlob("x", np.ones((2, 3), np.float32))
-    workspace.RunNet("plain")
+    workspace.RunNet(name)
     workspace.FeedBlob("x", np.ones((2, 3), np.float32))
-    workspace.RunNet("plain")
+    workspace.RunNet(name)
     workspace.FeedBlob("x", np.ones((4, 3), np.float32))
-    with pytest.raises(ValueError, match=r"RunNet\('plain'\): input 'x' is \[4, 3\] float32 but was \[2, 3\]"):
-        workspace.RunNet("plain")
+    with pytest.raises(ValueError, match=rf"RunNet\('{name}'\): input 'x' is \[4, 3\] float32 but was \[2, 3\]"):
+        workspace.RunNet(name)
     workspace.CreateNet(net, overwrite=True)  # a new net is a new promise
-    workspace.RunNet("plain")
-
+    workspace.RunNet(name)

@@ -4,6 +4,7 @@ SGD on the same batches, evaluation, and state_dict / resume."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 
@@ -68,28 +69,87 @@ def test_auto_scale_workers_keeps_a_cfgnode_and_its_frozen_state() -> None:
     assert cfg.SOLVER.IMS_PER_BATCH == 16
 
 
-def _detectron2_lr(it: int, name: str, steps, gamma, factor, warmup, method, max_iter) -> float:
-    """Detectron2's WarmupParamScheduler over MultiStep / Cosine, written from its formulas."""
+class _Composite:
+    """fvcore's CompositeParamScheduler, as written there: a list of (schedule, length, rescaled)."""
+
+    def __init__(self, parts) -> None:  # noqa: ANN001
+        self.parts = parts
+
+    def __call__(self, where: float) -> float:
+        i, total = 0, self.parts[0][1]
+        while where + 1e-6 > total and i < len(self.parts) - 1:
+            i += 1
+            total += self.parts[i][1]
+        schedule, length, rescaled = self.parts[i]
+        return schedule((where - (total - length)) / length if rescaled else where)
+
+
+def _detectron2_multiplier(name: str, max_iter: int, steps=(30, 60), gamma=0.1, factor=0.01, warmup=10,
+                           method="linear", end=0.0, decays=3, rescale=False):  # noqa: ANN001
+    """Detectron2's build_lr_scheduler with fvcore's param schedulers, written from their code: the
+    multiplier as a function of the iteration."""
     if name == "WarmupMultiStepLR":
-        value = gamma ** sum(it >= s for s in steps)
+        values = [gamma ** k for k in range(len(steps) + 1)]
+        def base(w): return values[bisect.bisect_right(list(steps), int((w + 1e-6) * max_iter))]  # noqa: E704
+    elif name == "WarmupCosineLR":
+        def base(w): return end + 0.5 * (1 - end) * (1 + math.cos(math.pi * w))  # noqa: E704
     else:
-        value = 0.5 * (1 + math.cos(math.pi * it / max_iter))
-    if it < warmup:
-        value *= factor if method == "constant" else factor + (1 - factor) * it / warmup
-    return value
+        values = [1.0]
+        for _ in range(decays):
+            values.append(values[-1] * gamma)
+        def base(w): return values[int((w + 1e-6) * len(values))]  # noqa: E704
+    length = min(warmup / max_iter, 1.0)
+    start, stop = factor * base(0.0), base(length)
+    ramp = (lambda w: stop * w + start * (1 - w)) if method == "linear" else (lambda w: start)
+    schedule = _Composite([(ramp, length, True), (base, 1 - length, rescale)])
+    return lambda it: schedule(it / max_iter)
 
 
-@pytest.mark.parametrize("name, method", [("WarmupMultiStepLR", "linear"), ("WarmupCosineLR", "constant"),
-                                          ("WarmupMultiStepLR", "constant")])
-def test_lr_multiplier_follows_detectron2_formulas(name, method) -> None:
-    schedule = LRMultiplier(name, 100, (30, 60), 0.1, 0.01, 10, method)
-    for it in range(100):
-        assert schedule(it) == pytest.approx(_detectron2_lr(it, name, (30, 60), 0.1, 0.01, 10, method, 100),
-                                             rel=1e-12)
+@pytest.mark.parametrize("name, method, rescale", [
+    ("WarmupMultiStepLR", "linear", False), ("WarmupCosineLR", "linear", False), ("WarmupCosineLR", "constant", False),
+    ("WarmupMultiStepLR", "constant", False), ("WarmupStepWithFixedGammaLR", "linear", False),
+    ("WarmupCosineLR", "linear", True), ("WarmupMultiStepLR", "linear", True)])
+def test_lr_multiplier_is_detectron2s_per_iteration(name, method, rescale) -> None:
+    schedule = LRMultiplier(name, 100, (30, 60), 0.1, 0.01, 10, method, end_value=0.05, rescale_interval=rescale)
+    expected = _detectron2_multiplier(name, 100, method=method, end=0.05, rescale=rescale)
+    assert [schedule(it) for it in range(100)] == [expected(it) for it in range(100)]  # to the last bit
+    if name == "WarmupCosineLR" and method == "linear" and not rescale:  # the warmup ends at the cosine's value
+        assert schedule(9) == pytest.approx(0.01 + (0.05 + 0.475 * (1 + math.cos(math.pi * 0.1)) - 0.01) * 0.9)
+        assert schedule(10) == pytest.approx(0.05 + 0.475 * (1 + math.cos(math.pi * 0.1)))
+
+
+def test_lr_multiplier_equals_fvcores_schedulers() -> None:
+    ps = pytest.importorskip("fvcore.common.param_scheduler")
+
+    def detectron2(scheduler, length, method, rescale):  # noqa: ANN001, ANN202 - WarmupParamScheduler
+        start, end = 0.01 * scheduler(0.0), scheduler(length)
+        warm = ps.LinearParamScheduler(start, end) if method == "linear" else ps.ConstantParamScheduler(start)
+        return ps.CompositeParamScheduler([warm, scheduler], [length, 1 - length],
+                                          ["rescaled", "rescaled" if rescale else "fixed"])
+
+    cases = [("WarmupMultiStepLR", ps.MultiStepParamScheduler([0.1 ** k for k in range(3)], 1000, [300, 600])),
+             ("WarmupCosineLR", ps.CosineParamScheduler(1, 0.05)),
+             ("WarmupStepWithFixedGammaLR", ps.StepWithFixedGammaParamScheduler(1.0, 3, 0.1, 1000))]
+    for name, base in cases:
+        for method, rescale, warmup in (("linear", False, 100), ("constant", False, 7), ("linear", True, 33)):
+            ours = LRMultiplier(name, 1000, (300, 600), 0.1, 0.01, warmup, method, end_value=0.05,
+                                rescale_interval=rescale)
+            theirs = detectron2(base, warmup / 1000, method, rescale)
+            assert [ours(it) for it in range(1000)] == [theirs(it / 1000) for it in range(1000)], (name, method)
+
+
+def test_lr_multiplier_refuses_what_detectron2_refuses() -> None:
     with pytest.raises(ValueError, match="LR_SCHEDULER_NAME"):
         LRMultiplier("Poly", 10)
     with pytest.raises(ValueError, match="increasing"):
         LRMultiplier("WarmupMultiStepLR", 10, (5, 2))
+    with pytest.raises(ValueError, match=r"in \(0, MAX_ITER=10\)"):
+        LRMultiplier("WarmupMultiStepLR", 10, (5, 10))
+    assert LRMultiplier("WarmupMultiStepLR", 10, (5, 11))(6) == pytest.approx(0.1)  # past MAX_ITER: dropped
+    with pytest.raises(ValueError, match=r"BASE_LR_END / SOLVER.BASE_LR must be in \[0, 1\]"):
+        LRMultiplier("WarmupCosineLR", 10, end_value=2.0)
+    with pytest.raises(ValueError, match="WARMUP_METHOD"):
+        LRMultiplier("WarmupCosineLR", 10, warmup_method="exp")
 
 
 def _eager_reference(params: dict[str, np.ndarray], cfg: CfgNode, steps: int) -> dict[str, torch.Tensor]:
@@ -152,7 +212,7 @@ class Counter(HookBase):
 
 def test_state_dict_and_resume_restore_iteration_scheduler_and_hooks(tmp_path) -> None:
     workspace.ResetWorkspace()
-    first = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "4"))
+    first = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)"))
     first.register_hooks([Counter()])
     first.resume_or_load(resume=True)  # nothing to resume: starts at 0
     first.train()
@@ -230,3 +290,52 @@ def test_the_seed_of_the_config_makes_the_run_repeatable(tmp_path) -> None:
     workspace.ResetWorkspace()
     DefaultTrainer(_cfg(tmp_path, "SEED", "1")).initialize()
     assert not np.array_equal(_params()["fc1_w"], first["fc1_w"])
+
+
+def _autocast_reference(params: dict[str, np.ndarray], cfg: CfgNode, steps: int) -> dict[str, torch.Tensor]:
+    """As `_eager_reference`, under torch.autocast("cpu", bfloat16): what Detectron2's AMPTrainer does on a
+    GPU in float16, in the dtype a CPU has."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    order = list(itertools.islice(TrainingSampler(32, seed=cfg.SEED, rank=0, world=1), steps * 8))
+    schedule = DefaultTrainer.build_lr_scheduler(cfg)
+    for it in range(steps):
+        rows = order[it * 8:(it + 1) * 8]
+        x, y = torch.from_numpy(X[rows]), torch.from_numpy(Y[rows]).long()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(torch.nn.functional.linear(x, p["fc1_w"], p["fc1_b"]))
+            logits = torch.nn.functional.linear(h, p["pred_w"], p["pred_b"])
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        grads = torch.autograd.grad(loss, list(p.values()))
+        with torch.no_grad():
+            lr = cfg.SOLVER.BASE_LR * schedule(it)
+            for value, g in zip(p.values(), grads):
+                value -= lr * (g + cfg.SOLVER.WEIGHT_DECAY * value)
+    return p
+
+
+def test_amp_trains_in_bfloat16_on_cpu_devices_as_torch_autocast(tmp_path) -> None:
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    trainer = DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", "2", "SOLVER.AMP.ENABLED", "True"))
+    options = trainer.model._parallel.options
+    assert (options.compute_dtype, options.loss_scale) == ("bfloat16", None)
+    assert trainer.test_model._parallel.options.compute_dtype is None  # evaluation in float32
+    trainer.resume_or_load(resume=False)
+    start = _params()
+    trainer.train()
+    amp, fp32 = _autocast_reference(start, trainer.cfg, 6), _eager_reference(start, trainer.cfg, 6)
+    fcs = [op for op in trainer.model.net.Proto().ops if op.type == "FC"]
+    assert fcs and all(b.endswith("_bf16") for op in fcs for b in op.inputs[1:])  # bf16 copies of fp32 masters
+    assert workspace.FetchTensor("cpu_0/pred_w_bf16_grad").dtype == torch.bfloat16
+    for name, value in _params().items():
+        np.testing.assert_allclose(value, amp[name].detach().numpy(), atol=5e-4, err_msg=name)
+        assert value.dtype == np.float32
+    assert not all(np.array_equal(value, fp32[name].detach().numpy()) for name, value in _params().items())
+
+
+def test_amp_on_cuda_devices_is_float16_with_a_dynamic_loss_scale() -> None:
+    cfg = get_cfg()
+    assert DefaultTrainer.precision_options(cfg, cpu=False) == {}
+    cfg.SOLVER.AMP.ENABLED = True
+    assert DefaultTrainer.precision_options(cfg, cpu=False) == {"compute_dtype": "float16", "loss_scale": "dynamic"}
+    assert DefaultTrainer.precision_options(cfg, cpu=True) == {"compute_dtype": "bfloat16"}

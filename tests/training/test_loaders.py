@@ -23,12 +23,22 @@ from graphpar.loaders import (
 )
 
 
-def test_dataset_from_list_copies_each_dict() -> None:
-    items = [{"a": 1}, {"a": 2}]
-    dataset = DatasetFromList(items)
-    dataset[0]["a"] = 10
-    assert items[0]["a"] == 1 and len(dataset) == 2
-    assert DatasetFromList(items, copy=False)[1] is items[1]
+@pytest.mark.parametrize("serialize", [True, False])
+def test_dataset_from_list_gives_deep_copies_a_mapper_may_edit(serialize) -> None:
+    items = [{"a": 1, "annotations": [{"box": [0, 0, 2, 2]}]}, {"a": 2, "annotations": []}]
+    dataset = DatasetFromList(items, serialize=serialize)
+    first = dataset[0]
+    first["a"] = 10
+    first["annotations"][0]["box"][0] = 5  # a mapper editing a nested field in place (Detectron2's do)
+    first["annotations"].append({"box": [1, 1, 1, 1]})
+    assert items[0] == {"a": 1, "annotations": [{"box": [0, 0, 2, 2]}]} == dataset[0] and len(dataset) == 2
+    assert dataset[-1] == items[-1] and dataset[1] is not items[1]
+    assert DatasetFromList(items, copy=False, serialize=False)[1] is items[1]
+    assert DatasetFromList(items, copy=False)[1] is not items[1]  # serialized: a fresh object each time
+    with pytest.raises(IndexError):
+        dataset[2]
+    with pytest.raises(TypeError, match="item 1 cannot be pickled .*serialize=False"):
+        DatasetFromList([{"f": 1}, {"f": lambda: 0}])
 
 
 def test_map_dataset_replaces_a_failed_sample_and_gives_up_after_max_retries(caplog) -> None:
@@ -68,6 +78,53 @@ def test_to_iterable_dataset_shards_the_sampler_over_workers() -> None:
     assert sorted(unsharded) == [0, 0, 1, 1, 2, 2, 3, 3]
     with pytest.raises(TypeError, match="iterable already"):
         ToIterableDataset(dataset, range(3))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_batches_do_not_depend_on_the_number_of_workers() -> None:
+    """shard_chunk_size: batch k is the sampler's k-th chunk with 0, 2 or 3 DataLoader workers."""
+    def batches(workers: int, chunk: int) -> list[list[int]]:
+        dataset = ToIterableDataset(DatasetFromList(list(range(24))), list(range(23, -1, -1)), shard_chunk_size=chunk)
+        loader = torchdata.DataLoader(dataset, batch_size=4, num_workers=workers, collate_fn=list)
+        return list(loader)
+
+    expected = [list(range(23 - 4 * k, 19 - 4 * k, -1)) for k in range(6)]
+    assert batches(0, 4) == batches(2, 4) == batches(3, 4) == expected
+    assert batches(2, 1) != expected  # index by index, two workers interleave into other batches
+    data = [{"image": np.full(2, k, np.float32), "label": k} for k in range(10)]
+    loaders_ = [build_train_loader(data, None, total_batch_size=4, num_workers=w, seed=2,
+                                   collate_fn=lambda s: [d["label"] for d in s]) for w in (0, 2)]
+    assert [list(itertools.islice(loader, 5)) for loader in loaders_][0] == list(itertools.islice(loaders_[1], 5))
+
+
+class _Stream(torchdata.IterableDataset):
+    """An iterable dataset, as Detectron2 takes one: it yields its samples itself (no sampler)."""
+
+    def __iter__(self):  # noqa: ANN204
+        return iter([{"image": np.full(2, k, np.float32), "label": k} for k in range(7)])
+
+
+def test_train_loader_takes_an_iterable_dataset_collate_fn_drop_last_and_a_per_device_batch() -> None:
+    def mapper(d):  # noqa: ANN001, ANN202 - drops odd labels: an iterable dataset leaves them out
+        return None if d["label"] % 2 else {"data": d["image"], "label": np.int32(d["label"])}
+
+    loader = build_train_loader(_Stream(), mapper, single_gpu_batch_size=1, num_devices=2, drop_last=False)
+    assert [b["label"].tolist() for b in loader] == [[0, 2], [4, 6]]
+    labels = build_train_loader(_Stream(), None, total_batch_size=3, drop_last=False,
+                                collate_fn=lambda samples: [d["label"] for d in samples])
+    assert list(labels) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(build_train_loader(_Stream(), None, total_batch_size=3, collate_fn=len)) == [3, 3]  # drop_last
+    per_device = next(iter(build_train_loader([{"x": k} for k in range(8)], None, single_gpu_batch_size=3,
+                                              num_devices=2, collate_fn=len)))
+    assert per_device == 6
+    with pytest.raises(ValueError, match="iterable dataset yields its samples itself: pass sampler=None"):
+        build_train_loader(_Stream(), None, total_batch_size=2, sampler=range(3))
+    with pytest.raises(ValueError, match="exactly one"):
+        build_train_loader(_Stream(), None, total_batch_size=2, single_gpu_batch_size=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        build_train_loader(_Stream(), None)
+    with pytest.raises(ValueError, match="needs drop_last=True"):
+        build_train_loader(_Stream(), None, total_batch_size=2, aspect_ratio_grouping=True, drop_last=False)
 
 
 def test_aspect_ratio_grouping_batches_one_orientation() -> None:

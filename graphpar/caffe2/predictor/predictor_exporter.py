@@ -4,8 +4,14 @@
 parameters, with the MetaNetDef in its metadata: the predict net (`PREDICT_NET_TYPE`), a global init net
 that `Load`s the parameters from the file (`GLOBAL_INIT_NET_TYPE`), a predict init net that fills the
 inputs whose shapes were given (`PREDICT_INIT_NET_TYPE`), and the parameter, input and output names.
-`load_from_db` reads it back. `db_type` is accepted for Caffe2's scripts: the format is always graphpar's.
-The nets are stored in Caffe2's wire format, so these functions need protobuf (`graphpar[caffe2]`).
+`load_from_db` reads it back, and `prepare_prediction_net` runs its init nets in the current workspace
+and returns the predict net, created and ready to run. `db_type` is accepted for Caffe2's scripts: the
+format is always graphpar's. The nets are stored in Caffe2's wire format, so these functions need
+protobuf (`graphpar[caffe2]`).
+
+The parameters are read from the workspace by name; an unscoped name the workspace lacks (the names
+`data_parallel_model.ExtractPredictorNet` gives a trained model's params) from the first replica's blob
+(`conv1_w` from `gpu_0/conv1_w`), as `checkpoint.save` does. docs/caffe2_export.md walks through it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 
 from graphpar.caffe2.predictor_constants import predictor_constants as pc
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
-from graphpar.runtime import checkpoint
+from graphpar.core.net import Net
+from graphpar.runtime import checkpoint, workspace
 
 
 @dataclass
@@ -99,7 +106,8 @@ def save_to_db(db_type: str, db_destination: str, predictor_export_meta: Predict
     """Write the parameters of the current workspace and the MetaNetDef to `db_destination`, atomically.
 
     Raises:
-        CheckpointError: a parameter blob does not exist (nothing is written).
+        CheckpointError: a parameter blob does not exist, under its name or (unscoped) in the first
+            replica (nothing is written).
     """
     meta = get_meta_net_def(predictor_export_meta, db_destination)
     encoded = {"nets": {e.key: base64.b64encode(e.value.SerializeToString()).decode() for e in meta.nets},
@@ -130,3 +138,21 @@ def load_from_db(filename: str, db_type: str, device_option: DeviceOption | None
                 op.device_option = device_option
         nets.append(Entry(key, net))
     return MetaNetDef(nets, [Entry(k, list(v)) for k, v in stored["blobs"].items()])
+
+
+def prepare_prediction_net(filename: str, db_type: str, device_option: DeviceOption | None = None) -> Net:
+    """Caffe2's `prepare_prediction_net`: load the predictor `save_to_db` wrote to `filename` into the
+    current workspace (its global init net loads the parameters, its predict init net fills the inputs
+    whose shapes were exported) and return its predict net, created: feed the inputs, then
+    `workspace.RunNet(net)` and fetch the outputs. With `device_option`, every op runs there.
+
+    Raises:
+        CheckpointError: as `load_from_db`. Workspace errors of the runs propagate.
+    """
+    meta = load_from_db(filename, db_type, device_option)
+    nets = {e.key: e.value for e in meta.nets}
+    workspace.RunNetOnce(nets[pc.GLOBAL_INIT_NET_TYPE])
+    workspace.RunNetOnce(nets[pc.PREDICT_INIT_NET_TYPE])
+    predict_net = Net(nets[pc.PREDICT_NET_TYPE])
+    workspace.CreateNet(predict_net)
+    return predict_net
