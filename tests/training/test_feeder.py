@@ -235,6 +235,42 @@ def test_under_a_device_map_the_feeder_waits_on_the_gpu_each_replica_runs_on(mon
     assert [event for _, _, event in waits] == [str(event) for event in batch.ready]
 
 
+def _gpu_mlp(name: str) -> ModelHelper:
+    model = ModelHelper(name=name)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=lambda m, scale: [m.net.Scale(m.net.SoftmaxWithLoss(
+                        [brew.fc(m, "data", "pred", dim_in=4, dim_out=3), "label"], ["softmax", "xent"])[1],
+                        "loss", scale=scale)],
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, momentum=0.9), devices=[0, 1])
+    return model
+
+
+def test_a_trainer_on_cuda_replicas_copies_numpy_batches_through_the_side_stream_copier():
+    """A Trainer fed numpy batches on real CUDA replicas stages them as a DeviceFeeder does (pinned
+    memory, a side stream per device, the step's stream waiting for an event): no blocking copy per
+    blob. The copier here records; the run equals the plain one."""
+    data = _batches()
+    with cuda_on_cpu():
+        workspace.ResetWorkspace()
+        workspace.SetSeed(1)
+        plain = _gpu_mlp("copier_plain")
+        Trainer(plain, data, max_iter=5).train()
+        expected = _params(plain)
+        workspace.ResetWorkspace()
+        workspace.SetSeed(1)
+        model, copier = _gpu_mlp("copier_staged"), _RecordingCopier()
+        trainer = Trainer(model, data, max_iter=5, copier=copier)
+        trainer.train()
+        for name, value in _params(model).items():
+            np.testing.assert_array_equal(value, expected[name], err_msg=name)
+        assert Trainer(model, data).copier is None  # CUDA replicas placed on the CPU: feed copies
+    kinds = [call[0] for call in copier.calls]
+    assert kinds.count("copy") == 2 * 2 * 5 and kinds.count("wait") == 2 * 6  # data+label per device; init too
+    assert isinstance(Trainer(model, data).copier, CudaCopier)  # real CUDA replicas (outside the simulation)
+    assert Trainer(model, DeviceFeeder(data, model)).copier is None  # the feeder stages them already
+    assert Trainer(_model(), data).copier is None  # CPU replicas
+
+
 @pytest.mark.cuda
 def test_a_loader_of_cuda_tensors_feeds_them_as_they_are():
     model = _relu_model(devices=(0,), gpu=True)
