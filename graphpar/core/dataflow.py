@@ -1,7 +1,7 @@
 """Dataflow facts of a net, computed once per net version: loads, writes, versions, lifetimes, dependencies.
 
-"Read before written", first and last writers, blob versions, the loads a run makes and last uses
-are derived here and nowhere else; passes, the plan and the frame layout ask `dataflow(net)`. The
+"Read before written", first and last writers, readers and writers per blob, blob versions, the
+loads a run makes and last uses are derived here and nowhere else; passes, the plan and the frame layout ask `dataflow(net)`. The
 result is cached on the NetDef (as torch.fx keeps facts in `Node.meta`) together with the net's
 *blob signature*: every op's inputs, outputs and control inputs. A later call compares the signature
 (one tuple per op, compared at C speed) and recomputes when a pass changed any op's blobs, added,
@@ -13,12 +13,13 @@ so facts of one version never mix with a later edit. Control inputs count as rea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from operator import attrgetter
 from typing import NamedTuple
 
-from graphpar.core.ir import NetDef
+from graphpar.core.ir import NetDef, OperatorDef
 
 Signature = tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...]
 _CACHE = "_dataflow"  # the NetDef attribute holding (signature, Dataflow)
@@ -44,6 +45,11 @@ class Version(NamedTuple):
 def signature(net: NetDef) -> Signature:
     """Every op's (inputs, outputs, control inputs): all the facts below depend on."""
     return tuple([(tuple(i), tuple(o), tuple(c) if c else ()) for i, o, c in map(_BLOBS, net.ops)])
+
+
+def facts(ops: Sequence[OperatorDef]) -> Dataflow:
+    """The dataflow facts of a list of ops (a pass's draft of a net), not cached."""
+    return Dataflow(tuple([(tuple(i), tuple(o), tuple(c) if c else ()) for i, o, c in map(_BLOBS, ops)]))
 
 
 def dataflow(net: NetDef) -> Dataflow:
@@ -100,6 +106,43 @@ class Dataflow:
     def written_before(self, blob: str, index: int) -> bool:
         """Whether an op before op `index` writes `blob` (else op `index` reads it as loaded)."""
         return self.first_write.get(blob, index) < index
+
+    @cached_property
+    def readers(self) -> Mapping[str, tuple[int, ...]]:
+        """{blob: the ops reading it as a data input}, ascending, each op once."""
+        return self._positions(0)
+
+    @cached_property
+    def writers(self) -> Mapping[str, tuple[int, ...]]:
+        """{blob: the ops writing it}, ascending."""
+        return self._positions(1)
+
+    @cached_property
+    def waiters(self) -> Mapping[str, tuple[int, ...]]:
+        """{blob: the ops naming it as a control input}, ascending, each op once."""
+        return self._positions(2)
+
+    def _positions(self, field: int) -> dict[str, tuple[int, ...]]:
+        found: dict[str, list[int]] = {}
+        for index, blobs in enumerate(op[field] for op in self.ops):
+            for blob in blobs:
+                at = found.setdefault(blob, [])
+                if not at or at[-1] != index:
+                    at.append(index)
+        return {blob: tuple(at) for blob, at in found.items()}
+
+    def loaded_readers(self, blob: str) -> tuple[int, ...]:
+        """The ops reading the value `blob` has when a run starts: its readers up to its first writer
+        (included, when that op reads it too)."""
+        readers = self.readers.get(blob, ())
+        first = self.first_write.get(blob)
+        return readers if first is None else readers[:bisect_right(readers, first)]
+
+    def last_write_before(self, blob: str, index: int) -> int | None:
+        """The last op before op `index` writing `blob` (None: none does)."""
+        writers = self.writers.get(blob, ())
+        k = bisect_left(writers, index)
+        return writers[k - 1] if k else None
 
     @cached_property
     def data_blobs(self) -> tuple[str, ...]:

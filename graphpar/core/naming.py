@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from graphpar.core.ir import GradientSlice
 
 SCOPE_SEPARATOR = "/"
+SHARD_SUFFIX = "_shard"
 BATCH_WEIGHT = "_batch_weight"  # per replica, with Parallelize(uneven_batches=True): N·n_d/n, fed by data.feed
 
 
@@ -44,6 +45,26 @@ def split_info_name(blob: str) -> str:
 def old_shape_name(blob: str) -> str:
     """The former shape a `Reshape` of `blob` records (its second output): 'gpu_0/fc_w_grad_old_shape'."""
     return f"{blob}_old_shape"
+
+
+def shard_name(blob: str) -> str:
+    """This replica's shard of `blob` (`shard_optimizer_state`): 'gpu_1/fc_w_momentum' -> 'gpu_1/fc_w_momentum_shard'."""
+    return f"{blob}{SHARD_SUFFIX}"
+
+
+def unsharded_name(blob: str) -> str | None:
+    """The blob `blob` is a shard of ('gpu_1/fc_w_momentum_shard' -> 'gpu_1/fc_w_momentum'), else None."""
+    return blob[: -len(SHARD_SUFFIX)] if blob.endswith(SHARD_SUFFIX) else None
+
+
+def gathered_name(blob: str) -> str:
+    """Every replica's shard of `blob` concatenated (1-D): 'gpu_0/fc_w' -> 'gpu_0/fc_w_gathered'."""
+    return f"{blob}_gathered"
+
+
+def part_name(blob: str, k: int) -> str:
+    """Part k of `blob` cut into one piece per shard: ('gpu_0/fc_w_grad', 1) -> 'gpu_0/fc_w_grad_part_1'."""
+    return f"{blob}_part_{k}"
 
 
 def name_scope_of(blob: str) -> str:

@@ -21,8 +21,9 @@ only where the schema says so (in-place pairs, `Effects.aliases`): in-place upda
 Effects (`Effects`, `effects=` at registration) say what an op does to its inputs' tensors and values
 that passes must know without naming its type: which outputs are an input's tensor (`aliases`) or equal
 its value (`same_value`), which in-place inputs the kernel rebinds instead of writing (`rebinds`), its
-momentum buffer, how a group of it fuses into one multi-tensor op, and when one op of the type crosses
-replicas. Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
+momentum buffer, how a group of it fuses into one multi-tensor op, when one op of the type crosses
+replicas, and which inputs it works on element by element (`Elementwise`: sharded updates run it on
+parts). Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
 
 Gradient makers follow Caffe2: `maker(op, grad_outputs) -> (grad_ops, grad_inputs)`, where
 `grad_outputs[i]` is the gradient blob of `op.outputs[i]` (or None) and `grad_inputs[i]` is the
@@ -252,6 +253,21 @@ class MultiTensor(NamedTuple):
     updated: tuple[int, ...]
 
 
+class Elementwise(NamedTuple):
+    """An op that computes every element of each output from the same element of its `tensors` inputs
+    (one shape, which every output has) and whole scalar inputs (the others: learning rates, counters,
+    1-element weights). It gives the same bits on any flat piece of its tensors as on the whole, so
+    `passes.shard_updates` runs it on each replica's shard. `tensors`: input indices, or a function of
+    the op's input count (ops with a variable number of inputs)."""
+
+    tensors: tuple[int, ...] | Callable[[int], tuple[int, ...]]
+
+    def of(self, num_inputs: int) -> tuple[int, ...]:
+        """The tensor inputs of an op with `num_inputs` inputs."""
+        given = self.tensors(num_inputs) if callable(self.tensors) else self.tensors
+        return tuple(i for i in given if i < num_inputs)
+
+
 class PredictAs(NamedTuple):
     """What a prediction net runs instead of an op whose outputs `unused` nothing reads (a loss whose loss
     nobody reads becomes the prediction it computes): op `type` on this op's inputs `inputs`, writing its
@@ -274,6 +290,7 @@ class Effects:
     name). `momentum`: the input holding a momentum buffer (BMUF zeroes it after each block).
     `multi_tensor`: how a group of this op fuses. `cross_device(op)`: whether this one op reads or
     writes several replicas' blobs (for types that do so only sometimes; Trait.CROSS_DEVICE is always).
+    `elementwise`: the op works element by element on some of its inputs (see `Elementwise`).
     """
 
     aliases: frozenset[tuple[int, int]] = frozenset()
@@ -282,6 +299,7 @@ class Effects:
     momentum: int | None = None
     multi_tensor: MultiTensor | None = None
     cross_device: Callable[[OperatorDef], bool] | None = None
+    elementwise: Elementwise | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", frozenset(self.aliases))

@@ -28,8 +28,48 @@ from pathlib import Path
 
 from graphpar.examples import cli
 
+
+def make_parser() -> cli.ArgumentParser:
+    """The options, each value checked as it is parsed (no torch needed: `--help` answers at once)."""
+    parser = cli.parser("graphpar.examples.train", __doc__)
+    parser.add_argument("--devices", type=cli.integer(1), default=None,
+                        help="devices per process (default: this machine's GPUs shared out over its processes, "
+                             "else 4 CPU devices)")
+    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
+    parser.add_argument("--epochs", type=cli.integer(1), default=12,
+                        help="epochs in all (a resumed run continues to it)")
+    parser.add_argument("--batch-size", type=cli.integer(1), default=64, help="global batch, split over the devices")
+    parser.add_argument("--lr", type=cli.number(0.0), default=0.05,
+                        help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
+    parser.add_argument("--lr-step-epochs", type=cli.integer(1), default=8, help="decay the LR x0.1 every N epochs")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
+    parser.add_argument("--checkpoint", type=cli.file_path, default=Path("graphpar_digits.safetensors"),
+                        help="checkpoint file, written every epoch; metrics.json goes beside it")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over, replacing an existing --checkpoint and its metrics.json")
+    parser.add_argument("--plot", action="store_true",
+                        help="at the end, draw loss and test accuracy per epoch into training.png beside "
+                             "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
+    parser.add_argument("--seed", type=cli.integer(0), default=0,
+                        help="seed of the init, the split and the batch order")
+    parser.add_argument("--no-finite-check", action="store_true",
+                        help="do not check each step's loss before its update (Parallelize's check_finite_loss: "
+                             "one host sync per device and step). A NaN or inf loss still stops the run, when "
+                             "the trainer records the loss: after that step's update (the checkpoint of the last "
+                             "finished epoch is kept)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log what Parallelize built and each init/sync; show the traceback of an error")
+    parser.add_argument("--num-processes", type=cli.integer(1), default=1,
+                        help="processes (shards) on this machine, each with --devices devices (gloo)")
+    return parser
+
+
 if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
     cli.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # a Ctrl-C while torch loads: exit at once, 130
+    if __name__ == "__main__":
+        make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
 
@@ -104,6 +144,7 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
 
 def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
+<<<<<<< HEAD
     parser = cli.parser("graphpar.examples.train", __doc__)
     parser.add_argument("--devices", type=int, default=None,
                         help="devices per process (default: this machine's GPUs shared out over its processes, "
@@ -135,33 +176,29 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
                         help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=int, default=1,
                         help="processes (shards) on this machine, each with --devices devices (gloo)")
+=======
+    parser = make_parser()
+>>>>>>> main
     args = parser.parse_args(argv)
-    if args.num_processes < 1:
-        parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
     per_machine = args.num_processes if launch.get_world_size() == 1 else comm.get_local_size()
     if args.devices is None:  # GPUs: this machine's shared out, one per process with --num-processes K on K
         args.devices = 4 if args.cpu else max(1, available // per_machine)
-    if args.devices < 1:
-        parser.error(f"--devices must be at least 1, got {args.devices}")
     if available is not None:
         try:
             comm.local_devices(args.devices, 0, per_machine, available)
         except ValueError as exc:
             parser.error(f"--devices {args.devices} x {per_machine} processes: {exc} (or pass --cpu)")
-    if args.epochs < 1:
-        parser.error(f"--epochs must be at least 1, got {args.epochs}")
-    if not 1 <= args.batch_size <= train_size:
-        parser.error(f"--batch-size must be between 1 and the {train_size} training samples, got {args.batch_size}")
+    if args.batch_size > train_size:
+        parser.error(f"argument --batch-size: must be at most the {train_size} training samples, got "
+                     f"{args.batch_size}")
     if args.batch_size % (args.devices * shards):
         every = args.devices * shards
         what = f"--devices {args.devices}" + (f" x {shards} processes" if shards > 1 else "")
         parser.error(f"--batch-size {args.batch_size} must be a multiple of {what} (every device gets the same "
                      f"share), e.g. {max(every, args.batch_size // every * every)}")
-    if args.lr <= 0 or args.lr_step_epochs < 1:
-        parser.error(f"--lr must be > 0 and --lr-step-epochs >= 1, got {args.lr} and {args.lr_step_epochs}")
     if args.resume and not args.checkpoint.exists():
         parser.error(f"--resume: there is no checkpoint at {args.checkpoint} (train once without --resume, or "
                      f"pass --checkpoint)")
@@ -307,8 +344,9 @@ def _run(args: argparse.Namespace) -> int:
         done = checkpoint.read_metadata(args.checkpoint)["iteration"] or 0
         if done >= max_iter:
             if say:
-                log.info("nothing to do: %s is at epoch %d of %d; pass a larger --epochs (e.g. --epochs %d) to "
-                         "train longer", args.checkpoint, done // steps_per_epoch, args.epochs, args.epochs + 4)
+                at = done // steps_per_epoch
+                log.info("nothing to do: %s is at epoch %d, and --epochs %d asks for no more; to train longer, pass "
+                         "an --epochs above %d (e.g. --epochs %d)", args.checkpoint, at, args.epochs, at, at + 4)
             return 0
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
@@ -326,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
     loader = ShardOf(ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed), shard, shards)
     with DeviceFeeder(loader, train) as feeder:
         epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs,
-                             _progress_bar(say), say, args.batch_size)
+                             cli.progress_bar(say), say, args.batch_size)
         hooks = [IterationTimer(), LRScheduler(), epoch_end]
         if say:
             hooks.append(EpochWriter(args.checkpoint.parent, steps_per_epoch, console=False))
@@ -352,21 +390,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(metrics, args.checkpoint.parent / "training.png")
     return 0
-
-
-def _progress_bar(show: bool = True):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        show = False
-    if not show:
-        class _Quiet:
-            def update(self) -> None: ...
-
-            def close(self) -> None: ...
-
-        return lambda total, desc: _Quiet()
-    return lambda total, desc: tqdm(total=total, desc=desc, leave=False)
 
 
 def _plot(metrics: Path, out: Path) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import CPU, BlobReference, DeviceOption
 from graphpar.core.scope import DeviceScope, ScopedName
 from graphpar.errors import DuplicateHelperError
@@ -421,11 +422,9 @@ def _net_blobs(models: Sequence[ModelHelper], scope: Sequence[str], where: str) 
     """
     lexical, reads, writes = {str(b) for b in scope} | {_absolute(b) for b in scope}, [], []
     for model in models:
-        defined: set[str] = set()
-        for op in model.net.Proto().ops:
-            reads += [b for b in op.inputs if b not in defined and b not in reads]
-            defined.update(op.outputs)
-            writes += [b for b in op.outputs if b in lexical and b not in writes]
+        flow = dataflow(model.net.Proto())
+        reads += [b for b in flow.loads if b not in reads]
+        writes += [b for b in flow.first_write if b in lexical and b not in writes]
     undefined = [b for b in reads if b not in lexical]
     if undefined:
         raise ValueError(f"{where}: the nets read {undefined}, which are not in external_blobs {sorted(lexical)} "

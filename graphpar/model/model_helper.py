@@ -355,6 +355,11 @@ class ModelHelper:
                                         update_external_list=True)
         self.net = net.Clone(net.Name() + "/generated_net", op_id_mask=train_ids, update_external_list=True)
 
+    def add_input_casts(self, casts: Iterable[str]) -> None:
+        """Mark `casts` as casts of fed inputs (`passes.precision`): like the inputs themselves, they get no
+        gradient from `AddGradientOperators`."""
+        self._input_casts.update(str(b) for b in casts)
+
     def AddGradientOperators(self, ys: list | dict,  # noqa: N802
                              input_gradients: bool = False) -> dict[BlobReference, str | GradientSlice]:
         """Append the gradient ops of `net` for losses `ys` (once); fill grad_map and param_to_grad.

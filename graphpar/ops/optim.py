@@ -21,6 +21,7 @@ from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
     Arg,
     Effects,
+    Elementwise,
     InputCheck,
     KernelContext,
     MultiTensor,
@@ -267,7 +268,7 @@ register_op(
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
     reuse=(0, functools.partial(_momentum_sgd, into_grad=True)),
     traits=(Trait.INPLACE_UPDATE,), check=same_shape((0, 1, 3)),
-    effects=Effects(rebinds={0}, momentum=1,
+    effects=Effects(rebinds={0}, momentum=1, elementwise=Elementwise((0, 1, 3)),
                     multi_tensor=MultiTensor("MultiTensorMomentumSGDUpdate", (0, 1, 3), (2,), (0, 1, 3))),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
         "storage); lr is positive (the op subtracts). Plain: a = (momentum m, rounded) + lr g; mom = a; "
@@ -326,7 +327,8 @@ register_op(
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer,
     check=all_checks(same_shape((0, 1, 2, 3)), counter_at(5)),
-    effects=Effects(multi_tensor=MultiTensor("MultiTensorAdam", (0, 1, 2, 3), (4, 5), (0, 1, 2))),
+    effects=Effects(multi_tensor=MultiTensor("MultiTensorAdam", (0, 1, 2, 3), (4, 5), (0, 1, 2)),
+                    elementwise=Elementwise((0, 1, 2, 3))),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
         "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter; "

@@ -28,22 +28,28 @@ copying the first device's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial, wraps
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef
-from graphpar.core.naming import device_prefix, parse_device_scope, stripBlobName
+from graphpar.core.naming import KEEP_ARG, device_prefix, parse_device_scope, shard_name, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import (CheckpointError, DeviceScopeError, GradientOverflowError, MissingBlobError,
-                             ParallelizeError)
+from graphpar.errors import (
+    CheckpointError,
+    DeviceScopeError,
+    GradientOverflowError,
+    MissingBlobError,
+    ParallelizeError,
+)
 from graphpar.executor import net_types
 from graphpar.executor.plan import check_inputs_exist
 from graphpar.model.model_helper import ModelHelper
@@ -55,9 +61,10 @@ from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
 from graphpar.passes.options import LossScale, ParallelizeOptions, args_doc, blob_names, checked
-from graphpar.passes.pipeline import run_pipeline
+from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
+from graphpar.passes.shards import state_gather_net, state_scatter_net
 from graphpar.passes.state import ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
@@ -144,6 +151,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     loss_scale: float | str | Mapping[str, Any] | LossScale | None = None,
     channels_last: bool = False,
     allreduce_dtype: str | torch.dtype | None = None,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -168,7 +177,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
             cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
-            loss_scale with shared_model, allreduce_dtype with a rendezvous. The model is left as it was.
+            loss_scale with shared_model, allreduce_dtype with a rendezvous, shard_optimizer_state with
+            shared_model, sparse gradients or an update it cannot split (`passes.shard_updates`),
+            shard_gradients with buckets, allreduce_dtype or (across shards) loss_scale. The model is
+            left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not
             callable (or None, where optional), a flag that is not True or False, non-int
             gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict with
@@ -186,8 +198,10 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
     _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
                    given["shared_model"], net_type)
-    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"], cuda)
+    given["shard_optimizer_state"] = given["shard_optimizer_state"] or given["shard_gradients"]  # stage 2 has 1's
     _check_combinations(given)
+    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"],
+                                               cuda and not given["shard_gradients"])
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
     _check_bn_groups(given["combine_spatial_bn"], rdv)
@@ -213,12 +227,30 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
-                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
+                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring",
+                               rdv.shard_id if rdv else 0)
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
         run_pipeline(model._parallel)
+        _set_caffe2_attributes(model, model._parallel)
     _log_built(model._parallel)
+
+
+def _set_caffe2_attributes(model: ModelHelper, state: ParallelState) -> None:
+    """The one place that puts what the passes built (kept on `state`) where Caffe2's code and scripts
+    read it: the model's attributes `_accumulate_net` and `_loss_scale_backoff_net` (when built) and
+    BMUF's `_global_model_init_net`, `_global_model_param_updates_net`, `_warmup_iterations`,
+    `_warmup_broadcast` (None without warmup, as Caffe2's). graphpar itself reads the state."""
+    built = {"_accumulate_net": state.accumulate_net, "_loss_scale_backoff_net": state.loss_scale_backoff_net}
+    attributes: dict[str, Any] = {name: net for name, net in built.items() if net is not None}
+    if state.bmuf is not None:
+        attributes.update(_global_model_init_net=state.bmuf.global_init,
+                          _global_model_param_updates_net=state.bmuf.global_update,
+                          _warmup_iterations=state.bmuf.warmup_iterations,
+                          _warmup_broadcast=state.bmuf.warmup_broadcast)
+    for name, value in attributes.items():
+        setattr(model, name, value)
 
 
 def _finite_loss_check(check_finite_loss: bool | None, cpu_device: bool, training: bool) -> bool:
@@ -233,6 +265,22 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
     if given["allreduce_dtype"] is not None and given["rendezvous"] is not None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+    if given["shard_optimizer_state"] and given["shared_model"]:
+        raise ParallelizeError("Parallelize: shard_optimizer_state is not supported with shared_model (the replicas "
+                               "share one copy of the params and state, which the first device updates)")
+    if not given["shard_gradients"]:
+        return
+    stage2 = "Parallelize: shard_gradients=True (each replica keeps only its part of the summed gradients)"
+    if given["gradient_bucket_bytes"] is not None or given["bucket_cap_mb"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with gradient buckets, which all-reduce whole flat buffers; "
+                               f"drop gradient_bucket_bytes / bucket_cap_mb, or use shard_optimizer_state=True "
+                               f"alone (ZeRO stage 1 all-reduces the gradients, in buckets too)")
+    if given["allreduce_dtype"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with allreduce_dtype; use shard_optimizer_state=True alone")
+    if given["loss_scale"] is not None and given["rendezvous"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with loss_scale across shards: a gradient overflow in one "
+                               f"shard's parts would skip the step there only; use shard_optimizer_state=True "
+                               f"alone (every shard then checks the whole summed gradients)")
 
 
 def _check_bn_groups(combine: Any, rdv: Rendezvous | None) -> None:
@@ -292,6 +340,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
     check_finite_loss: bool | None = None,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -316,6 +366,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         check_finite_loss: as Parallelize's (default on for CPU replicas): a NaN or infinite loss on
             any replica makes RunNet raise before any local update, and the global update does not
             run (no replica, no global model changes).
+        shard_optimizer_state, shard_gradients: refused (ParallelizeError): each replica trains alone
+            between global updates, with its whole optimizer state, and the global update averages
+            whole params.
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -326,6 +379,10 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
+    if shard_optimizer_state or shard_gradients:
+        raise ParallelizeError("Parallelize_BMUF: shard_optimizer_state / shard_gradients are not supported: each "
+                               "replica runs its own local updates with its whole optimizer state between "
+                               "the global updates, so there is no state to share out; use Parallelize")
     rdv = _check_rendezvous(rendezvous, "Parallelize_BMUF", default_engine=default_engine(not cpu_device))
     model = _check_model(model_helper_obj)
     if not callable(param_update_builder_fun):
@@ -356,6 +413,7 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
         run_pipeline(model._parallel, bmuf_pipeline(bmuf))
+        _set_caffe2_attributes(model, model._parallel)
     _log_built(model._parallel)
 
 
@@ -373,13 +431,12 @@ def RunWarmup(model: ModelHelper) -> None:  # noqa: N802
     Raises:
         ParallelizeError: the model was not parallelized with Parallelize_BMUF(warmup_iterations=...).
     """
-    _state_of(model)
-    warmup = getattr(model, "_warmup_broadcast", None)
-    if warmup is None:
+    bmuf = _state_of(model).bmuf
+    if bmuf is None or bmuf.warmup_broadcast is None or bmuf.warmup_iterations is None:
         raise ParallelizeError(f"model {model.name!r} has no warmup: pass warmup_iterations to "
                                f"Parallelize_BMUF")
-    workspace.RunNet(model.net, model._warmup_iterations)
-    workspace.RunNetOnce(warmup)
+    workspace.RunNet(model.net, bmuf.warmup_iterations)
+    workspace.RunNetOnce(bmuf.warmup_broadcast)
 
 
 def Synchronize(model: ModelHelper, timeout_sec: int = 300) -> None:  # noqa: N802
@@ -446,6 +503,53 @@ def OptimizeGradientMemory(model: ModelHelper, input_shapes: dict, excluded_blob
     """
     state = _state_of(model)
     optimize_memory(state, blob_names(excluded_blobs, "excluded_blobs"), recycle_activations)
+
+
+def enable_memory_options(model: ModelHelper, optimize_gradient_memory: bool = True,
+                          dynamic_memory_management: bool = True, keep: Iterable[str] = ()) -> None:
+    """Turn on Parallelize's memory options for a model it built, before RunInitNet creates the nets:
+    the pipeline's passes for the options not on yet run (under the current PassContext, as
+    Parallelize's), and the model's options record them. Same results, less memory.
+
+    Args:
+        optimize_gradient_memory, dynamic_memory_management: the options to turn on (one already on is
+            left as it is).
+        keep: more blobs, named as in the train net (e.g. `GetLearningRateBlobNames(model)`), that a
+            freeing run keeps when this call turns dynamic_memory_management on.
+
+    Raises:
+        ParallelizeError: the model was not parallelized, or is not a training model.
+        RuntimeError: its train net was created already (RunInitNet or CreateNet ran).
+        TypeError: `keep` is not a list of blob names.
+    """
+    state = _state_of(model)
+    kept = blob_names(keep, "keep")
+    if not state.training:
+        raise ParallelizeError(f"enable_memory_options: model {model.name!r} has no updates; its memory options "
+                               f"concern training")
+    if model.net.Proto().name in workspace.get_workspace().nets:
+        raise RuntimeError(f"enable_memory_options: the train net of model {model.name!r} was created already; "
+                           f"turn the options on before RunInitNet, or pass them to Parallelize")
+    asked = {"optimize_gradient_memory": optimize_gradient_memory,
+             "dynamic_memory_management": dynamic_memory_management}
+    turned_on = {name: True for name, on in asked.items() if on and not getattr(state.options, name)}
+    if not turned_on:
+        return
+    passes = {"optimize_gradient_memory": "share_gradient_memory", "dynamic_memory_management": "free_intermediates"}
+    wanted = {passes[name] for name in turned_on}
+    options, nets = state.options, [(net, copy.deepcopy(vars(net))) for net in (model.net, model.param_init_net)]
+    try:
+        state.options = dataclasses.replace(options, **turned_on)
+        run_pipeline(state, edited(PIPELINE, remove=[entry.name for entry in PIPELINE if entry.name not in wanted]))
+    except BaseException:  # as it was: the options and the nets (the same Net objects)
+        state.options = options
+        for net, saved in nets:
+            vars(net).clear()
+            vars(net).update(saved)
+        raise
+    if "dynamic_memory_management" in turned_on and kept:
+        args = model.net.Proto().args
+        args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *kept]))
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -591,7 +695,7 @@ def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
             raise
         log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
         runs.skipped_steps += 1
-        backoff = getattr(model, "_loss_scale_backoff_net", None)
+        backoff = _state_of(model).loss_scale_backoff_net
         if backoff is not None:
             workspace.RunNetOnce(backoff)
         reset_accumulated_gradients(model)
@@ -621,6 +725,12 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     (`_g`, `_v`, `_prev`, from `_global_model_init_net`); counters are the outputs of counter ops
     (`Iter`, `AtomicIter`: Trait.COUNTER) outside every replica scope (e.g. `optimizer_iteration`).
 
+    With sharded optimizer state (`shard_optimizer_state`) the names are the same as without: each
+    state blob whole under the first device's name (`cpu_0/fc_w_momentum`). Once `RunInitNet` has
+    run in the current workspace, this call gathers every replica's part into those blobs (across
+    shards a collective: call it on every shard), so the checkpoint has one format for sharded and
+    unsharded runs; the gathered blobs stay in the workspace (`save_checkpoint` drops them).
+
     Raises:
         ParallelizeError: the model was not parallelized.
     """
@@ -629,7 +739,31 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
+    sharded = _sharded_state(state)
+    if sharded:
+        first -= {shard_name(layout.scoped(layout.master, name)) for name in sharded}
+        first |= {layout.scoped(layout.master, name) for name in sharded}
+        _gather_state(model, sharded)
     return first | set(iteration_counters(model))
+
+
+def _sharded_state(state: ParallelState) -> list[str]:
+    """The model's sharded optimizer state blobs (unscoped, unsharded names); [] without sharding."""
+    return [] if state.sharding is None else list(state.sharding.state)
+
+
+def _gather_state(model: ModelHelper, names: list[str]) -> None:
+    """Write each sharded state blob whole under the first device's name, if the parts exist here."""
+    state, runs, ws = _state_of(model), _runs_of(model), workspace.get_workspace()
+    layout = state.layout
+    if not all(ws.has_blob(shard_name(layout.scoped(d, n))) for d in layout.devices for n in names):
+        return  # not initialised in this workspace: the names are all the caller gets
+    if runs.state_gather is None:
+        runs.state_gather = Net(state_gather_net(f"{model.net.Proto().name}_gather_state", state, names))
+    with ws.unchanged_on_error():
+        ws.create_net(runs.state_gather, overwrite=True)
+        ws.run_net(runs.state_gather.Proto().name)
+    runs.gathered = {name: ws.blobs[name] for name in (layout.scoped(layout.master, n) for n in names)}
 
 
 def iteration_counters(model: ModelHelper) -> list[str]:
@@ -644,16 +778,30 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
     """Write `GetCheckpointParams(model)` to `path` (graphpar.checkpoint.save, atomic) on one shard
     only: shard 0 of the model's rendezvous, or the only process. Every shard may then load it and call
     `FinalizeAfterCheckpoint`; call `Synchronize(model)` first if other shards read it right away.
-    Returns whether this process wrote the file.
+    With sharded optimizer state every shard must call it (the state is gathered from all of them);
+    the gathered whole blobs are removed again afterwards. Returns whether this process wrote the file.
 
     Raises:
         ParallelizeError: the model was not parallelized. checkpoint.save's errors on the writer.
     """
     rdv = _state_of(model).options.rendezvous
-    if rdv is not None and rdv.shard_id != 0:
-        return False
-    checkpoint.save(path, GetCheckpointParams(model), metadata=metadata)
-    return True
+    names = GetCheckpointParams(model)  # every shard: with sharded state, the gather is a collective
+    try:
+        if rdv is not None and rdv.shard_id != 0:
+            return False
+        checkpoint.save(path, names, metadata=metadata)
+        return True
+    finally:
+        _drop_gathered(model)
+
+
+def _drop_gathered(model: ModelHelper) -> None:
+    """Remove the whole state blobs GetCheckpointParams gathered (the parts hold the state)."""
+    ws, runs = workspace.get_workspace(), _runs_of(model)
+    for name, tensor in runs.gathered.items():
+        if ws.blobs.get(name) is tensor:
+            ws.remove_blob(name)
+    runs.gathered = {}
 
 
 def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802
@@ -671,6 +819,11 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
 
     The blobs loaded from a checkpoint for this model count as used afterwards (`graphpar.resume`).
 
+    With sharded optimizer state (`shard_optimizer_state`), each state blob present whole under the
+    first device's name (loaded from a checkpoint, sharded or not, or fed; not one GetCheckpointParams
+    gathered) is cut into every replica's part instead (across shards from shard 0's, so every shard
+    must call it with the same state loaded) and then removed: the parts hold it.
+
     Raises:
         ParallelizeError: the model was not parallelized, or a name is in the scope of a device that is
             not a replica (a checkpoint saved with other devices); nothing is built then.
@@ -683,22 +836,45 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
     net, layout = model._checkpoint_net, state.layout
     ws = workspace.get_workspace()
     grouped = dict(state.grouped)
+    sharded = _sharded_state(state)
     if net is None:
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
+        names = [name for name in names if name not in sharded]  # cut into parts below, not copied whole
         for name in names:
             grouped.setdefault(name, layout.group(name))
         net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, iteration_counters(model)))
     _check_loaded_for(model, ws, grouped)
+    scatter = _state_to_scatter(model, ws, sharded)
     with ws.unchanged_on_error():
         for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:
             del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
         ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
         ws.run_net(net.Proto().name)
+        if scatter is not None:
+            ws.create_net(scatter, overwrite=True)
+            ws.run_net(scatter.Proto().name)
+            for name in scatter.Proto().external_inputs:
+                if layout.replica_of(name) == layout.master and ws.has_blob(name):
+                    ws.remove_blob(name)  # the whole state: its parts hold it now
     model._checkpoint_net = net
     state.grouped.update(grouped)
     log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
              len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
              ws.name)
+
+
+def _state_to_scatter(model: ModelHelper, ws: workspace.Workspace, sharded: list[str]) -> Net | None:
+    """The net cutting the sharded state blobs present whole on the first device (not as GetCheckpointParams
+    gathered them) into their parts, built once per set of blobs; None when there are none."""
+    state, runs = _state_of(model), _runs_of(model)
+    first = {name: state.layout.scoped(state.layout.master, name) for name in sharded}
+    names = tuple(n for n in sharded if ws.has_blob(first[n]) and runs.gathered.get(first[n]) is not ws.blobs[first[n]])
+    if not names:
+        return None
+    if names not in runs.state_scatter:
+        runs.state_scatter[names] = Net(state_scatter_net(f"{model.net.Proto().name}_scatter_state_"
+                                                          f"{len(runs.state_scatter)}", state, names))
+    return runs.state_scatter[names]
 
 
 def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
@@ -999,6 +1175,9 @@ class RunState:
     feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
     sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
     skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+    state_gather: Net | None = None  # GetCheckpointParams' gather of sharded state, built on first use
+    gathered: dict[str, Any] = field(default_factory=dict)  # the whole state blobs it wrote -> their tensors
+    state_scatter: dict[tuple[str, ...], Net] = field(default_factory=dict)  # FinalizeAfterCheckpoint's cuts
 
 
 def _runs_of(model: ModelHelper) -> RunState:

@@ -69,5 +69,3 @@ def accumulate_gradients(state: ParallelState) -> None:
     declare_external_inputs(reset)
     state.accumulate_net = Net(micro)
     state.reset_accumulated_net = Net(reset)
-    model._accumulate_net = state.accumulate_net
-    model._reset_accumulated_net = state.reset_accumulated_net

@@ -31,7 +31,7 @@ from graphpar.passes.common import BlobDevices, DeviceLayout, declare_external_i
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.pipeline import PIPELINE, REDUCE_GRADIENTS, Pass, edited
 from graphpar.passes.reducers import PeerAccess, Reducer, copies
-from graphpar.passes.state import ParallelState
+from graphpar.passes.state import BmufNets, ParallelState
 from graphpar.passes.sync import check_unprefixed
 
 
@@ -196,15 +196,14 @@ def build_warmup(state: ParallelState, bmuf: BmufOptions) -> Net:
 
 
 def add_global_nets(state: ParallelState, bmuf: BmufOptions) -> None:
-    """Build the global nets (and the warmup net), keep them on the model under Caffe2's names, and set
-    the net lists: init `[param_init_net, global_model_init]`, run `[net, (global_model, 1)]`."""
+    """Build the global nets (and the warmup net) into `state.bmuf`, and set the net lists: init
+    `[param_init_net, global_model_init]`, run `[net, (global_model, 1)]`."""
     model = state.model
-    model._global_model_init_net = build_global_init(state, bmuf)
-    model._global_model_param_updates_net = build_global_update(state, bmuf)
-    model._warmup_iterations = bmuf.warmup_iterations
-    model._warmup_broadcast = build_warmup(state, bmuf) if bmuf.warmup_iterations else None
-    state.init_nets = [model.param_init_net, model._global_model_init_net]
-    state.nets = [model.net, (model._global_model_param_updates_net, 1)]
+    nets = BmufNets(build_global_init(state, bmuf), build_global_update(state, bmuf), bmuf.warmup_iterations,
+                    build_warmup(state, bmuf) if bmuf.warmup_iterations else None)
+    state.bmuf = nets
+    state.init_nets = [model.param_init_net, nets.global_init]
+    state.nets = [model.net, (nets.global_update, 1)]
 
 
 def bmuf_pipeline(bmuf: BmufOptions) -> tuple[Pass, ...]:

@@ -42,7 +42,7 @@ import itertools
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
-from graphpar.core.dataflow import Dataflow, dataflow
+from graphpar.core.dataflow import Dataflow, dataflow, facts
 from graphpar.core.ir import CPU, NetDef, OperatorDef
 from graphpar.core.naming import ALIASED_STATE_ARG, KEEP_ARG, stripBlobName
 from graphpar.core.schema import Trait, effects_of, has_trait
@@ -154,12 +154,12 @@ def _inplace_written(op: OperatorDef) -> set[str]:
     return {b for k, b in enumerate(op.inputs) if b in outputs and k not in unwritten}
 
 
-def _updates_state(op: OperatorDef, written: Collection[str]) -> bool:
-    """Whether `op` updates state: an in-place update (not a counter), or an op that writes in place
-    a blob it loads (none of `written`, the blobs earlier ops write)."""
+def _updates_state(op: OperatorDef, index: int, flow: Dataflow) -> bool:
+    """Whether `op` (op `index` of the net whose facts are `flow`) updates state: an in-place update (not a
+    counter), or an op that writes in place a blob it loads (that no earlier op writes)."""
     if has_trait(op, Trait.INPLACE_UPDATE):
         return not has_trait(op, Trait.COUNTER)
-    return any(b in op.outputs and b not in written for b in op.inputs) and not any(
+    return any(b in op.outputs and not flow.written_before(b, index) for b in op.inputs) and not any(
         has_trait(op, trait) for trait in _SIDE_EFFECTS)
 
 
@@ -175,27 +175,27 @@ def update_once_on_cpu(net: NetDef, init: NetDef, layout: DeviceLayout, others: 
         device = net.op_device(op)
         return device.device_id if device.device_type == CPU else None
 
-    # 2. updates of other replicas that compute what an earlier first-device update computed
-    last_writer: dict[str, int] = {}  # as the scan goes (cheaper here than look-ups in flow's writers)
+    # 2. updates of other replicas that compute what an earlier first-device update computed (and whose
+    # twin's outputs are still the twin's when they run)
     replaced: dict[int, int] = {}  # replica update -> its first-device twin
     for j, op in enumerate(ops):
         key = per_op[j][0]
-        if key is not None and replica(op) not in (None, master) and _updates_state(op, last_writer):
+        if key is not None and replica(op) not in (None, master) and _updates_state(op, j, flow):
             twin = numbering.table[key][0]
             if twin != j and replica(ops[twin]) == master and \
-                    all(last_writer.get(b) == twin for b in ops[twin].outputs):
+                    all(flow.last_write_before(b, j) == twin for b in ops[twin].outputs):
                 replaced[j] = twin
-        last_writer.update(dict.fromkeys(op.outputs, j))
     while True:
         rewritten, aliases = _rewrite(net, replaced, layout, replica)
-        index = _Index(rewritten)
-        unsafe = [j for j in replaced if not _safe(rewritten, index, ops[replaced[j]], aliases[j])]
+        after = facts(rewritten)
+        position = {id(op): i for i, op in enumerate(rewritten)}
+        unsafe = [j for j in replaced if not _safe(rewritten, after, position, ops[replaced[j]], aliases[j])]
         if not unsafe:
             break
         for j in unsafe:
             del replaced[j]
     for j, twin in replaced.items():  # 4.
-        _order_after_readers(rewritten, index, ops[twin], set(ops[j].outputs))
+        _order_after_readers(rewritten, after, ops[twin], set(ops[j].outputs))
     net.ops = rewritten
     # the replicas' optimizer state is now written, not read: keep it (a freeing run would drop it),
     # and a checkpoint that loaded it is not thrown away (it is the first device's, as every replica's)
@@ -228,69 +228,52 @@ def _rewrite(net: NetDef, replaced: Mapping[int, int], layout: DeviceLayout,
     return _without_dead(flat, set(net.external_outputs), lambda op: replica(op) not in (None, master)), aliases
 
 
-class _Index:
-    """Look-ups over rewritten ops: each op's position, and per blob the ops (positions, ascending)
-    that read it as loaded (before any op writes it) and those that may write its tensor in place."""
-
-    def __init__(self, ops: list[OperatorDef]) -> None:
-        self.position = {id(op): i for i, op in enumerate(ops)}
-        self.loaded_readers: dict[str, list[int]] = {}
-        self.mutators: dict[str, list[int]] = {}
-        self.reads: dict[str, list[int]] = {}
-        self.writes: dict[str, list[int]] = {}
-        written: set[str] = set()
-        for i, op in enumerate(ops):
-            for blob in dict.fromkeys(b for b in op.inputs if b not in written):
-                self.loaded_readers.setdefault(blob, []).append(i)
-            for blob in dict.fromkeys(op.inputs):
-                self.reads.setdefault(blob, []).append(i)
-            for blob in dict.fromkeys(op.outputs):
-                self.writes.setdefault(blob, []).append(i)
-            written.update(op.outputs)
-            for blob in _inplace_written(op):
-                self.mutators.setdefault(blob, []).append(i)
-
-    def readers(self, blobs: set[str]) -> set[int]:
-        return {i for b in blobs for i in self.loaded_readers.get(b, ())}
-
-    def writers_in_place(self, blobs: set[str]) -> set[int]:
-        return {i for b in blobs for i in self.mutators.get(b, ())}
-
-    def accessed_between(self, positions: Mapping[str, list[int]], blobs: set[str], start: int, stop: int) -> bool:
-        """Whether an op strictly between positions `start` and `stop` appears in `positions` of `blobs`."""
-        for blob in blobs:
-            found = positions.get(blob, ())
-            k = bisect.bisect_right(found, start)
-            if k < len(found) and found[k] < stop:
-                return True
-        return False
+def _writers_in_place(ops: list[OperatorDef], flow: Dataflow, blobs: set[str]) -> set[int]:
+    """The ops (of `ops`, whose facts are `flow`) that may write one of `blobs`' tensors in place."""
+    return {i for b in blobs for i in flow.writers.get(b, ()) if b in _inplace_written(ops[i])}
 
 
-def _safe(ops: list[OperatorDef], index: _Index, twin: OperatorDef, aliases: list[OperatorDef]) -> bool:
+def _loaded_readers(flow: Dataflow, blobs: set[str]) -> set[int]:
+    return {i for b in blobs for i in flow.loaded_readers(b)}
+
+
+def _touched_between(positions: Mapping[str, tuple[int, ...]], blobs: set[str], start: int, stop: int) -> bool:
+    """Whether an op strictly between positions `start` and `stop` is among `positions` of `blobs` (a
+    fact of `Dataflow`: its readers or writers)."""
+    for blob in blobs:
+        found = positions.get(blob, ())
+        k = bisect.bisect_right(found, start)
+        if k < len(found) and found[k] < stop:
+            return True
+    return False
+
+
+def _safe(ops: list[OperatorDef], flow: Dataflow, position: Mapping[int, int], twin: OperatorDef,
+          aliases: list[OperatorDef]) -> bool:
     """Whether, in the rewritten `ops`, a replaced update's aliases see what it would have computed and
     no op can see its blobs change under it: no op between the twin and the aliases writes the twin's
     outputs or touches the aliased blobs (reads are fine when the twin never writes its tensors in
     place), and every op reading an aliased blob as loaded comes before every update writing the
     twin's tensors in place (so control inputs can order it)."""
-    start, stop = index.position[id(twin)], index.position[id(aliases[0])]
+    start, stop = position[id(twin)], position[id(aliases[0])]
     blobs, shared = {a.outputs[0] for a in aliases}, set(twin.outputs)
     # a twin that never writes its inputs' tensors (it makes new ones, or reuses one only where no
     # other name holds it: never once aliased) leaves the aliased names their old values until the
     # aliases run
     mutates = bool(_inplace_written(twin))
-    if (mutates and index.accessed_between(index.reads, blobs, start, stop)) or \
-            index.accessed_between(index.writes, blobs | shared, start, stop):
+    if (mutates and _touched_between(flow.readers, blobs, start, stop)) or \
+            _touched_between(flow.writers, blobs | shared, start, stop):
         return False
-    first_mutator = min(index.writers_in_place(shared), default=len(ops))
-    return all(r < first_mutator for r in index.readers(blobs))
+    first_mutator = min(_writers_in_place(ops, flow, shared), default=len(ops))
+    return all(r < first_mutator for r in _loaded_readers(flow, blobs))
 
 
-def _order_after_readers(ops: list[OperatorDef], index: _Index, twin: OperatorDef, blobs: set[str]) -> None:
+def _order_after_readers(ops: list[OperatorDef], flow: Dataflow, twin: OperatorDef, blobs: set[str]) -> None:
     """Give every update writing `twin`'s tensors in place a control input on each op (before it, as
     `_safe` checked) that reads one of `blobs` as loaded: the reader's first output, whose last writer
     before the update is the reader or an op after it."""
-    readers = sorted(index.readers(blobs))
-    for position in sorted(index.writers_in_place(set(twin.outputs))):
+    readers = sorted(_loaded_readers(flow, blobs))
+    for position in sorted(_writers_in_place(ops, flow, set(twin.outputs))):
         update = ops[position]
         for r in readers:
             first = ops[r].outputs[0]
@@ -300,18 +283,28 @@ def _order_after_readers(ops: list[OperatorDef], index: _Index, twin: OperatorDe
 
 def _without_dead(ops: list[OperatorDef], keep: set[str], removable: Any) -> list[OperatorDef]:
     """`ops` without the `removable` ops free of side effects whose every output is written again
-    before anything reads it (one backward scan: removing an op can kill the ops feeding it)."""
-    next_read: dict[str, bool] = {}  # blob -> whether its next access (after the scan point) is a read
-    kept: list[OperatorDef] = []
-    for op in reversed(ops):
-        dead = removable(op) and op.outputs and not any(has_trait(op, t) for t in _SIDE_EFFECTS) and \
-            all(next_read.get(b) is False and b not in keep for b in op.outputs)
-        if dead:
-            continue
-        kept.append(op)
-        next_read.update(dict.fromkeys(op.outputs, False))
-        next_read.update(dict.fromkeys((*op.inputs, *op.control_inputs), True))
-    return kept[::-1]
+    before anything reads it (from the last op back: removing an op can kill the ops feeding it)."""
+    flow = facts(ops)
+    dead: set[int] = set()
+    for j in range(len(ops) - 1, -1, -1):
+        op = ops[j]
+        if removable(op) and op.outputs and not any(has_trait(op, t) for t in _SIDE_EFFECTS) and \
+                all(b not in keep and _overwritten_unread(flow, b, j, dead) for b in op.outputs):
+            dead.add(j)
+    return [op for j, op in enumerate(ops) if j not in dead]
+
+
+def _overwritten_unread(flow: Dataflow, blob: str, index: int, dead: Collection[int]) -> bool:
+    """Whether an op after op `index` writes `blob` before any op (but the `dead` ones) reads it or waits
+    on it (an op reading and writing it reads it first)."""
+    def next_live(positions: tuple[int, ...]) -> int | None:
+        return next((i for i in positions[bisect.bisect_right(positions, index):] if i not in dead), None)
+
+    write = next_live(flow.writers.get(blob, ()))
+    if write is None:
+        return False
+    uses = (next_live(flow.readers.get(blob, ())), next_live(flow.waiters.get(blob, ())))
+    return all(use is None or write < use for use in uses)
 
 
 def update_once(state: ParallelState) -> None:

@@ -11,11 +11,13 @@
 - `unscale_gradients`, after the all-reduce and before any update: per replica one
   `UnscaleGradients` divides that replica's summed gradients by S and raises `GradientOverflowError`
   if any is inf or NaN. Every replica (and every shard) reads the same all-reduced sums, so an
-  overflow in any replica's gradients shows in all of them: all agree. The run fails before any
+  overflow in any replica's gradients shows in all of them: all agree. With `shard_gradients` each
+  replica unscales its part of the sums; one process runs every replica's check in one run, so
+  they agree too (Parallelize refuses loss scaling with shard_gradients across shards). The run fails before any
   update started, and a failed run changes nothing: params, optimizer state and the iteration
   counter (so the learning-rate schedule) are as before the step, which is skipped.
   `data_parallel_model.RunNet` catches the error, logs a warning and, when dynamic, runs
-  `model._loss_scale_backoff_net` (S *= backoff_factor, good steps = 0 on every replica).
+  the backoff net (`model._loss_scale_backoff_net`: S *= backoff_factor, good steps = 0 on every replica).
 - `grow_loss_scale` (dynamic), after the updates: `UpdateLossScale` counts good steps and multiplies
   S by growth_factor after growth_interval of them.
 """
@@ -55,10 +57,11 @@ def unscale_gradients(state: ParallelState) -> None:
     unscaled through their values.
     """
     layout, net = state.layout, state.model.net.Proto()
+    parts = state.sharding.grads if state.sharding is not None else {}
     for device in layout.devices:
         grads = []
         for name in state.grad_names:
-            grad = state.grouped[name].get(device)
+            grad = (parts.get(name) or state.grouped[name]).get(device)
             if grad is not None:
                 grads.append(str(grad.values) if isinstance(grad, GradientSlice) else str(grad))
         if grads:
@@ -67,7 +70,7 @@ def unscale_gradients(state: ParallelState) -> None:
 
 
 def grow_loss_scale(state: ParallelState) -> None:
-    """Dynamic scaling: per replica, `UpdateLossScale` after the updates; and `model._loss_scale_backoff_net`,
+    """Dynamic scaling: per replica, `UpdateLossScale` after the updates; and `state.loss_scale_backoff_net`,
     the net `RunNet` runs after a skipped step."""
     scale, layout, model = state.options.loss_scale, state.layout, state.model
     backoff = NetDef(f"{model.net.Proto().name}_loss_scale_backoff")
@@ -79,4 +82,4 @@ def grow_loss_scale(state: ParallelState) -> None:
         backoff.ops.append(make_op("BackoffLossScale", blobs, blobs, layout.option(device),
                                    backoff_factor=float(scale.backoff_factor)))
         backoff.external_inputs.extend(blobs)
-    model._loss_scale_backoff_net = Net(backoff)
+    state.loss_scale_backoff_net = Net(backoff)

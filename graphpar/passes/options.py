@@ -409,7 +409,8 @@ class ParallelizeOptions:
         device: the other replicas' params, optimizer state and summed gradients become aliases of the
         first device's tensors (no copies, no repeated updates; see `graphpar.passes.cpu_update_once`).
         Same results, bit for bit; a value fed to one replica's param or state alone is replaced by the
-        first device's at the next step. Ignored on CUDA and across shards.""", _flag("cpu_update_once"))
+        first device's at the next step. Ignored on CUDA, across shards and with sharded state.""",
+        _flag("cpu_update_once"))
     cuda_graph: bool = option(False, """
         capture the whole train step in a CUDA graph after warm-up and replay it on every RunNet (net type
         "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""", _flag("cuda_graph"))
@@ -435,6 +436,20 @@ class ParallelizeOptions:
         DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
         before the update. None (default): gradients are all-reduced in their own dtype (fp32 masters:
         fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+    shard_optimizer_state: bool = option(False, """
+        ZeRO stage 1 (`graphpar.passes.shard_updates`, docs/sharding.md): every replica of every shard keeps
+        1/N of the optimizer state (N replicas in all) and updates only its part of each flattened param,
+        then the params are all-gathered; the gradients are still all-reduced. Updates must work element
+        by element (SGD, momentum, Nesterov, weight decay, Adam, Adagrad, RmsProp, Adadelta, RAdam; LARS
+        and gradient clipping read the whole gradients); anything else is refused, before the model
+        changes. Same params as unsharded, bit for bit with Sum trees; `GetCheckpointParams` and
+        `FinalizeAfterCheckpoint` gather and cut the state, so checkpoints keep one format. Not with
+        shared_model, sparse (GradientSlice) gradients or BMUF.""", _flag("shard_optimizer_state"))
+    shard_gradients: bool = option(False, """
+        ZeRO stage 2 (implies shard_optimizer_state): the gradients are reduce-scattered instead of
+        all-reduced, so each replica holds only its part of each summed gradient. Not with gradient
+        buckets, allreduce_dtype, LARS or gradient clipping (they read whole gradients), nor with
+        loss_scale across shards.""", _flag("shard_gradients"))
     auto_buckets: bool = derived(False, "gradient_bucket_bytes is the CUDA default: per gradient if sizes are "
                                         "unknown")
 

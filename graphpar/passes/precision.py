@@ -189,7 +189,7 @@ def convert_model(model: ModelHelper, compute_dtype: str) -> None:
 def _rewrite_model(model: ModelHelper, compute_dtype: str) -> None:
     init = model.param_init_net.Proto()
     casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), {b for op in init.ops for b in op.outputs})
-    model._input_casts.update(casts)
+    model.add_input_casts(casts)
 
 
 def mixed_precision(state: ParallelState) -> None:

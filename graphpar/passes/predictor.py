@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from graphpar.core.dataflow import facts
 from graphpar.core.ir import DeviceOption, NetDef, OperatorDef
 from graphpar.core.schema import get_schema, stops_gradient
 
@@ -45,7 +46,7 @@ def _without_losses(ops: list[OperatorDef], outputs: list[str]) -> list[Operator
     """Each op whose `predict_as` outputs nothing in the predictor reads becomes the op it names (a
     SoftmaxWithLoss whose loss is unused becomes the Softmax it computes), so the predictor neither
     reads nor lists the inputs (labels) only those outputs needed."""
-    read = set(outputs).union(*(op.inputs for op in ops))
+    read = set(outputs).union(facts(ops).readers)
     return [_predicted(op, read) for op in ops]
 
 
@@ -70,17 +71,13 @@ def _renamed(name: str, ops: list[OperatorDef], inputs: list[str], outputs: list
         return [renames.get(b, b) for b in blobs]
 
     predict = NetDef(f"{name}_predict")
-    produced: set[str] = set()
-    needed: dict[str, None] = {}
     for op in ops:
         new = op.copy()
-        needed.update((b, None) for b in op.inputs if b not in produced)
-        produced.update(op.outputs)
         new.inputs, new.outputs, new.control_inputs = rename(op.inputs), rename(op.outputs), rename(
             op.control_inputs)
         new.device_option = device if device is not None else op.device_option
         predict.ops.append(new)
-    predict.external_inputs = rename(list(needed))
+    predict.external_inputs = rename(list(facts(ops).loads))  # what the ops read before writing it
     predict.external_outputs = rename(outputs)
     params = [b for b in predict.external_inputs if b not in set(rename(inputs))]
     return predict, params

@@ -34,8 +34,13 @@ import torch
 from safetensors.torch import save as serialize
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption
-from graphpar.core.naming import (OPTIMIZER_ITERATION, device_scope_name, first_replica_blobs, parse_device_scope,
-                                  stripBlobName)
+from graphpar.core.naming import (
+    OPTIMIZER_ITERATION,
+    device_scope_name,
+    first_replica_blobs,
+    parse_device_scope,
+    stripBlobName,
+)
 from graphpar.errors import CheckpointError
 from graphpar.ops.db import FORMAT_VERSION, HEADER_KEY, checksum, read_file
 from graphpar.passes.model_state import first_device_scope

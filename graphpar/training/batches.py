@@ -209,6 +209,42 @@ def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | N
     return split(batch)
 
 
+def pad_to_devices(batch: Any, num_devices: int, dim: int = 0) -> tuple[Any, int | None]:
+    """A batch with fewer rows than devices, padded to one row per device, and its own row count.
+
+    Every array (and DataContainer holding one) gets copies of its last row along `dim` until it has
+    `num_devices` rows; other leaves stay as they are. A batch with at least `num_devices` rows (or
+    none to count) is returned as it is, with None. Device i then holds row i, so the outputs of the
+    first `rows` devices are the batch's own (evaluation: `inference_on_dataset`).
+
+    Raises:
+        ValueError: array leaves of different batch sizes (see `scatter`).
+    """
+    n = _batch_size(batch, dim)
+    if n is None or n == 0 or n >= num_devices:
+        return batch, None
+
+    def pad(value: Any) -> Any:
+        if isinstance(value, DataContainer):
+            data = value.data if isinstance(value.data, list) else pad(value.data)
+            return DataContainer(data, value.stack, value.padding_value, value.cpu_only, value.pad_dims)
+        if _is_array(value):
+            last = _take(value, dim, n - 1, n)
+            copies = [value, *[last] * (num_devices - n)]
+            if isinstance(value, np.ndarray):
+                return np.concatenate(copies, axis=dim)
+            return sys.modules["torch"].cat(copies, dim=dim)
+        if isinstance(value, Mapping) and value:
+            return type(value)((k, pad(v)) for k, v in value.items())
+        if _is_namedtuple(value):
+            return type(value)(*(pad(v) for v in value))
+        if isinstance(value, (list, tuple)) and value:
+            return type(value)(pad(v) for v in value)
+        return value
+
+    return pad(batch), n
+
+
 def _group_chunks(container: DataContainer, num_devices: int) -> list[Any]:
     """A collated DataContainer's chunks per device: one each, or, as MMCV's scatter of a list longer
     than the device count, ceil(L / N) consecutive chunks per device, merged (lists joined; stacked

@@ -38,6 +38,7 @@ from graphpar.training.batches import (
     chunk_sizes,
     collate,
     flatten,
+    pad_to_devices,
     prepare,
     scatter,
 )
@@ -45,7 +46,7 @@ from graphpar.training.feeder import DeviceFeeder
 
 __all__ = ["ArrayLoader", "DataContainer", "DeviceFeeder", "EpochSampler", "Fed",
            "InferenceSampler", "Prepared", "chunk_sizes", "collate", "feed", "feed_batch", "flatten", "gather",
-           "TrainingSampler", "minibatches", "prepare", "scatter", "split_batch"]
+           "TrainingSampler", "minibatches", "pad_to_devices", "prepare", "scatter", "split_batch"]
 
 
 # ---- feeding ---------------------------------------------------------------------------------------

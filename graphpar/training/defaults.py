@@ -208,15 +208,16 @@ class DefaultTrainer(Trainer):
     def build_hooks(self) -> list[HookBase]:
         """IterationTimer, LRScheduler (the scheduler), the checkpointer (OUTPUT_DIR, every
         SOLVER.CHECKPOINT_PERIOD), EvalHook (TEST.EVAL_PERIOD, `test`), and on the main process a
-        PeriodicWriter (OUTPUT_DIR)."""
+        PeriodicWriter (OUTPUT_DIR/metrics.json, and a console line every 20 iterations: iteration,
+        ETA, total_loss, time, lr)."""
         cfg = self.cfg
         hooks: list[HookBase] = [IterationTimer(), LRScheduler(self.scheduler),
                                  _Checkpointer(cfg.OUTPUT_DIR, max(1, cfg.SOLVER.CHECKPOINT_PERIOD))]
         if cfg.DATASETS.TEST:
             hooks.append(EvalHook(cfg.TEST.EVAL_PERIOD,
                                   lambda: flatten_results_dict(self.test(self.cfg, self.test_model))))
-        if comm.is_main_process():
-            hooks.append(PeriodicWriter(cfg.OUTPUT_DIR, period=20, console=False, tensorboard=False))
+        if comm.is_main_process():  # a console line every 20 iterations, as Detectron2's CommonMetricPrinter
+            hooks.append(PeriodicWriter(cfg.OUTPUT_DIR, period=20, console=True, tensorboard=False))
         return hooks
 
     # -- evaluation and state --

@@ -35,10 +35,9 @@ import numpy as np
 import torch
 
 from graphpar.core.ir import CUDA
-from graphpar.core.naming import KEEP_ARG, stripBlobName, unscoped_name
+from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
 from graphpar.parallel import data_parallel_model as dpm
-from graphpar.passes import finish
 from graphpar.runtime import checkpoint, workspace
 from graphpar.platform.devices import cuda_is_simulated
 from graphpar.training.data import Fed, Prepared, feed
@@ -50,6 +49,7 @@ __all__ = ["ITERATIONS_DONE", "Config", "EvalHook", "EventStorage", "HookBase", 
 log = logging.getLogger(__name__)
 
 RECORD_PERIOD = 20  # iterations between host reads of the losses on CUDA replicas (Trainer's record_period)
+TOTAL_LOSS = "total_loss"  # the sum of an iteration's losses, recorded beside them (Detectron2's name)
 
 
 # ---- storage ---------------------------------------------------------------------------------------
@@ -273,9 +273,11 @@ class EvalHook(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Every `period` iterations (and at the end) writes the latest scalars: a console line (with the
-    ETA from the median step time), a JSON line in `directory/metrics.json`, and TensorBoard events
-    in `directory` when `tensorboard` is installed (`tensorboard=None`: when available)."""
+    """Every `period` iterations (and at the end) writes the latest scalars: a console line (the
+    iteration, the ETA from the median step time, `total_loss` (and the losses it sums when there are
+    several), then the other scalars: `time`, `lr`, ...), a JSON line in `directory/metrics.json`
+    (every scalar), and TensorBoard events in `directory` when `tensorboard` is installed
+    (`tensorboard=None`: when available)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, period: int = 20,
                  console: bool = True, tensorboard: bool | None = None) -> None:
@@ -324,8 +326,16 @@ class PeriodicWriter(HookBase):
             left = self.trainer.max_iter - iteration - 1
             step = storage.median("time")
             eta = f"  eta {_duration(left * step)}" if not math.isnan(step) and left > 0 else ""
-            values = "  ".join(f"{k} {v:.4g}" for k, v in latest.items())
-            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {values}", flush=True)
+            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {self._console_values(latest)}", flush=True)
+
+    def _console_values(self, latest: dict[str, float]) -> str:
+        """`total_loss` first; the losses it sums only if there are several (one equals it); then the rest."""
+        losses = getattr(self.trainer, "loss_names", [])
+        shown = [TOTAL_LOSS] if TOTAL_LOSS in latest else []
+        if len(losses) > 2 or TOTAL_LOSS not in latest:
+            shown += [name for name in losses if name in latest and name != TOTAL_LOSS]
+        shown += [name for name in latest if name not in losses]
+        return "  ".join(f"{name} {latest[name]:.4g}" for name in shown)
 
 
 def _duration(seconds: float) -> str:
@@ -463,17 +473,12 @@ class Trainer:
 
     def _free_memory(self) -> None:
         """Turn on the memory options `lean_memory` asks for, before RunInitNet creates the nets."""
-        state = self.model._parallel
         if self.model.net.Proto().name in workspace.get_workspace().nets:
             log.warning("Trainer: lean_memory is ignored, the train net was created already (RunInitNet "
                         "ran); pass the memory options to Parallelize instead")
             return
-        if not state.options.optimize_gradient_memory:
-            dpm.OptimizeGradientMemory(self.model, {}, [], recycle_activations=False)
-        if not state.options.dynamic_memory_management:
-            finish.free_intermediates(state)
-            args = self.model.net.Proto().args  # and the learning rate, which LRScheduler records
-            args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *dpm.GetLearningRateBlobNames(self.model)]))
+        # through Parallelize's pipeline; the learning rate, which LRScheduler records, is kept
+        dpm.enable_memory_options(self.model, keep=dpm.GetLearningRateBlobNames(self.model))
 
     def resume_or_load(self, resume: bool = True, path: str | os.PathLike[str] | None = None) -> int:
         """Detectron2's resume_or_load. With `resume`: load `path`, or else the last checkpoint of the
@@ -608,9 +613,17 @@ class Trainer:
         if done % self.record_period == 0 or done >= self.max_iter:
             self.record_losses()
 
+    @property
+    def loss_names(self) -> list[str]:
+        """The names the losses are recorded under: the unscoped names of the blobs the forward builder
+        returned (each the mean over the global batch), and `total_loss`, their sum."""
+        names = next(iter(self.model._parallel.losses_by_device.values()))
+        return [unscoped_name(str(n)) for n in names] + [TOTAL_LOSS]
+
     def record_losses(self) -> None:
         """Read the losses of the iterations run since the last call on the host (under a rendezvous,
-        gathered from every shard: every shard must call it together) and record their global means.
+        gathered from every shard: every shard must call it together) and record their global means,
+        and `total_loss`, their sum (Detectron2's scalar).
 
         Raises:
             FloatingPointError: a loss is not finite (the values of earlier iterations are recorded).
@@ -622,11 +635,14 @@ class Trainer:
         values = iter(self._global_losses(local))
         for iteration, held in unrecorded:
             steps = [next(values) for _ in held]
+            total = 0.0
             for name in steps[-1]:
                 value = sum(v[name] for v in steps) / len(steps)
                 if not math.isfinite(value):
                     raise FloatingPointError(f"loss {name!r} became {value} at iteration {iteration}")
                 self.storage.put_scalar(name, value, iteration)
+                total += value
+            self.storage.put_scalar(TOTAL_LOSS, total, iteration)
 
     def _record_quietly(self) -> None:
         """record_losses after a failed step: the losses of the iterations before it still count."""

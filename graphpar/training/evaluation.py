@@ -23,6 +23,7 @@ import numpy as np
 from graphpar.parallel import comm
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.runtime import workspace
+from graphpar.training.batches import pad_to_devices
 from graphpar.training.data import feed, gather
 
 __all__ = ["ClassificationEvaluator", "DatasetEvaluator", "DatasetEvaluators", "flatten_results_dict",
@@ -108,18 +109,27 @@ def inference_on_dataset(model: Any, data_loader: Iterable[Any], evaluator: Data
     """Run the forward-only parallelized `model` on every batch of `data_loader` and return
     `evaluator.evaluate()` ({} without an evaluator, or on a process that is not the main one). A model
     whose nets are not created yet gets `RunInitNet` first (its params shared with a trained model,
-    `init_params=False`)."""
+    `init_params=False`).
+
+    Every sample is evaluated once: a batch with fewer rows than the model has devices (a dataset's
+    short last batch) is run with its last row copied onto the devices left over, and the evaluator
+    gets the outputs of the batch's own rows only (the first devices' parts of each output)."""
     if evaluator is None:
         evaluator = DatasetEvaluators([])
     evaluator.reset()
     start, batches = time.perf_counter(), 0
+    count = len(model.GetDevices())
     for inputs in data_loader:
-        feed(model, inputs)
+        fed, rows = pad_to_devices(inputs, count)  # a short last batch: one row per device, the copies dropped
+        feed(model, fed)
         if model.net.Proto().name not in workspace.get_workspace().nets:
             dpm.RunInitNet(model)
         dpm.RunNet(model, 1)
         names = list(evaluator.output_names)
-        evaluator.process(inputs, gather(model, names) if names else {})
+        outputs = gather(model, names) if names else {}
+        if rows is not None:
+            outputs = {name: value[:len(value) // count * rows] for name, value in outputs.items()}
+        evaluator.process(inputs, outputs)
         batches += 1
     log.info("inference on %d batches took %.2f s", batches, time.perf_counter() - start)
     return evaluator.evaluate() or {}

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from graphpar.core.dataflow import Load, dataflow
+from graphpar.core.dataflow import Load, dataflow, facts
 from graphpar.core.ir import NetDef, OperatorDef
 
 
@@ -31,6 +31,11 @@ def test_facts_of_a_small_net():
         ("a", {0, 1}, True), ("a", {1, 2}, False), ("b", {2, 3}, False), ("w", {3}, False)]
     assert flow.predecessors == ((), (0,), (1,), (1, 2))
     assert flow.edges[(1, 3)] == ("war", "w")
+    assert flow.readers == {"x": (0,), "a": (1, 2), "w": (1,), "b": (3,)}
+    assert flow.writers == {"a": (0, 1), "b": (2,), "w": (3,)} and flow.waiters == {"c": (2,)}
+    assert flow.loaded_readers("w") == (1,) and flow.loaded_readers("a") == () and flow.loaded_readers("c") == ()
+    assert flow.last_write_before("a", 1) == 0 and flow.last_write_before("a", 2) == 1
+    assert flow.last_write_before("a", 0) is None and flow.last_write_before("x", 3) is None
 
 
 def _random_net(rng: random.Random) -> NetDef:
@@ -54,6 +59,11 @@ def test_facts_match_their_definitions_blob_by_blob(seed: int):
         if blob in flow.loads:
             assert flow.loads[blob] == Load(reads[0], ops[reads[0]].inputs.index(blob))
         assert (blob in flow.read_first) == (min(reads + waits, default=len(ops)) <= first_write and bool(reads + waits))
+        assert flow.readers.get(blob, ()) == tuple(reads) and flow.writers.get(blob, ()) == tuple(writes)
+        assert flow.waiters.get(blob, ()) == tuple(waits)
+        assert flow.loaded_readers(blob) == tuple(r for r in reads if r <= first_write)
+        for k in range(len(ops) + 1):
+            assert flow.last_write_before(blob, k) == max((w for w in writes if w < k), default=None)
         uses = sorted(reads + waits + writes)
         assert flow.lifetimes[blob] == (uses[0], uses[-1])
         versions = [v for v in flow.versions if v.blob == blob]
@@ -87,4 +97,11 @@ def test_cached_until_a_blob_changes():
     del net.ops[0]
     assert "a" in dataflow(net).loads
     assert dataflow(net.copy()) is not dataflow(net)  # a copy has its own cache
+
+
+def test_facts_of_a_list_of_ops_equal_those_of_its_net():
+    net = _net()
+    draft = facts(net.ops)
+    assert draft is not dataflow(net) and draft.ops == dataflow(net).ops
+    assert draft.readers == dataflow(net).readers
 

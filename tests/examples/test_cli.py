@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from graphpar import checkpoint
@@ -200,6 +201,79 @@ def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
         assert err[-2].startswith("error: ") and "OperatorError" in err[-2] and "is nan (not finite)" in err[-2]
         assert "Lower the learning rate" in err[-2] and err[-1] == "(--verbose shows the details and the traceback)"
         assert not any("Traceback" in line or "inputs:" in line for line in err)
+
+
+# ---- every value checked as it is parsed, in one line, before torch loads (issue 35 items 6 and 9) ------
+
+
+def _command(module: str, argv: list[str], cwd: Path, import_times: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module argv` in `cwd` (with -X importtime: stderr also lists every module imported)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    flags = ["-X", "importtime"] if import_times else []
+    return subprocess.run([sys.executable, *flags, "-m", module, *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _without_import_times(err: str) -> tuple[list[str], bool]:
+    """(stderr's own lines, whether torch was imported)."""
+    times = [line for line in err.splitlines() if line.startswith("import time:")]
+    return ([line for line in err.splitlines() if not line.startswith("import time:")],
+            any(line.rstrip().endswith("| torch") for line in times))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--checkpoint", "/"], "argument --checkpoint: '/' is a directory: name a file in it"),
+    (["--checkpoint", ""], "argument --checkpoint: must be a file path, got ''"),
+    (["--checkpoint", "/dev/null/c.safetensors"], "argument --checkpoint: '/dev/null/c.safetensors': '/dev/null' "
+                                                  "is not a directory"),
+    (["--num-processes", "0"], "argument --num-processes: must be an integer >= 1, got '0'"),
+    (["--epochs"], "argument --epochs: expected one argument"),
+])
+def test_a_bad_main_job_option_is_one_line_before_torch_loads(tmp_path, argv, says):
+    done = _command("graphpar.examples.train", argv, tmp_path, import_times=True)
+    lines, torch_loaded = _without_import_times(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1 and not torch_loaded, done.stderr[-2000:]
+    assert lines[0].startswith("python -m graphpar.examples.train: error: ") and says in lines[0]
+    assert lines[0].endswith("(--help lists the options)") and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("module", ["graphpar.examples.train", "graphpar.examples.resnet50_trainer",
+                                    "graphpar.examples.dlrm"])
+def test_help_answers_before_torch_loads(tmp_path, module):
+    done = _command(module, ["--help"], tmp_path, import_times=True)
+    lines, torch_loaded = _without_import_times(done.stderr)
+    assert done.returncode == 0 and lines == [] and not torch_loaded
+    assert done.stdout.startswith(f"usage: python -m {module} ")
+    if module.endswith(".train"):  # what --no-finite-check does, said
+        assert "A NaN or inf loss still stops the run" in " ".join(done.stdout.split())
+
+
+@pytest.mark.slow
+def test_a_check_after_torch_loads_is_one_line_and_resume_suggests_more_epochs(tmp_path):
+    odd = _command("graphpar.examples.train", ["--devices", "2", "--batch-size", "7"], tmp_path)
+    assert odd.returncode == 2 and odd.stderr.count("\n") == 1
+    assert "error: --batch-size 7 must be a multiple of --devices 2" in odd.stderr
+    from graphpar import workspace
+
+    workspace.FeedBlob("optimizer_iteration", np.array([12 * (1437 // 64)], np.int64))  # after 12 epochs
+    checkpoint.save(tmp_path / "c.safetensors", ["optimizer_iteration"], metadata={"epoch": 12, "batch_size": 64})
+    done = _command("graphpar.examples.train", ["--resume", "--epochs", "5", "--checkpoint", "c.safetensors"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("nothing to do: c.safetensors is at epoch 12, and --epochs 5 asks for no more; to train longer, pass an "
+            "--epochs above 12 (e.g. --epochs 16)") in done.stdout
+
+
+@pytest.mark.slow
+def test_no_finite_check_stops_at_the_recorded_loss_in_one_line(tmp_path):
+    done = _command("graphpar.examples.train", ["--devices", "2", "--epochs", "1", "--lr", "1e6",
+                                                "--no-finite-check", "--checkpoint", "c.safetensors"], tmp_path)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match(r"error: FloatingPointError: loss 'loss' became nan at iteration \d+$",
+                                         errors[0]), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "c.safetensors").exists()
 
 
 # ---- --help -------------------------------------------------------------------------------------------

@@ -53,12 +53,12 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size must be between 1 and the 1437 training samples, got 0"),
-    (["--batch-size", "2000"], "--batch-size must be between 1 and the 1437 training samples, got 2000"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
+    (["--batch-size", "2000"], "argument --batch-size: must be at most the 1437 training samples, got 2000"),
     (["--batch-size", "66", "--devices", "4"], "--batch-size 66 must be a multiple of --devices 4"),
-    (["--devices", "0"], "--devices must be at least 1, got 0"),
-    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
-    (["--lr", "-1"], "--lr must be > 0"),
+    (["--devices", "0"], "argument --devices: must be an integer >= 1, got '0'"),
+    (["--epochs", "0"], "argument --epochs: must be an integer >= 1, got '0'"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got '-1'"),
     (["--resume"], "--resume: there is no checkpoint at"),
 ])
 def test_bad_options_are_refused_with_a_clear_message(tmp_path, capsys, argv, message):

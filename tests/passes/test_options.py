@@ -123,6 +123,8 @@ BAD_VALUES = {
     "loss_scale": (-1.0, ParallelizeError, "loss_scale: .* needs 0 < init_scale"),
     "channels_last": ("yes", *_FLAG),
     "allreduce_dtype": ("int8", ParallelizeError, "Parallelize: allreduce_dtype='int8'"),
+    "shard_optimizer_state": ("yes", *_FLAG),
+    "shard_gradients": (None, TypeError, "shard_gradients must be True or False, got None"),
 }
 
 

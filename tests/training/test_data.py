@@ -136,3 +136,20 @@ def test_a_bare_tuple_batch_is_refused_with_the_dict_form():
     assert not workspace.HasBlob("cpu_0/0") and not workspace.HasBlob("cpu_0/data")
     feed(model, {"data": x, "label": y})  # the dict form works
     assert workspace.FetchBlob("cpu_1/label").shape == (2,)
+
+
+def test_pad_to_devices_copies_the_last_row_of_every_array_until_each_device_has_one():
+    import torch
+
+    from graphpar.data import DataContainer, pad_to_devices
+
+    batch = {"x": np.arange(6).reshape(2, 3), "t": torch.tensor([1.0, 2.0]), "meta": "m",
+             "dc": DataContainer(np.array([5, 6]), stack=True), "pair": (np.array([7, 8]), 3)}
+    padded, rows = pad_to_devices(batch, 4)
+    assert rows == 2 and padded["meta"] == "m" and padded["pair"][1] == 3
+    np.testing.assert_array_equal(padded["x"], [[0, 1, 2], [3, 4, 5], [3, 4, 5], [3, 4, 5]])
+    assert padded["t"].tolist() == [1.0, 2.0, 2.0, 2.0]
+    assert padded["dc"].data.tolist() == [5, 6, 6, 6] and padded["dc"].stack
+    assert padded["pair"][0].tolist() == [7, 8, 8, 8]
+    assert batch["x"].shape == (2, 3)  # the batch itself is left as it was
+    assert pad_to_devices(batch, 2) == (batch, None)  # enough rows already

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -339,3 +340,69 @@ def test_amp_on_cuda_devices_is_float16_with_a_dynamic_loss_scale() -> None:
     cfg.SOLVER.AMP.ENABLED = True
     assert DefaultTrainer.precision_options(cfg, cpu=False) == {"compute_dtype": "float16", "loss_scale": "dynamic"}
     assert DefaultTrainer.precision_options(cfg, cpu=True) == {"compute_dtype": "bfloat16"}
+
+
+if "defaults_test17" not in DatasetCatalog:
+    DatasetCatalog.register("defaults_test17", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[31:], Y[31:])])
+    DatasetCatalog.register("defaults_test10", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[:10], Y[:10])])
+
+
+def _scores(rows: slice) -> np.ndarray:
+    p = _params()
+    return np.maximum(X[rows] @ p["fc1_w"].T + p["fc1_b"], 0) @ p["pred_w"].T + p["pred_b"]
+
+
+def test_default_trainer_evaluates_a_last_batch_smaller_than_the_device_count(tmp_path) -> None:
+    """Issue 32 item 5 / issue 34 item 3: 17 test rows in batches of 8 on 2 devices: the last batch
+    (1 row) raised 'a batch of 1 rows cannot give each of 2 devices at least one row' at train()'s
+    final evaluation. Every row is now evaluated once."""
+    workspace.ResetWorkspace()
+    trainer = DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", "2", "DATASETS.TEST", "('defaults_test17',)",
+                                  "SOLVER.MAX_ITER", "2"))
+    trainer.train()
+    accuracy = float((_scores(slice(31, 48)).argmax(1) == Y[31:]).mean())
+    assert trainer.storage.latest()["accuracy/top1"][1] == pytest.approx(accuracy)
+    assert DefaultTrainer.test(trainer.cfg, trainer.test_model) == {"accuracy": {"top1": pytest.approx(accuracy)}}
+
+
+def test_inference_on_dataset_gives_the_evaluator_each_sample_once_whatever_the_last_batch(tmp_path) -> None:
+    """Issue 32 item 5: 10 samples in batches of 8 on 4 devices: the last batch (2 rows) raised. The
+    evaluator now sees 8 then 2 rows, each with its own scores (the softmax of the NumPy forward)."""
+    from graphpar.evaluation import DatasetEvaluator, inference_on_dataset
+
+    class Recorder(DatasetEvaluator):
+        output_names = ("softmax",)
+
+        def reset(self) -> None:
+            self.labels, self.scores = [], []
+
+        def process(self, inputs, outputs) -> None:
+            self.labels.append(np.asarray(inputs["label"]))
+            self.scores.append(outputs["softmax"])
+
+    workspace.ResetWorkspace()
+    trainer = DefaultTrainer(_cfg(tmp_path, "MODEL.NUM_DEVICES", "4", "DATASETS.TEST", "('defaults_test10',)"))
+    trainer.initialize()
+    recorder = Recorder()
+    inference_on_dataset(trainer.test_model, DefaultTrainer.build_test_loader(trainer.cfg, "defaults_test10"), recorder)
+    assert [len(labels) for labels in recorder.labels] == [8, 2]
+    np.testing.assert_array_equal(np.concatenate(recorder.labels), Y[:10])
+    expected = torch.softmax(torch.from_numpy(_scores(slice(0, 10))), dim=1).numpy()
+    np.testing.assert_allclose(np.concatenate(recorder.scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_training_prints_a_line_every_20_iterations_with_the_total_loss(tmp_path, capsys) -> None:
+    """Detectron2's CommonMetricPrinter (issue 35 item 8): iteration, ETA, the loss under Detectron2's
+    name `total_loss` (the model's one loss is `scaled_loss`, a blob name: not shown twice), time, lr."""
+    trainer = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "40", "TEST.EVAL_PERIOD", "0"))
+    trainer.resume_or_load(resume=False)
+    capsys.readouterr()
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    assert [line.split()[1] for line in lines[:2]] == ["20/40", "40/40"]  # then the evaluation's, at the end
+    assert re.fullmatch(r"iter 20/40  eta \d+:\d\d:\d\d  total_loss [0-9.]+  (lr|time) [0-9.e-]+  (lr|time) [0-9.e-]+",
+                        lines[0]) and " time " in lines[0] and " lr " in lines[0]
+    assert "scaled_loss" not in lines[1] and " total_loss " in lines[1]
+    history = trainer.storage.history
+    assert history["total_loss"] == history["scaled_loss"] and len(history["total_loss"]) == 40
+    assert float(lines[1].split("total_loss ")[1].split()[0]) == pytest.approx(history["total_loss"][-1][1], rel=1e-3)
