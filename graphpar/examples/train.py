@@ -54,11 +54,15 @@ def make_parser() -> cli.ArgumentParser:
                              "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
     parser.add_argument("--seed", type=cli.integer(0), default=0,
                         help="seed of the init, the split and the batch order")
-    parser.add_argument("--no-finite-check", action="store_true",
-                        help="do not check each step's loss before its update (Parallelize's check_finite_loss: "
-                             "one host sync per device and step). A NaN or inf loss still stops the run, when "
-                             "the trainer records the loss: after that step's update (the checkpoint of the last "
-                             "finished epoch is kept)")
+    finite = parser.add_mutually_exclusive_group()
+    finite.add_argument("--finite-check", dest="finite_check", action="store_const", const=True, default=None,
+                        help="check each step's loss before its update (Parallelize's check_finite_loss): the "
+                             "default on CPU devices; on CUDA devices it costs a host sync per device and step "
+                             "and rules out CUDA graphs")
+    finite.add_argument("--no-finite-check", dest="finite_check", action="store_const", const=False,
+                        help="do not check each step's loss before its update. A NaN or inf loss still stops "
+                             "the run, when the trainer records the loss: after that step's update (the "
+                             "checkpoint of the last finished epoch is kept)")
     parser.add_argument("--verbose", action="store_true",
                         help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=cli.integer(1), default=1,
@@ -144,41 +148,7 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
 
 def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
-<<<<<<< HEAD
-    parser = cli.parser("graphpar.examples.train", __doc__)
-    parser.add_argument("--devices", type=int, default=None,
-                        help="devices per process (default: this machine's GPUs shared out over its processes, "
-                             "else 4 CPU devices)")
-    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
-    parser.add_argument("--epochs", type=int, default=12, help="epochs in all (a resumed run continues to it)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
-    parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
-    parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"),
-                        help="checkpoint file, written every epoch; metrics.json goes beside it")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over, replacing an existing --checkpoint and its metrics.json")
-    parser.add_argument("--plot", action="store_true",
-                        help="at the end, draw loss and test accuracy per epoch into training.png beside "
-                             "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the init, the split and the batch order")
-    finite = parser.add_mutually_exclusive_group()
-    finite.add_argument("--finite-check", dest="finite_check", action="store_const", const=True, default=None,
-                        help="stop a step whose loss is NaN or inf (the default on CPU devices; on CUDA devices "
-                             "it costs a host sync per device and step)")
-    finite.add_argument("--no-finite-check", dest="finite_check", action="store_const", const=False,
-                        help="do not stop a step whose loss is NaN or inf (saves a host read per device and step)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="log what Parallelize built and each init/sync; show the traceback of an error")
-    parser.add_argument("--num-processes", type=int, default=1,
-                        help="processes (shards) on this machine, each with --devices devices (gloo)")
-=======
     parser = make_parser()
->>>>>>> main
     args = parser.parse_args(argv)
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0

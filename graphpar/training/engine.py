@@ -38,8 +38,8 @@ from graphpar.core.ir import CUDA
 from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
 from graphpar.parallel import data_parallel_model as dpm
-from graphpar.runtime import checkpoint, workspace
 from graphpar.platform.devices import cuda_is_simulated
+from graphpar.runtime import checkpoint, workspace
 from graphpar.training.data import Fed, Prepared, feed
 from graphpar.training.feeder import CudaCopier, DeviceFeeder, prepare_copied
 
