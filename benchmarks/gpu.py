@@ -50,7 +50,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,6 @@ class Contender:
     step: Callable[[], None] | None
     resident: int | None = None  # bytes kept allocated between steps
     note: str = ""
-    keep: list = field(default_factory=list)  # what must live as long as the contender
 
 
 @dataclass(frozen=True)
@@ -150,12 +149,13 @@ class Machine:
     def allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.device) if self.cuda else None
 
-    def graph_pools(self) -> int | None:
-        """Bytes of the segments CUDA graphs' private pools reserve on the device."""
+    def graph_pools(self) -> tuple[int, int]:
+        """(reserved, allocated) bytes of the segments CUDA graphs' private pools hold on the device."""
         if not self.cuda:
-            return None
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if s.get("device") == self.device.index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+            return 0, 0
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if s.get("device") == self.device.index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+        return sum(s["total_size"] for s in segments), sum(s["allocated_size"] for s in segments)
 
     def sync_mode(self, mode: str) -> None:
         if self.cuda:
@@ -359,7 +359,11 @@ def build(name: str, make: Callable[[], Callable[[], None]], machine: Machine, w
         machine.synchronize()
     except Exception as exc:  # reported, not raised: one refused contender must not end the run
         return Contender(step=None, note=f"not available: {type(exc).__name__}: {exc}"[:300])
-    resident = None if before is None else machine.allocated() - before + (machine.graph_pools() - pools)
+    if before is None:
+        return Contender(step)
+    (reserved, allocated), (reserved_before, allocated_before) = machine.graph_pools(), pools
+    # a graph's pool counts whole (its intermediates stay reserved there), its live tensors once
+    resident = machine.allocated() - before - (allocated - allocated_before) + (reserved - reserved_before)
     return Contender(step, resident)
 
 
@@ -427,7 +431,9 @@ def compile_in_subprocess(name: str, opts: argparse.Namespace, seconds: float) -
         return {"note": f"not measured: the compile and its steps did not finish within {seconds:.0f} s"}
     if done.returncode != 0 or not Path(opts.compile_out).exists():
         return {"note": f"not measured: exit status {done.returncode}: {done.stderr.strip()[-300:]}"}
-    return json.loads(Path(opts.compile_out).read_text())
+    row = json.loads(Path(opts.compile_out).read_text())
+    os.unlink(opts.compile_out)
+    return row
 
 
 def compile_only(name: str, machine: Machine, opts: argparse.Namespace) -> dict:
