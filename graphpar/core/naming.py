@@ -163,6 +163,9 @@ LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection`
 DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free intermediates at their last use
 KEEP_ARG = "blobs_to_keep"  # net argument: blobs a run keeps whatever else holds
 FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the first run serially
+COMPILE_BACKEND_ARG = "compile_backend"  # net argument of a "compiled" net: torch.compile's backend
+COMPILE_MODE_ARG = "compile_mode"  # net argument of a "compiled" net: inductor's mode ("reduce-overhead", ...)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's modes
 # net argument: every run feeds inputs of the shapes and dtypes they had at CreateNet (or the first run);
 # RunNet refuses others (runtime.static_shapes), so an executor may compile without dynamic shapes
 STATIC_SHAPES_ARG = "static_shapes"

@@ -51,7 +51,6 @@ shape rule at CreateNet, where shapes are known, so a mismatch is reported there
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -131,6 +130,12 @@ class Trait(str, Enum):
     # saved inverse std -> dX, dscale, dbias; 8 inputs: the global sums and count): `passes.inter_device_bn`
     # gives every replica's copy the statistics of the whole batch (`combine_spatial_bn`).
     BATCH_NORM = "batch_norm"
+
+
+# What keeps a kernel out of a compiled program (`executor.compiled`) unless its registration says
+# `traceable=True`: a host read of tensor values (torch.compile would bake the value in or break the
+# graph), per-run random streams, another process, or the host-side iteration counter.
+UNTRACEABLE_TRAITS = frozenset({Trait.HOST_SYNC, Trait.RANDOM, Trait.DISTRIBUTED, Trait.COUNTER})
 
 
 class Precision(str, Enum):
@@ -332,6 +337,9 @@ class OpSchema:
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
     precision: PrecisionRule | None = None  # mixed precision (None: FP32)
     effects: Effects = NO_EFFECTS  # what passes must know of its inputs' tensors (see `Effects`)
+    # traceable(op): whether the kernel runs inside a compiled program (torch.compile) without a graph
+    # break or a recompilation per run; the compiled executor runs the others eagerly between regions
+    traceable: Callable[[OperatorDef], bool] = field(default=lambda op: True)
     predict_as: PredictAs | None = None  # the op a prediction net runs instead, when some outputs are unused
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
@@ -391,6 +399,7 @@ def register_op(
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
     precision: PrecisionRule | Precision | None = None,
     effects: Effects = NO_EFFECTS,
+    traceable: bool | Callable[[OperatorDef], bool] | None = None,
     predict_as: PredictAs | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
@@ -410,6 +419,11 @@ def register_op(
     `precision` is the op's mixed-precision rule (a `PrecisionRule`, or a `Precision` for the rule over
     all inputs and outputs; default FP32), read by `passes.precision` and `passes.channels_last`.
     `effects` declares aliasing, equal values, rebound inputs and fusion for passes (see `Effects`).
+    `traceable` says whether the kernel can run inside a compiled program (`executor.compiled`): no
+    host read of tensor values, no Python decision on them, nothing that changes per run but tensors;
+    a function of the op where its arguments decide (a fill reads values only with `input_as_shape`).
+    None derives it: traceable unless the op has one of `UNTRACEABLE_TRAITS`; an op with such a trait
+    whose kernel takes a traceable path under `torch.compiler.is_compiling()` says True.
     `predict_as` is the op a prediction net runs instead when some outputs are unused (see `PredictAs`).
     """
     if type_ in _REGISTRY:
@@ -427,13 +441,20 @@ def register_op(
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
         reuse=reuse and InputReuse(*reuse), effects=effects, predict_as=predict_as,
-        precision=PrecisionRule(precision) if isinstance(precision, Precision) else precision)
+        precision=PrecisionRule(precision) if isinstance(precision, Precision) else precision,
+        traceable=_traceable_rule(not traits & UNTRACEABLE_TRAITS if traceable is None else traceable))
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:
             schema.reuse = schema.reuse._replace(kernel=_checked_kernel(schema.reuse.kernel, check))
     _REGISTRY[type_] = schema
     return schema
+
+
+def _traceable_rule(spec: bool | Callable[[OperatorDef], bool]) -> Callable[[OperatorDef], bool]:
+    if callable(spec):
+        return spec
+    return (lambda op: True) if spec else (lambda op: False)
 
 
 def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]],
@@ -470,10 +491,15 @@ def same_shape(*groups: Iterable[int] | Callable[[int], Iterable[Iterable[int]]]
     Indices past the op's inputs (optional inputs) are skipped.
     """
 
-    @functools.cache
+    known: dict[int, tuple[tuple[int, ...], ...]] = {}  # by input count (a dict: compilers trace it, not a cache)
+
     def expanded(count: int) -> tuple[tuple[int, ...], ...]:
-        flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
-        return tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat) if len(kept) > 1)
+        found = known.get(count)
+        if found is None:
+            flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
+            found = known[count] = tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat)
+                                         if len(kept) > 1)
+        return found
 
     def check(_args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
         for indices in expanded(len(inputs)):  # the run-time cost: a few shape comparisons

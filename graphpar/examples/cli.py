@@ -1,7 +1,8 @@
 """What the command-line tools share: help, logging, one-line errors and a clean Ctrl-C.
 
-Imports only the standard library (at module level), so a tool can install `exit_on_interrupt()` before
-it imports torch.
+Imports only the standard library (at module level), so a tool parses its options before it imports
+torch. `exit_on_interrupt()` (re-exported from `graphpar.examples.interrupt`, which a tool imports first)
+makes a Ctrl-C before `guard` end the process at once, status 130, in one line.
 
 - `parser(module, doc)`: `usage: python -m <module>`, the module docstring as the description, every
   option's default in `--help`, and an error in one line (`<prog>: error: argument --seed: ...`, status
@@ -33,7 +34,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+from graphpar.examples.interrupt import INTERRUPTED, exit_on_interrupt
+
+__all__ = ["INTERRUPTED", "ArgumentParser", "exit_on_interrupt", "file_path", "guard", "integer", "number",
+           "one_interrupt", "one_line", "parser", "progress_bar", "setup_logger"]
+
 
 log = logging.getLogger("graphpar.examples")
 
@@ -105,20 +110,6 @@ def file_path(text: str) -> Path:
     if blocking is not None:
         raise argparse.ArgumentTypeError(f"{text!r}: {str(blocking)!r} is not a directory")
     return path
-
-
-def exit_on_interrupt(quiet: bool = False) -> None:
-    """Until `guard` takes over: a Ctrl-C (while torch loads, say) ends the process at once, status 130,
-    with one line (none with `quiet`, nor on the other ranks of a launched job). Nothing has been
-    written yet, so there is nothing to clean up."""
-    quiet = quiet or _rank() != 0
-
-    def stop(signum: int, frame: object) -> None:
-        if not quiet:
-            os.write(2, b"\ninterrupted\n")
-        os._exit(INTERRUPTED)
-
-    signal.signal(signal.SIGINT, stop)
 
 
 def _rank() -> int:

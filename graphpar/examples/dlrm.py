@@ -11,9 +11,14 @@ goes from 0.69 (chance) to a loss below 0.1 and over 95% held-out accuracy.
 
 from __future__ import annotations
 
-import functools
+from graphpar.examples import interrupt
 
-from graphpar.examples import cli
+if __name__ == "__main__":
+    interrupt.exit_on_interrupt()  # from now on a Ctrl-C exits at once, status 130
+
+import functools  # noqa: E402
+
+from graphpar.examples import cli  # noqa: E402
 
 
 def make_parser() -> cli.ArgumentParser:
@@ -31,7 +36,6 @@ def make_parser() -> cli.ArgumentParser:
 
 
 if __name__ == "__main__":
-    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
     make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402

@@ -9,10 +9,11 @@ ResNet-50 (or 18, `--num_layers`), SGD with Nesterov momentum 0.9, weight decay 
 learning rate scaled by the global batch / 256 and x0.1 every 30 epochs. A checkpoint
 `<save_model_name>_<epoch>.safetensors` (default name `resnet<num_layers>_model`) is written after
 every epoch, and only the last `--keep_checkpoints` of them are kept; `--load_model_path` resumes from
-one. A checkpoint this run would write that exists already is never replaced silently: resume from it,
-start over with `--overwrite`, or pass another `--save_model_name`. Every value is checked at start (an
-error is one line naming the option); a progress bar shows the steps of each epoch, with the loss and
-an ETA. Caffe2's flags for LMDB input and multi-host rendezvous are accepted and refused with a message
+one, and a process the launcher's agent restarted (`python -m graphpar.launch --max-restarts N`)
+resumes from the last one its job wrote. A checkpoint this run would write that exists already is
+never replaced silently: resume from it, start over with `--overwrite`, or pass another
+`--save_model_name`. Every value is checked at start (an error is one line naming the option); a
+progress bar shows the steps of each epoch, with the loss and an ETA. Caffe2's flags for LMDB input and multi-host rendezvous are accepted and refused with a message
 when set; `--width` (the stem's channels, 64 in ResNet-50) is graphpar's, for tiny test runs.
 
 Precision (docs/precision.md): `--dtype float16` is Caffe2's recipe: float16 Conv/FC params made by
@@ -24,12 +25,18 @@ for a static one). `--dtype bfloat16` keeps fp32 params and computes Conv/FC in 
 
 from __future__ import annotations
 
-import argparse
-import re
-import time
-from pathlib import Path
+from graphpar.examples import interrupt
 
-from graphpar.examples import cli
+if __name__ == "__main__":
+    interrupt.exit_on_interrupt()  # from now on a Ctrl-C exits at once, status 130
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
+from graphpar.examples import cli  # noqa: E402
 
 
 def device_ids(text: str) -> list[int]:
@@ -91,12 +98,14 @@ def make_parser() -> cli.ArgumentParser:
     add("--enable_tensor_core", action="store_true", help="accepted; PyTorch chooses the math mode")
     add("--cudnn_workspace_limit_mb", type=cli.integer(0), default=64, help="accepted; PyTorch manages cuDNN")
     add("--seed", type=cli.integer(0), default=0, help="graphpar: seed of the synthetic data and the init")
+    add("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+        help="graphpar: compile the train step with torch.compile (inductor; the first steps pay the compile "
+             "time); MODE: one of " + ", ".join(COMPILE_MODES))
     add("--verbose", action="store_true", help="graphpar: log what Parallelize built; show an error's traceback")
     return parser
 
 
 if __name__ == "__main__":
-    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
     make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
@@ -105,6 +114,7 @@ from graphpar.errors import CheckpointError  # noqa: E402
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
 from graphpar.models import resnet  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
+from graphpar.parallel import elastic  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
 from graphpar.training.data import feed_batch  # noqa: E402
@@ -144,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cli.file_path(str(checkpoint_path(args, 1)))
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --save_model_name: {exc}")
+    restarted = restart_checkpoint(args)
+    if restarted is not None:  # the launcher's agent restarted this job: it continues from there
+        args.load_model_path = str(restarted)
     args.start_epoch = 0
     if args.load_model_path:
         try:
@@ -196,7 +209,8 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
                  "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
-                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision)
+                    use_nccl=args.use_nccl and not cpu, optimize_gradient_memory=False, **precision,
+                    compile=None if args.compile is None else {"mode": None if args.compile == "default" else args.compile})
     return model
 
 
@@ -220,6 +234,14 @@ def saved_checkpoints(save_model_name: str) -> list[tuple[int, Path]]:
     found = [(int(match.group(1)), path) for path in (where.parent.iterdir() if where.parent.is_dir() else ())
              if (match := pattern.fullmatch(path.name))]
     return sorted(found)
+
+
+def restart_checkpoint(args: argparse.Namespace) -> Path | None:
+    """In a process the launcher's agent restarted: the last checkpoint of --save_model_name this job wrote,
+    where the run continues (`--load_model_path` named where the job began); else None."""
+    if not elastic.restart_count():
+        return None
+    return elastic.last_of_this_job(path for _, path in saved_checkpoints(args.save_model_name))
 
 
 def prune(args: argparse.Namespace, epoch: int) -> None:
@@ -255,7 +277,8 @@ def _main(argv: list[str] | None) -> int:
     if args.load_model_path:
         checkpoint.load(args.load_model_path, model=model)  # onto this run's first device
         dpm.FinalizeAfterCheckpoint(model)
-        log.info("resumed from %s after epoch %d", args.load_model_path, args.start_epoch)
+        again = f" (restart {elastic.restart_count()} of this job)" if elastic.restart_count() else ""
+        log.info("resumed from %s after epoch %d%s", args.load_model_path, args.start_epoch, again)
     prefix = model._device_prefix
     log.info("training ResNet-%d on %d %s devices, %d images per step, %d steps per epoch", args.num_layers,
              len(devices), "CPU" if cpu else "CUDA", args.batch_size, args.epoch_iters)
@@ -275,7 +298,7 @@ def _main(argv: list[str] | None) -> int:
             progress.close()
         images_per_s = args.epoch_iters * args.batch_size / (time.perf_counter() - start)
         path = checkpoint_path(args, epoch + 1)
-        checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1})
+        checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1, **elastic.job_metadata()})
         prune(args, epoch + 1)
         log.info("epoch %d/%d: loss %.4f, %.1f images/s, checkpoint %s", epoch + 1, args.num_epochs,
                  float(np.mean(losses)) if losses else float("nan"), images_per_s, path)

@@ -12,21 +12,28 @@ like one device on the whole batch. After every epoch it prints the mean loss an
 (over 95% after the default 12 epochs, on every test sample) and writes a checkpoint that
 `--resume` continues from, learning-rate schedule included, and `metrics.json` beside it (with
 `--plot`, a loss/accuracy PNG beside them at the end). An existing checkpoint is never replaced
-silently: continue it with `--resume`, or start over with `--overwrite`. Batches are loaded on a
-background thread (`DeviceFeeder`) while the devices compute; the loop is `graphpar.engine.Trainer`
-with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
+silently: continue it with `--resume`, or start over with `--overwrite`; a process that
+`python -m graphpar.launch --max-restarts N` restarted continues the checkpoint its job wrote, with
+the same command line. Batches are loaded on a background thread (`DeviceFeeder`) while the devices
+compute; the loop is `graphpar.engine.Trainer` with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
 (`--verbose`: with its traceback).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import sys
-from pathlib import Path
+from graphpar.examples import interrupt
 
-from graphpar.examples import cli
+if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
+    interrupt.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # from now on a Ctrl-C exits at once, 130
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
+from graphpar.examples import cli  # noqa: E402
 
 
 def make_parser() -> cli.ArgumentParser:
@@ -63,6 +70,10 @@ def make_parser() -> cli.ArgumentParser:
                         help="do not check each step's loss before its update. A NaN or inf loss still stops "
                              "the run, when the trainer records the loss: after that step's update (the "
                              "checkpoint of the last finished epoch is kept)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                        metavar="MODE", help="compile the train step with torch.compile (inductor; the first "
+                        "epoch pays the compile time); MODE: one of " + ", ".join(COMPILE_MODES))
+    parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
     parser.add_argument("--verbose", action="store_true",
                         help="log what Parallelize built and each init/sync; show the traceback of an error")
     parser.add_argument("--num-processes", type=cli.integer(1), default=1,
@@ -70,15 +81,13 @@ def make_parser() -> cli.ArgumentParser:
     return parser
 
 
-if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
-    cli.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # a Ctrl-C while torch loads: exit at once, 130
-    if __name__ == "__main__":
-        make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
+if __name__ == "__main__":
+    make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
 
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
-from graphpar.parallel import comm, launch  # noqa: E402
+from graphpar.parallel import comm, elastic, launch  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -118,13 +127,14 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool | None = None,
-          rendezvous: dict | None = None, compute_dtype: str | None = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: object = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
     updates anything (RunNet raises, naming the loss); None: Parallelize's default (on for CPU
-    replicas; off on CUDA, where it costs a host read per device and step and rules out CUDA graphs). `compute_dtype="bfloat16"` trains and tests in
-    mixed precision (docs/precision.md)."""
+    replicas; off on CUDA, where it costs a host read per device and step and rules out CUDA graphs).
+    `compute_dtype="bfloat16"` trains and tests in mixed precision (docs/precision.md). `compile_`
+    compiles the train step (Parallelize's `compile`)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
@@ -132,11 +142,19 @@ def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_l
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
         devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, compile=compile_)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
                     devices=devices, cpu_device=cpu, uneven_batches=True, compute_dtype=compute_dtype)
     return train, test
+
+
+def compile_options(args: argparse.Namespace) -> dict | None:
+    """Parallelize's `compile` from --compile [MODE] and the backend (None: not compiled)."""
+    if args.compile is None:
+        return None
+    mode = None if args.compile == "default" or args.compile_backend != "inductor" else args.compile
+    return {"backend": args.compile_backend, "mode": mode}
 
 
 def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndarray) -> float:
@@ -150,6 +168,8 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    if elastic.restart_count() and elastic.written_by_this_job(args.checkpoint):
+        args.resume, args.overwrite = True, False  # the launcher's agent restarted this job: continue it
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
@@ -236,7 +256,8 @@ class EpochEnd(HookBase):
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
         if self.say:  # one process writes the checkpoint (atomically); every process can load it
             checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
-                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size})
+                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size,
+                                      **elastic.job_metadata()})
             log.info("epoch %2d  loss %.4f  test accuracy %.2f%%", done // self.steps, np.mean(losses),
                      100 * self.accuracy)
 
@@ -297,11 +318,18 @@ def process_devices(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it after
-    the step in flight, with the loading thread stopped (status 130)."""
+    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it (status
+    130) after the step in flight, with the loading thread stopped, or where it lands outside the steps
+    (loading the data, building, initialising): one line from the process that reports it, nothing from
+    the others (the processes of --num-processes: their parent says it)."""
     cli.setup_logger(args.verbose)  # here: a process that launch started has the logging of a fresh one
     with cli.one_interrupt():
-        return _run(args)
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            if launch.is_main_process() and getattr(args, "report_interrupt", True):
+                print(f"\ninterrupted; {_kept(args.checkpoint)}", file=sys.stderr, flush=True)
+            return cli.INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -321,7 +349,7 @@ def _run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        args.finite_check, launch.rendezvous(), args.dtype)
+                        args.finite_check, launch.rendezvous(), args.dtype, compile_options(args))
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,
@@ -344,7 +372,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
             if say:
-                log.info("resumed from %s at epoch %d", args.checkpoint, trainer.iter // steps_per_epoch)
+                again = f" (restart {elastic.restart_count()} of this job)" if elastic.restart_count() else ""
+                log.info("resumed from %s at epoch %d%s", args.checkpoint, trainer.iter // steps_per_epoch, again)
         try:
             trainer.train()
         except KeyboardInterrupt:

@@ -86,7 +86,8 @@ def serial(plan: CompiledNet, runtime: Runtime, frame: list) -> Launch:
     if programs is None:
         with runtime.lock:
             if runtime.programs is None:
-                frees = plan.frame.frees_memory
-                runtime.programs = tuple(straight_line(plan, phase, frees) for phase in plan.phases)
+                frees = plan.frame.frees_in(plan.order) if plan.frame.frees_memory else None
+                runtime.programs = tuple(straight_line(plan, phase.steps, frees, f"phase {phase.index}")
+                                         for phase in plan.phases)
             programs = runtime.programs
     return _Serial(programs, frame)

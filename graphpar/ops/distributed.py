@@ -22,6 +22,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -77,18 +79,37 @@ def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Ten
         raise ValueError(f"{op_label(ctx.op)}: timeout_ms must be >= 1, got {a.timeout_ms}")
 
     def run() -> torch.Tensor:
-        try:
+        role = "serve" if a.is_master else "reach"
+        where = (f"{op_label(ctx.op)}: could not {role} the TCPStore at {a.host}:{a.port} within {a.timeout_ms} ms "
+                 f"(is the shard with is_master=True running?)")
+        timeout = datetime.timedelta(milliseconds=a.timeout_ms)
+        deadline = time.monotonic() + a.timeout_ms / 1000
+        if not a.is_master and not _listening(a.host, a.port, deadline):
+            raise RuntimeError(f"{where}: nothing accepted a connection")
+        try:  # torch's client retries a failed connect once more after its timeout: give it what is left
+            left = max(1.0, (deadline - time.monotonic()) * 1000)
             store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
-                                               datetime.timedelta(milliseconds=a.timeout_ms), False)
+                                               datetime.timedelta(milliseconds=left), False)
+            store.set_timeout(timeout)  # every store operation waits at most timeout_ms
         except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
-            role = "serve" if a.is_master else "reach"
-            raise RuntimeError(f"{op_label(ctx.op)}: could not {role} the TCPStore at {a.host}:{a.port} within "
-                               f"{a.timeout_ms} ms (is the shard with is_master=True running?): {exc}") from None
+            raise RuntimeError(f"{where}: {exc}") from None
         if a.prefix:
             store = torch.distributed.PrefixStore(a.prefix, store)
         return _handle(distributed.register_store(store))
 
     return run
+
+
+def _listening(host: str, port: int, deadline: float) -> bool:
+    """Whether a connection to host:port succeeds before `deadline` (time.monotonic()), trying again
+    every 50 ms while it is refused (the serving shard may start later)."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return True
+        except OSError:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 def _handle_rule(_a: SimpleNamespace, _ctx: KernelContext, _inputs: list[TensorSpec]) -> list[TensorSpec]:

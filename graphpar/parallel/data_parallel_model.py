@@ -60,7 +60,14 @@ from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
-from graphpar.passes.options import LossScale, ParallelizeOptions, args_doc, blob_names, checked
+from graphpar.passes.options import (
+    CompileOptions,
+    LossScale,
+    ParallelizeOptions,
+    args_doc,
+    blob_names,
+    checked,
+)
 from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
@@ -147,6 +154,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
     cuda_graph: bool = False,
+    compile: bool | str | Mapping[str, Any] | CompileOptions | None = None,
     compute_dtype: str | torch.dtype | None = None,
     loss_scale: float | str | Mapping[str, Any] | LossScale | None = None,
     channels_last: bool = False,
@@ -176,7 +184,7 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
-            cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
+            cuda_graph with cpu_device or with compile, a bad compile mode, a bad compute_dtype, loss_scale or allreduce_dtype value,
             loss_scale with shared_model, allreduce_dtype with a rendezvous, shard_optimizer_state with
             shared_model, sparse gradients or an update it cannot split (`passes.shard_updates`),
             shard_gradients with buckets, allreduce_dtype or (across shards) loss_scale. The model is
@@ -195,7 +203,12 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     if given["cuda_graph"] and cpu_device:
         raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
                                "cpu_device=True")
-    net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
+    if given["cuda_graph"] and given["compile"]:
+        raise ParallelizeError("Parallelize: cuda_graph=True and compile=... both replace the train net's executor; "
+                               "use compile='reduce-overhead' for inductor's CUDA graphs, or cuda_graph=True alone")
+    net_type = "cuda_graph" if given["cuda_graph"] else "compiled" if given["compile"] else given["net_type"]
+    if given["compile"]:
+        given["dynamic_memory_management"] = True  # intermediates stay inside the compiled program
     _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
                    given["shared_model"], net_type)
     given["shard_optimizer_state"] = given["shard_optimizer_state"] or given["shard_gradients"]  # stage 2 has 1's

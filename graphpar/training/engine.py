@@ -12,8 +12,10 @@ a `DeviceFeeder`'s prepared batches), runs the train net once, records the losse
 called on it, or on its `sampler`, when present). Scalars go to `trainer.storage` (one value per
 iteration and name) where the writers read them; under a rendezvous the losses are the global batch's
 (gathered from every shard, as Detectron2's `comm.reduce_dict`), the same on every shard, while `time`
-is this process's step time. `auto_scale_workers` applies Detectron2's linear
-scaling rule to a config for a new device count.
+is this process's step time. A process the launcher's agent restarted (`--max-restarts`)
+continues from the last checkpoint its job's PeriodicCheckpointer wrote (`resume_or_load`, or `train`
+on its own). `auto_scale_workers` applies Detectron2's linear scaling rule to a config for a new
+device count.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import torch
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
+from graphpar.executor import get_executor
 from graphpar.parallel import data_parallel_model as dpm
+from graphpar.parallel import elastic
 from graphpar.platform.devices import cuda_is_simulated
 from graphpar.runtime import checkpoint, workspace
 from graphpar.training.data import Fed, Prepared, feed
@@ -178,7 +182,7 @@ class LRScheduler(HookBase):
 
         model = self.trainer.model
         on_host = model._parallel.layout.device_type != CUDA
-        held = _held(tensor, model.net.Proto().type == "cuda_graph")
+        held = _held(tensor, _overwritten(model))
 
         def lr() -> float:
             value = held.detach().to("cpu", copy=True).numpy().reshape(-1)[0]
@@ -218,11 +222,12 @@ class PeriodicCheckpointer(HookBase):
         """Write the checkpoint after `iteration` iterations: `GetCheckpointParams` (which carry
         `optimizer_iteration`, the updates made) and, in the metadata, `metadata()` and the
         iterations done under `ITERATIONS_DONE` (loss-scaled steps that were skipped count: they
-        consumed their batches), where `resume_or_load` continues."""
+        consumed their batches), where `resume_or_load` continues, and the job's id under the launcher
+        (`elastic.JOB_KEY`), which a restarted process continues from."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
         checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),
-                        metadata={**self.metadata(), ITERATIONS_DONE: iteration})
+                        metadata={**self.metadata(), ITERATIONS_DONE: iteration, **elastic.job_metadata()})
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
@@ -411,6 +416,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self._loaded = False  # resume_or_load ran
         self._done = 0  # iterations run (skipped loss-scaled steps included): where train() starts
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self._world: Any = None  # the communicator the losses are gathered on (under a rendezvous)
@@ -491,14 +497,23 @@ class Trainer:
         data has a length, restores the epoch and skips the batches the saved run had consumed in
         it, so data whose order depends only on the epoch gives the same batches.
 
+        A process the launcher's agent restarted (TORCHELASTIC_RESTART_COUNT > 0) continues from the
+        last checkpoint its job wrote in the PeriodicCheckpointer's directory, whatever `resume` and
+        `path` say (they said how the job began); one that has none does as they say.
+
         Raises:
             FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`; without
                 `resume`, also a file holding none of the model's params.
         """
         self.initialize()
+        self._loaded = True
+        restarted = self.restart_checkpoint()
+        if restarted is not None:
+            resume, path = True, restarted
+            log.info("restart %d of this job: continuing from its last checkpoint", elastic.restart_count())
         target = Path(path) if path is not None else None
         if target is None and resume:
-            saver = next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
+            saver = self._checkpointer()
             found = checkpoints(saver.directory) if saver is not None else []
             target = found[-1] if found else None
         if target is None:
@@ -515,6 +530,17 @@ class Trainer:
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
+
+    def _checkpointer(self) -> PeriodicCheckpointer | None:
+        return next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
+
+    def restart_checkpoint(self) -> Path | None:
+        """In a process the launcher's agent restarted: the last checkpoint this job's PeriodicCheckpointer
+        wrote (`graphpar.parallel.elastic`), where training continues; else None."""
+        saver = self._checkpointer()
+        if elastic.restart_count() == 0 or saver is None:
+            return None
+        return elastic.last_of_this_job(checkpoints(saver.directory))
 
     def _load_weights(self, target: Path) -> None:
         """The file's params (scoped under any device, as `checkpoint.load(model=...)` maps them onto
@@ -552,6 +578,8 @@ class Trainer:
         raised (a NaN loss) runs that iteration again on the next batch.
         """
         self.initialize()
+        if not self._loaded and (restarted := self.restart_checkpoint()) is not None:
+            self.resume_or_load(True, restarted)  # a restarted process continues its job: as resume_or_load
         self.iter = self.storage.iter = self._done
         if self.iter >= self.max_iter:
             print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
@@ -665,8 +693,8 @@ class Trainer:
         """[device][loss] the loss tensors of this shard's replicas, left on their devices: the live
         tensors (the next run makes new ones), copies where a CUDA graph's replay would overwrite them."""
         state = self.model._parallel
-        captured = self.model.net.Proto().type == "cuda_graph"
-        return [[_held(workspace.FetchTensor(str(name)), captured) for name in names]
+        overwritten = _overwritten(self.model)
+        return [[_held(workspace.FetchTensor(str(name)), overwritten) for name in names]
                 for names in state.losses_by_device.values()]
 
     @staticmethod
@@ -702,10 +730,16 @@ class Trainer:
         return out
 
 
-def _held(tensor: torch.Tensor, captured: bool) -> torch.Tensor:
-    """A tensor to read later: itself (the next run makes a new one), or for a captured net a copy on
-    its device (no host sync), since the graph's next replay overwrites its tensors in place."""
-    return tensor.detach().clone() if captured else tensor
+def _held(tensor: torch.Tensor, overwritten: bool) -> torch.Tensor:
+    """A tensor to read later: itself (the next run makes a new one), or where the next run overwrites
+    it in place (a replayed CUDA graph) a copy on its device (no host sync)."""
+    return tensor.detach().clone() if overwritten else tensor
+
+
+def _overwritten(model: Any) -> bool:
+    """Whether the next run of `model`'s train net overwrites the tensors this run left (`Executor.keeps_outputs`)."""
+    proto = model.net.Proto()
+    return not get_executor(proto.type).keeps_outputs(proto)
 
 
 # ---- configs and the linear scaling rule ---------------------------------------------------------

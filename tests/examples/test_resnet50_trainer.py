@@ -26,6 +26,7 @@ def _params() -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_resumed_training_equals_uninterrupted(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this-job")  # a job the launcher's agent runs
     assert resnet50_trainer.main([*TINY, "--num_layers", "18", "--num_epochs", "2"]) == 0
     assert (tmp_path / "resnet18_model_1.safetensors").exists()
     assert (tmp_path / "resnet18_model_2.safetensors").exists()
@@ -37,6 +38,20 @@ def test_resumed_training_equals_uninterrupted(tmp_path, monkeypatch) -> None:  
     assert resumed.keys() == uninterrupted.keys() and len(resumed) > 10
     for name, value in uninterrupted.items():
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+    # Issue 33 item 3: the job dies in epoch 2; the agent restarts it with the same command, which continues
+    # from the last checkpoint this job wrote
+    (tmp_path / "resnet18_model_2.safetensors").unlink()
+    first = (tmp_path / "resnet18_model_1.safetensors").stat().st_mtime_ns
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resnet50_trainer.main([*TINY, "--num_layers", "18", "--num_epochs", "2"]) == 0
+    assert (tmp_path / "resnet18_model_1.safetensors").stat().st_mtime_ns == first  # epoch 1 was not run again
+    for name, value in uninterrupted.items():
+        np.testing.assert_array_equal(_params()[name], value, err_msg=name)
+    assert resnet50_trainer.parse_args(["--num_layers", "18"]).load_model_path == "resnet18_model_2.safetensors"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # ... not another job's: refused as at its start
+    with pytest.raises(SystemExit):
+        resnet50_trainer.parse_args(["--num_layers", "18"])
 
 
 @pytest.mark.slow

@@ -92,6 +92,7 @@ EXAMPLES: dict[str, list[Example]] = {
     "Adam": [ex(f(3, 2), f(3, 2), pos(3, 2), f(3, 2), f(1), ints(1, dtype=torch.int64), outputs=3)],
     "Add": [ex(f(2, 3), f(3)), ex(f(2, 3, 4), f(3), broadcast=1, axis=1)],
     "CheckFinite": [ex(f(1), outputs=0), ex(f(2, 3), f(1, dtype=torch.float64), outputs=0)],
+    "Print": [ex(f(2, 3), outputs=0), ex(ints(1, 2), outputs=0, limit=1, every_n=2)],
     "AddGradient": [ex(f(2, 3), f(2, 3), f(3)), ex(f(2, 3, 4), f(2, 3, 4), f(3), broadcast=1, axis=1)],
     "Alias": [ex(f(2))],
     "AtomicIter": [ex(torch.zeros((), dtype=torch.uint8), ints(3, dtype=torch.int64))],

@@ -108,6 +108,33 @@ def test_resumed_from_a_periodic_checkpoint_equals_the_uninterrupted_run(tmp_pat
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 7
 
 
+@pytest.mark.parametrize("calls_resume_or_load", [True, False])
+def test_a_restarted_process_continues_from_the_last_checkpoint_its_job_wrote(tmp_path, monkeypatch,
+                                                                              calls_resume_or_load):
+    """Issue 33 item 3: a process the launcher's agent restarts (TORCHELASTIC_RESTART_COUNT > 0) runs the
+    same script, resume=False included; it continues where its job's checkpoints are, not from scratch,
+    and not from a checkpoint another job left further along in the same directory."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+    full = _train(tmp_path / "full", 7, resume=False)
+    expected, lrs = _params(full.model), full.storage.history["lr"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this-job")
+    _train(tmp_path / "cut", 5, resume=False)  # the attempt that died after its checkpoint at 5
+    foreign = tmp_path / "cut" / "ckpt" / "model_0000006.safetensors"
+    foreign.write_bytes((tmp_path / "full" / "ckpt" / "model_0000006.safetensors").read_bytes())
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    hooks = [LRScheduler(), PeriodicCheckpointer(tmp_path / "cut" / "ckpt", 2, keep=None)]
+    restarted = Trainer(_model(), _batches(), hooks, max_iter=7)
+    if calls_resume_or_load:
+        assert restarted.resume_or_load(resume=False) == 5
+    restarted.train()
+    assert restarted.start_iter == 5 and restarted.storage.history["lr"] == lrs[5:]
+    for name, value in _params(restarted.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
 def test_a_finished_run_resumed_says_there_is_nothing_to_do(tmp_path, capsys):
     _train(tmp_path, 3, resume=False)
     trainer = _train(tmp_path, 3, resume=True)
