@@ -696,22 +696,45 @@ def skipped_steps(model: ModelHelper) -> int:
     return _runs_of(model).skipped_steps
 
 
+STARTUP_SKIPS_WARNED = 32  # a dynamic scale still skipping every step after this many: said once, as a warning
+
+
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
-    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
-    (the running sums, which may hold an inf, are zeros again)."""
+    overflow skips the step (the failed run changed nothing), with a dynamic scale shrinks it
+    (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches (the running
+    sums, which may hold an inf, are zeros again).
+
+    Logging: a dynamic scale's start-up back-off (the skips before the first step that trains, normal
+    while a scale set high comes down, as GradScaler's silent first steps) is one INFO line when it
+    starts and one when the scale settles; a warning only if it has skipped `STARTUP_SKIPS_WARNED`
+    steps and still trains none. Any other skip (a static scale, or an overflow after training began)
+    is a warning."""
+    backoff = _state_of(model).loss_scale_backoff_net
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
-        log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
         runs.skipped_steps += 1
-        backoff = _state_of(model).loss_scale_backoff_net
+        if backoff is None or runs.trained:
+            log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        elif runs.skipped_steps == 1:
+            log.info("RunNet(%r): the loss scale backs off until the gradients fit; the steps skipped meanwhile "
+                     "are not logged one by one (first: %s)", model.name, exc.__cause__)
+        elif runs.skipped_steps == STARTUP_SKIPS_WARNED:
+            log.warning("RunNet(%r): %d steps in a row skipped and none trained yet; the gradients overflow at "
+                        "every scale so far (the last: %s): a NaN or inf in the batch or the forward?",
+                        model.name, runs.skipped_steps, exc.__cause__)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
         reset_accumulated_gradients(model)
+        return
+    if not runs.trained:
+        runs.trained = True
+        if runs.skipped_steps and backoff is not None:
+            log.info("RunNet(%r): the loss scale settled after %d skipped steps; training", model.name,
+                     runs.skipped_steps)
 
 
 def reset_accumulated_gradients(model: ModelHelper) -> None:
@@ -1188,6 +1211,7 @@ class RunState:
     feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
     sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
     skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+    trained: bool = False  # a loss-scaled step of this model was not skipped (its start-up back-off is over)
     state_gather: Net | None = None  # GetCheckpointParams' gather of sharded state, built on first use
     gathered: dict[str, Any] = field(default_factory=dict)  # the whole state blobs it wrote -> their tensors
     state_scatter: dict[tuple[str, ...], Net] = field(default_factory=dict)  # FinalizeAfterCheckpoint's cuts

@@ -132,7 +132,7 @@ def _children(pid: int) -> list[int]:
 @DIGITS
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the processes through /proc")
-@pytest.mark.parametrize("delay", [0.0, 0.4, 1.5])
+@pytest.mark.parametrize("delay", [0.0, 1.0])
 def test_ctrl_c_while_the_processes_start_says_it_once(tmp_path, delay):
     """Issue 35 item 7 (the launcher's side): a Ctrl-C while the processes of `--num-processes 2` were
     starting printed their tracebacks from the middle of an import (or `Fatal Python error:

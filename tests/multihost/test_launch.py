@@ -45,8 +45,9 @@ def test_launch_runs_one_process_per_rank_in_one_group_with_the_backend_asked_fo
     launch.launch(workers.report_rank, 2, args=(str(tmp_path),), backend=workers.TEST_BACKEND)
     share = max(1, len(os.sched_getaffinity(0)) // 2) if "OMP_NUM_THREADS" not in os.environ \
         else int(os.environ["OMP_NUM_THREADS"])
-    assert (tmp_path / "rank0").read_text() == f"2 0 True 2 {workers.TEST_BACKEND} {share}"
-    assert (tmp_path / "rank1").read_text() == f"2 1 False 2 {workers.TEST_BACKEND} {share}"
+    # SIGINT blocked while the process started (a Ctrl-C then waits for it), taken when the function runs
+    assert (tmp_path / "rank0").read_text() == f"2 0 True 2 {workers.TEST_BACKEND} {share} True False"
+    assert (tmp_path / "rank1").read_text() == f"2 1 False 2 {workers.TEST_BACKEND} {share} True False"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handlers are back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -235,28 +236,27 @@ def test_a_process_that_ignores_the_signal_is_killed_after_the_timeout_or_at_a_s
 
 TWO_AGENTS = """
 import os, sys
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-total = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(total)
-open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w").write(
-    f"{dist.get_world_size()} {os.environ['GROUP_RANK']} {os.environ['LOCAL_RANK']} {int(total)}")
-dist.destroy_process_group()
+from graphpar import comm
+ranks = comm.all_gather(comm.get_rank())  # joins the default group (env://) across the two machines
+open(os.path.join(sys.argv[1], f"rank{comm.get_rank()}"), "w").write(
+    f"{comm.get_world_size()} {os.environ['GROUP_RANK']} {os.environ['LOCAL_RANK']} {ranks}")
 """
 
 
 @pytest.mark.slow
-def test_two_agents_on_one_machine_meet_over_c10d_at_one_endpoint(tmp_path: Path) -> None:
+def test_two_agents_on_one_machine_meet_over_c10d_at_one_endpoint_and_torchrun_is_one_of_them(tmp_path: Path) -> None:
     """Issue 33 item 4: --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT, no shared file system
-    (the processes write their results to the same directory only so the test can read them)."""
+    (the processes write their results to the same directory only so the test can read them). The
+    other machine runs torchrun itself, on the same graphpar script."""
     script = tmp_path / "two_agents.py"
     script.write_text(TWO_AGENTS)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = _command("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                       "--rdzv-id", f"two-agents-{port}", str(script), str(tmp_path))
-    agents = [subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    options = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", f"two-agents-{port}", str(script), str(tmp_path)]
+    commands = [_command(*options), [sys.executable, "-m", "torch.distributed.run", *options]]
+    agents = [subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True) for command in commands]
     try:
         errors = [agent.communicate(timeout=LIMIT)[1] for agent in agents]
     finally:
@@ -264,8 +264,9 @@ def test_two_agents_on_one_machine_meet_over_c10d_at_one_endpoint(tmp_path: Path
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], errors
     found = sorted((tmp_path / f"rank{r}").read_text() for r in (0, 1))
-    assert [line.split()[0] for line in found] == ["2", "2"] and sorted(line.split()[1] for line in found) == ["0", "1"]
-    assert all(line.endswith(" 0 3") for line in found)  # local rank 0 on each node; 1 + 2 summed across them
+    assert [line.split(" ", 3)[0::3] for line in found] == [["2", "[0, 1]"], ["2", "[0, 1]"]]
+    assert sorted(line.split()[1] for line in found) == ["0", "1"]  # one process on each machine
+    assert all(line.split()[2] == "0" for line in found)
 
 
 @pytest.mark.slow
