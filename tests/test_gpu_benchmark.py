@@ -86,3 +86,33 @@ def test_without_cuda_nothing_is_measured_and_the_exit_status_is_0(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main(["--out", str(tmp_path / "g.json")]) == 0
     assert "no CUDA device here; nothing measured" in capsys.readouterr().out and not (tmp_path / "g.json").exists()
+
+
+def test_resident_memory_counts_a_graphs_pool_once_by_its_reserved_segments(monkeypatch):
+    """A contender's resident memory: what it keeps allocated after its build and warm-up, less the live
+    tensors of a CUDA graph's private pool, plus that pool's reserved segments (its intermediates stay
+    reserved there between replays). A stand-in for torch.cuda's memory counters."""
+    state = {"allocated": 1000, "segments": []}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: state["segments"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runs = []
+
+    def make():
+        state["allocated"] += 100  # params and momentum
+
+        def step() -> None:
+            runs.append(1)
+            if len(runs) == 3:  # the capture: a pool of 512 bytes, 300 of them the graph's outputs
+                state["allocated"] += 300
+                state["segments"] = [
+                    {"device": 0, "segment_pool_id": (0, 1), "total_size": 512, "allocated_size": 300},
+                    {"device": 0, "segment_pool_id": (0, 0), "total_size": 4096, "allocated_size": 1400},
+                    {"device": 1, "segment_pool_id": (0, 2), "total_size": 2048, "allocated_size": 0}]
+
+        return step
+
+    contender = gpu.build("graphpar cuda_graph", make, gpu.Machine(torch.device("cuda", 0), smoke=False), 3)
+    assert contender.resident == 100 + 512 and len(runs) == 3
+    state["segments"] = []
+    assert gpu.build("eager", make, gpu.Machine(torch.device("cuda", 0), smoke=False), 1).resident == 100

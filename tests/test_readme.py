@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from graphpar import workspace
+from tests.optional import DIGITS
 from tests.test_docs import blocks, missing_packages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ def test_every_test_runs_in_its_own_empty_directory(tmp_path):
     assert Path.cwd() == tmp_path and not any(tmp_path.iterdir())
 
 
+@DIGITS
 @pytest.mark.slow
 def test_the_readme_commands_in_order_in_one_checkout_end_green(tmp_path):
     """The README's first command (the main job) leaves its checkpoint and metrics.json in the directory it

@@ -79,6 +79,7 @@ def test_an_exported_predictor_loads_and_predicts_like_the_original(tmp_path) ->
         pred_utils.GetNet(meta_net_def, "nope")
 
 
+@needs("google.protobuf", "exporting a predictor (Caffe2's protos)")
 def test_a_trained_parallel_model_exports_and_a_fresh_workspace_predicts(tmp_path) -> None:  # noqa: ANN001
     """Caffe2's train-then-export flow (issue 35 item 2): ExtractPredictorNet's unscoped params are saved
     from the first replica, and prepare_prediction_net loads them and creates the predict net."""

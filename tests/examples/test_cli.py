@@ -156,6 +156,7 @@ def test_ctrl_c_while_the_processes_start_says_it_once(tmp_path, delay):
     assert "Fatal Python error" not in err and time.monotonic() - sent < 25
 
 
+@DIGITS
 def test_an_interrupt_outside_the_steps_ends_the_process_of_a_launched_job_quietly(tmp_path, monkeypatch, capsys):
     """Issue 35 item 7: in a process that --num-processes started, a Ctrl-C while it loaded the data or
     built the nets escaped run() as a KeyboardInterrupt, whose traceback the process printed; now it
