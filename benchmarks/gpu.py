@@ -45,6 +45,7 @@ import functools
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -425,12 +426,18 @@ def compile_in_subprocess(name: str, opts: argparse.Namespace, seconds: float) -
         os.unlink(opts.compile_out)
     argv = [sys.executable, "-m", "benchmarks.gpu", "--compile-only", name, "--out", str(opts.compile_out),
             "--repeats", str(opts.repeats), *(["--smoke"] if opts.smoke else [])]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds, check=False)
-    except subprocess.TimeoutExpired:
-        return {"note": f"not measured: the compile and its steps did not finish within {seconds:.0f} s"}
-    if done.returncode != 0 or not Path(opts.compile_out).exists():
-        return {"note": f"not measured: exit status {done.returncode}: {done.stderr.strip()[-300:]}"}
+    # a session of its own: at the limit its whole group goes (inductor's compile workers too)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            _, stderr = process.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return {"note": f"not measured: the compile and its steps did not finish within {seconds:.0f} s"}
+    if process.returncode != 0 or not Path(opts.compile_out).exists():
+        return {"note": f"not measured: exit status {process.returncode}: {stderr.strip()[-300:]}"}
     row = json.loads(Path(opts.compile_out).read_text())
     os.unlink(opts.compile_out)
     return row
