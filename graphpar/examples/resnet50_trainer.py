@@ -300,8 +300,11 @@ def _main(argv: list[str] | None) -> int:
         path = checkpoint_path(args, epoch + 1)
         checkpoint.save(path, dpm.GetCheckpointParams(model), metadata={"epoch": epoch + 1, **elastic.job_metadata()})
         prune(args, epoch + 1)
-        log.info("epoch %d/%d: loss %.4f, %.1f images/s, checkpoint %s", epoch + 1, args.num_epochs,
-                 float(np.mean(losses)) if losses else float("nan"), images_per_s, path)
+        # a step the loss scale skipped computed no loss that is kept (its run wrote nothing back)
+        loss = f"loss {np.mean(losses):.4f}" if losses else \
+            f"no step trained yet ({dpm.skipped_steps(model)} skipped while the loss scale backs off)"
+        log.info("epoch %d/%d: %s, %.1f images/s, checkpoint %s", epoch + 1, args.num_epochs, loss, images_per_s,
+                 path)
     return 0
 
 

@@ -653,7 +653,8 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
 
     Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
     net and one iteration: as before the call). With `num_iterations` 0 nothing runs (BMUF's global
-    update, too, needs at least one local step).
+    update, too, needs at least one local step). With sharded optimizer state, the whole copies a
+    `GetCheckpointParams` call gathered are removed first: the run updates the parts only.
 
     Raises:
         ParallelizeError: the model was not parallelized.
@@ -678,6 +679,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
                                  state.param_names)
     runs.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     runs.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
+    _drop_gathered(model)  # the run updates the parts: a whole copy GetCheckpointParams left would go stale
     for net, count in entries:
         if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
             workspace.RunNet(net, count)
@@ -696,22 +698,45 @@ def skipped_steps(model: ModelHelper) -> int:
     return _runs_of(model).skipped_steps
 
 
+STARTUP_SKIPS_WARNED = 32  # a dynamic scale still skipping every step after this many: said once, as a warning
+
+
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
-    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
-    (the running sums, which may hold an inf, are zeros again)."""
+    overflow skips the step (the failed run changed nothing), with a dynamic scale shrinks it
+    (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches (the running
+    sums, which may hold an inf, are zeros again).
+
+    Logging: a dynamic scale's start-up back-off (the skips before the first step that trains, normal
+    while a scale set high comes down, as GradScaler's silent first steps) is one INFO line when it
+    starts and one when the scale settles; a warning only if it has skipped `STARTUP_SKIPS_WARNED`
+    steps and still trains none. Any other skip (a static scale, or an overflow after training began)
+    is a warning."""
+    backoff = _state_of(model).loss_scale_backoff_net
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
-        log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
         runs.skipped_steps += 1
-        backoff = _state_of(model).loss_scale_backoff_net
+        if backoff is None or runs.trained:
+            log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        elif runs.skipped_steps == 1:
+            log.info("RunNet(%r): the loss scale backs off until the gradients fit; the steps skipped meanwhile "
+                     "are not logged one by one (first: %s)", model.name, exc.__cause__)
+        elif runs.skipped_steps == STARTUP_SKIPS_WARNED:
+            log.warning("RunNet(%r): %d steps in a row skipped and none trained yet; the gradients overflow at "
+                        "every scale so far (the last: %s): a NaN or inf in the batch or the forward?",
+                        model.name, runs.skipped_steps, exc.__cause__)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
         reset_accumulated_gradients(model)
+        return
+    if not runs.trained:
+        runs.trained = True
+        if runs.skipped_steps and backoff is not None:
+            log.info("RunNet(%r): the loss scale settled after %d skipped steps; training", model.name,
+                     runs.skipped_steps)
 
 
 def reset_accumulated_gradients(model: ModelHelper) -> None:
@@ -742,7 +767,9 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     state blob whole under the first device's name (`cpu_0/fc_w_momentum`). Once `RunInitNet` has
     run in the current workspace, this call gathers every replica's part into those blobs (across
     shards a collective: call it on every shard), so the checkpoint has one format for sharded and
-    unsharded runs; the gathered blobs stay in the workspace (`save_checkpoint` drops them).
+    unsharded runs. The gathered blobs stay in the workspace for the caller to save (the train net
+    never reads them) until `save_checkpoint` or the next `RunNet` drops them: after a step only the
+    parts hold the current state.
 
     Raises:
         ParallelizeError: the model was not parallelized.
@@ -1188,6 +1215,7 @@ class RunState:
     feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
     sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
     skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+    trained: bool = False  # a loss-scaled step of this model was not skipped (its start-up back-off is over)
     state_gather: Net | None = None  # GetCheckpointParams' gather of sharded state, built on first use
     gathered: dict[str, Any] = field(default_factory=dict)  # the whole state blobs it wrote -> their tensors
     state_scatter: dict[tuple[str, ...], Net] = field(default_factory=dict)  # FinalizeAfterCheckpoint's cuts

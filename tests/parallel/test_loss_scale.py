@@ -279,3 +279,31 @@ def test_a_float16_all_reduce_that_overflows_stops_the_step_or_skips_it_with_a_l
                 dpm.RunNet(model, 1)
         for name, value in _state(model, devices).items():
             np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_the_start_up_back_off_is_logged_once_and_a_scale_that_never_fits_is_warned_about(caplog, monkeypatch):
+    """Issue 32 item 16: every step of the dynamic scale's start-up back-off logged a warning (GradScaler
+    skips them silently). Now one INFO line when it starts and one when the scale settles; a warning
+    only when STARTUP_SKIPS_WARNED steps were skipped and none trained."""
+    devices = (0, 1)
+
+    def run(init_scale: float, steps: int) -> list[logging.LogRecord]:
+        workspace.ResetWorkspace()
+        model = _build(devices, compute_dtype="float16", loss_scale={"init_scale": init_scale})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=dpm.__name__):
+            for step in range(steps):
+                _feed(devices, step)
+                if step == 0:
+                    dpm.RunInitNet(model)
+                dpm.RunNet(model, 1)
+        assert 0 < dpm.skipped_steps(model) < steps or init_scale > 2.0 ** 60
+        return [r for r in caplog.records if r.name == dpm.__name__ and "RunInitNet" not in r.message]
+
+    records = run(2.0 ** 24, 12)
+    assert [r.levelname for r in records] == ["INFO", "INFO"], [r.message for r in records]
+    assert "backs off" in records[0].message and "settled after" in records[1].message
+    monkeypatch.setattr(dpm, "STARTUP_SKIPS_WARNED", 4)  # 32 by default
+    records = run(2.0 ** 120, dpm.STARTUP_SKIPS_WARNED + 1)  # far beyond fp16: every step overflows
+    assert [r.levelname for r in records] == ["INFO", "WARNING"]
+    assert f"{dpm.STARTUP_SKIPS_WARNED} steps in a row skipped and none trained yet" in records[1].message
