@@ -180,7 +180,7 @@ class _Region:
         if not region.compiled:
             self.eager(frame)
             return
-        args = [frame[slot] for slot in region.inputs]
+        args = _distinct([frame[slot] for slot in region.inputs])
         began, compiles = time.perf_counter() if self.seconds is None else 0.0, self.compiles
         try:
             values = self.compiled(*args)
@@ -207,12 +207,33 @@ class _Region:
         if self.shapes:
             changed = {name: (self.shapes.get(name), shape) for name, shape in shapes.items()
                        if self.shapes.get(name) != shape}
-            (log.warning if self.compiles == 2 else log.info)(
-                "net %r %s: compiled again (compile %d) for new input shapes: %s. Each new shape compiles "
-                "once more; a shape that changes every run compiles every run: feed fixed shapes (a loader's "
-                "drop_last), or run the net as 'dag'", self.net_name, self.label, self.compiles,
-                ", ".join(f"{name} {list(old or ())} -> {list(new)}" for name, (old, new) in changed.items()))
+            say = log.warning if self.compiles == 2 else log.info
+            if changed:
+                say("net %r %s: compiled again (compile %d) for new input shapes: %s. Each new shape compiles "
+                    "once more; a shape that changes every run compiles every run: feed fixed shapes (a "
+                    "loader's drop_last), or run the net as 'dag'", self.net_name, self.label, self.compiles,
+                    ", ".join(f"{name} {list(old or ())} -> {list(new)}" for name, (old, new) in changed.items()))
+            else:
+                say("net %r %s: compiled again (compile %d) for inputs that changed other than in shape (a "
+                    "dtype, device, layout or requires_grad; TORCH_LOGS=recompiles names the check that failed)",
+                    self.net_name, self.label, self.compiles)
         self.shapes = shapes
+
+
+def _distinct(args: list) -> list:
+    """`args` with each tensor passed once: a second name for one tensor gets a copy. CPU replicas share
+    their updated params from the second step on (`passes/cpu_update_once.py`), and torch.compile, which
+    traced the first run's distinct inputs, would otherwise compile the region again for the aliasing.
+    The copy holds the same values the shared tensor has when the region starts, which is all a
+    functional region reads (an in-place update is copied back into the first name's tensor)."""
+    seen: set[int] = set()
+    for k, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                args[k] = value.clone()
+            else:
+                seen.add(id(value))
+    return args
 
 
 def _same_tensor(value: Any, old: Any) -> bool:
