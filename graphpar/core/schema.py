@@ -54,6 +54,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -205,7 +206,7 @@ class TensorSpec(NamedTuple):
 
 
 # infer(args, ctx, inputs) -> one TensorSpec (or None: unknown) per output; see the module docstring.
-InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], list["TensorSpec | None"]]
+InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], Sequence["TensorSpec | None"]]
 # check(args, op, inputs) -> None, raising ValueError/TypeError for inputs that break the op's promise;
 # `inputs` have `.shape` and `.dtype` (tensors at run, TensorSpecs at CreateNet).
 InputCheck = Callable[[SimpleNamespace, OperatorDef, Sequence[Any]], None]
@@ -276,9 +277,9 @@ class Effects:
     writes several replicas' blobs (for types that do so only sometimes; Trait.CROSS_DEVICE is always).
     """
 
-    aliases: frozenset[tuple[int, int]] = frozenset()
-    same_value: frozenset[tuple[int, int]] = frozenset()
-    rebinds: frozenset[int] = frozenset()
+    aliases: AbstractSet[tuple[int, int]] = frozenset()  # any set given; frozensets after __post_init__
+    same_value: AbstractSet[tuple[int, int]] = frozenset()
+    rebinds: AbstractSet[int] = frozenset()
     momentum: int | None = None
     multi_tensor: MultiTensor | None = None
     cross_device: Callable[[OperatorDef], bool] | None = None
@@ -438,7 +439,7 @@ def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable
 def _checked_infer(rule: InferRule, check: InputCheck) -> InferRule:
     """The shape rule that runs `check` on the input specs first."""
 
-    def infer(args: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    def infer(args: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> Sequence[TensorSpec | None]:
         check(args, ctx.op, inputs)
         return rule(args, ctx, inputs)
 

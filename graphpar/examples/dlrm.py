@@ -12,6 +12,7 @@ goes from 0.69 (chance) to a loss below 0.1 and over 95% held-out accuracy.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from graphpar.examples import cli
 
@@ -50,12 +51,12 @@ def _accuracy(model: model_helper.ModelHelper, feeds: dict[str, np.ndarray]) -> 
     return float(((logits[:, 0] > 0) == (feeds["label"][:, 0] > 0.5)).mean())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     parser = cli.parser("graphpar.examples.dlrm", __doc__)
     parser.add_argument("--devices", type=int, default=None, help="devices (default: all GPUs, else 4 CPUs)")
     parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from graphpar.examples import cli
 
@@ -42,7 +44,7 @@ from graphpar.training.data import feed_batch  # noqa: E402
 log = cli.log
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Caffe2's trainer flags (names and defaults), plus `--width`."""
     parser = cli.parser("graphpar.examples.resnet50_trainer", __doc__)
     add = parser.add_argument
@@ -123,7 +125,7 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
         optimizer.add_weight_decay(model, args.weight_decay)
         return (optimizer.build_multi_precision_sgd if fp16 else optimizer.build_sgd)(model, **schedule)
 
-    precision = {"float": {}, "bfloat16": {"compute_dtype": "bfloat16"},
+    precision: dict[str, Any] = {"float": {}, "bfloat16": {"compute_dtype": "bfloat16"},
                  "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
@@ -144,12 +146,12 @@ def checkpoint_path(args: argparse.Namespace, epoch: int) -> Path:
     return Path(f"{args.save_model_name}_{epoch}.safetensors")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     cli.setup_logger(args.verbose)
     devices, cpu = devices_of(args)

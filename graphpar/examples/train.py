@@ -24,7 +24,9 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from graphpar.examples import cli
 
@@ -101,7 +103,7 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
     return float((gather(test, "softmax").argmax(axis=1) == labels).mean())
 
 
-def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
     parser = cli.parser("graphpar.examples.train", __doc__)
     parser.add_argument("--devices", type=int, default=None,
@@ -138,7 +140,7 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     available = None if args.cpu else num_cuda_devices()
     per_machine = args.num_processes if launch.get_world_size() == 1 else comm.get_local_size()
     if args.devices is None:  # GPUs: this machine's shared out, one per process with --num-processes K on K
-        args.devices = 4 if args.cpu else max(1, available // per_machine)
+        args.devices = 4 if available is None else max(1, available // per_machine)  # None: on the CPU
     if args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
     if available is not None:
@@ -203,7 +205,7 @@ class EpochEnd(HookBase):
         self.batch_size = batch_size
         self.steps, self.epochs, self.progress = steps_per_epoch, epochs, progress
         self.accuracy = float("nan")
-        self._bar = None
+        self._bar: Any = None  # the epoch's progress bar (tqdm's, or a stand-in)
 
     def before_step(self) -> None:
         if self._bar is None:
@@ -259,13 +261,13 @@ class ShardOf:
             yield {name: value[self.shard * share:(self.shard + 1) * share] for name, value in batch.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (0; 1 after an error, said in one line; 2 for a bad option; 130
     after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     if args.num_processes > 1 and launch.get_world_size() == 1:
         args.report_interrupt = False  # the processes stop quietly; this one says it, once

@@ -62,7 +62,7 @@ def _file_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Te
 
     def run() -> torch.Tensor:
         path = os.path.join(a.path, "graphpar_store") if os.path.isdir(a.path) else a.path
-        store = torch.distributed.FileStore(path, -1)
+        store: torch.distributed.Store = torch.distributed.FileStore(path, -1)
         if a.prefix:
             store = torch.distributed.PrefixStore(a.prefix, store)
         return _handle(distributed.register_store(store))
@@ -78,7 +78,7 @@ def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Ten
 
     def run() -> torch.Tensor:
         try:
-            store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
+            store: torch.distributed.Store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
                                                datetime.timedelta(milliseconds=a.timeout_ms), False)
         except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
             role = "serve" if a.is_master else "reach"

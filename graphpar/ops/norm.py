@@ -97,7 +97,9 @@ def _uses_cudnn(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: to
     """Whether torch would run cuDNN's batch norm here (`F.batch_norm`'s own choice: a CUDA input of
     3+ dims, a supported dtype, epsilon and batch size, `torch.backends.cudnn.enabled`)."""
     select = getattr(torch._C, "_select_batch_norm_backend", None)
-    return select is not None and select(x, scale, bias, rm, rv, True, epsilon) == torch._C._BatchNormBackend.Cudnn
+    backends = getattr(torch._C, "_BatchNormBackend", None)
+    return select is not None and backends is not None and select(x, scale, bias, rm, rv, True, epsilon) == \
+        backends.Cudnn
 
 
 def _cudnn_forward(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor,

@@ -318,7 +318,7 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 
 def _adam_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The update's specs from a step at t = 1 on meta tensors (the counter's value is not known)."""
-    return on_meta(lambda *xs: _adam_step(a, *xs, 1), inputs[:5])
+    return on_meta(lambda p, m1, m2, g, lr: _adam_step(a, p, m1, m2, g, lr, 1), inputs[:5])
 
 
 register_op(

@@ -115,7 +115,7 @@ def rendezvous(engine: str | None = None, timeout_sec: float | None = None) -> d
     (engine None: Parallelize's default, NCCL on real CUDA devices, else GLOO)."""
     if get_world_size() <= 1:
         return None
-    found = {"kv_handler": None, "shard_id": get_rank(), "num_shards": get_world_size()}
+    found: dict[str, Any] = {"kv_handler": None, "shard_id": get_rank(), "num_shards": get_world_size()}
     if engine is not None:
         found["engine"] = engine
     return found if timeout_sec is None else {**found, "timeout_sec": timeout_sec}
@@ -314,7 +314,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """--help shows each option's default (not a flag's False) and the description's line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help or "" if action.default is False else super()._get_help_string(action)
+        return action.help or "" if action.default is False else super()._get_help_string(action) or ""
 
 
 class _Signalled(Exception):
@@ -342,12 +342,17 @@ class _signals_raised:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+def _command(args: Any) -> str:
+    """A process's command line (Popen.args: a list, or one str or path), as a shell would read it."""
+    return shlex.join(str(a) for a in args) if isinstance(args, (list, tuple)) else str(args)
+
+
 def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> int:
     """Wait for every process (by rank); when one fails, stop the others (SIGTERM, then SIGKILL after
     `grace_sec`) and return its exit code; on SIGTERM, forward it the same way and return 128 + its
     number; on Ctrl-C, each process gets a SIGINT and INTERRUPT_GRACE_SEC to stop (they print; the
     launcher does not), then 130. 0 when all succeed."""
-    failed, forward = 0, signal.SIGTERM
+    failed, forward = 0, int(signal.SIGTERM)
     running = dict(procs)
     try:
         while running and not failed:
@@ -358,10 +363,10 @@ def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> in
                     if code != 0:
                         failed = code
                         print(f"graphpar.launch: rank {rank} (pid {p.pid}) exited with {code}; its command: "
-                              f"{shlex.join(str(a) for a in p.args)}; stopping the others", file=sys.stderr)
+                              f"{_command(p.args)}; stopping the others", file=sys.stderr)
             time.sleep(0.05)
     except KeyboardInterrupt:
-        failed, forward, grace_sec = 130, signal.SIGINT, INTERRUPT_GRACE_SEC
+        failed, forward, grace_sec = 130, int(signal.SIGINT), INTERRUPT_GRACE_SEC
     except _Signalled as sig:
         failed, forward = 128 + sig.signum, sig.signum
     with _ignoring_sigint():

@@ -82,7 +82,7 @@ class LRMultiplier:
     def __init__(self, name: str, max_iter: int, steps: tuple = (), gamma: float = 0.1,
                  warmup_factor: float = 0.001, warmup_iters: int = 0, warmup_method: str = "linear", *,
                  end_value: float = 0.0, num_decays: int = 3, rescale_interval: bool = False) -> None:
-        self.settings = {"name": name, "max_iter": max_iter, "steps": list(steps), "gamma": gamma,
+        self.settings: dict[str, Any] = {"name": name, "max_iter": max_iter, "steps": list(steps), "gamma": gamma,
                          "warmup_factor": warmup_factor, "warmup_iters": warmup_iters, "warmup_method": warmup_method,
                          "end_value": end_value, "num_decays": num_decays, "rescale_interval": bool(rescale_interval)}
         self._multiplier = with_warmup(_schedule(self.settings), warmup_factor, min(warmup_iters / max_iter, 1.0),
