@@ -455,6 +455,6 @@ def _pad_and_stack(arrays: list[Any], value: float, pad_dims: int | None) -> Any
     else:
         out = np.full((len(arrays), *target), value, dtype=np.asarray(arrays[0]).dtype)
     for k, a in enumerate(arrays):
-        index = (k, *(slice(0, d) for d in a.shape))  # a name of its own: Python 3.10 reads `out[k, *x]` as an error
+        index = (k, *(slice(0, d) for d in a.shape))  # `out[k, *x]` would be 3.11 syntax
         out[index] = a
     return out
