@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 
 _MODULES = ("core", "workspace", "model_helper", "brew", "optimizer", "data_parallel_model", "checkpoint",
             "data", "models", "ops", "passes", "errors", "naming", "devices", "visualize", "profiler",
-            "scope", "cnn", "optimizer_context", "test_util", "hypothesis_test_util", "dyndep")
+            "scope", "cnn", "optimizer_context", "test_util", "hypothesis_test_util", "dyndep", "utils")
 _NAMES = {
     "Parallelize": "data_parallel_model",
     "FinalizeAfterCheckpoint": "data_parallel_model",

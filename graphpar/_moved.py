@@ -49,6 +49,7 @@ MOVED: dict[str, str] = {
     "graphpar.timeout_guard": "graphpar.caffe2.timeout_guard",
     "graphpar.cnn": "graphpar.caffe2.cnn",
     "graphpar.scope": "graphpar.caffe2.scope",
+    "graphpar.utils": "graphpar.caffe2.utils",
     "graphpar.core.plan": "graphpar.caffe2.plan",
 }
 

@@ -30,8 +30,9 @@ class OperatorError(RuntimeError, GraphparError):
 
 
 class ShapeInferenceError(ValueError, RuntimeError, GraphparError):
-    """An op's output shapes cannot be inferred from its inputs' at CreateNet (graphpar checks before a
-    run). A ValueError, and a RuntimeError as the `[enforce fail ...]` Caffe2 raised when the op ran."""
+    """An op's output shapes cannot be inferred from its inputs' (the workspace checks before a net runs,
+    where Caffe2 raised, so nothing runs). A ValueError, and a RuntimeError as the `[enforce fail ...]`
+    Caffe2 raised when the op ran."""
 
 
 class GradientError(ValueError, GraphparError):
@@ -44,6 +45,10 @@ class ParallelizeError(ValueError, GraphparError):
 
 class DeviceScopeError(ParallelizeError, AssertionError):
     """Parallelize called inside a non-CPU DeviceScope: an AssertionError too, as Caffe2's assert."""
+
+
+class PartialCloneError(ValueError, AssertionError, GraphparError):
+    """`Net.ClonePartial` cannot cut the net as asked: a ValueError, and an AssertionError as Caffe2's assert."""
 
 
 class CheckpointError(ValueError, GraphparError):

@@ -131,6 +131,13 @@ def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
         pytest.skip(f"{first.where} needs {first.needs}")
 
 
+def test_no_block_imports_the_repositorys_tests() -> None:
+    """A reader runs the blocks outside this checkout, where the `tests` package is not installed."""
+    found = [b.where for path in DOCS for b in blocks(path)
+             if re.search(r"^\s*(from|import)\s+tests\b", b.code, re.M)]
+    assert not found, f"blocks importing the repository's tests package: {found}"
+
+
 def test_the_extractor_reads_indented_blocks_and_needs(tmp_path: Path) -> None:
     doc = tmp_path / "x.md"
     doc.write_text("text\n```python\nx = 1\n```\n- item:\n\n  ```python\n  # needs: 2 processes\n  y = 2\n  ```\n"

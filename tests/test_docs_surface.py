@@ -68,3 +68,19 @@ def test_the_one_process_per_gpu_section_runs_and_its_two_process_block_under_la
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[0, 1] [0, 1]"]
+
+
+@pytest.mark.slow
+def test_the_first_multihost_block_prints_the_global_loss_on_one_process_and_on_two(tmp_path) -> None:
+    """Issue 35 item 9: it printed its shard's part of the loss, half the loss on 2 processes."""
+    script = tmp_path / "train.py"
+    script.write_text(_blocks("multihost.md", "# Multi-host training")[0])
+    runs = [[sys.executable, str(script)],
+            [sys.executable, "-m", "graphpar.launch", "--nproc-per-node", "2", str(script)]]
+    losses = []
+    for command in runs:
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(sorted(re.findall(r"shard \d of \d: loss ([0-9.]+)", done.stdout)))
+    one, two = losses
+    assert len(one) == 1 and len(two) == 2 and two == one * 2  # 1 x 2 devices == 2 x 2 devices, on every shard

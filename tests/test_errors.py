@@ -75,14 +75,15 @@ def test_bool_device_ids_are_refused() -> None:
     assert getattr(model, "_parallel", None) is None and model.net.Proto().ops == []
 
 
-def test_a_float_iteration_counter_is_refused_at_create_net() -> None:
+def test_a_float_iteration_counter_is_refused_before_the_net_runs() -> None:
     model = parallelize()
     feed(model)
     dpm.RunInitNet(model)
     workspace.FeedBlob("optimizer_iteration", np.array([5.0], dtype=np.float32))
+    dpm.CreateNet(model, overwrite=True)  # as Caffe2: shapes and dtypes are checked when the net runs
     before = snapshot()
     with pytest.raises(ValueError, match="iteration counter 'optimizer_iteration' is float32"):
-        dpm.CreateNet(model, overwrite=True)
+        dpm.RunNet(model, 1)
     assert_unchanged(before)
 
 

@@ -113,7 +113,8 @@ def _float_counter(model, tmp_path):
 
 def _mismatched_create(model, tmp_path):
     workspace.FeedBlob("cpu_0/pred_w_momentum", np.zeros(2, np.float32))  # the state the one update reads
-    return lambda: dpm.CreateNet(model, overwrite=True)
+    dpm.CreateNet(model, overwrite=True)  # accepted, as Caffe2 did: the shapes are checked when the net runs
+    return lambda: dpm.RunNet(model, 1)
 
 
 def _bad_feed(model, tmp_path):
@@ -168,7 +169,7 @@ CASES = {
     "RunNet failing in the forward pass": (_bad_input, OperatorError),
     "RunNet feeding only some devices": (_some_devices_fed, RuntimeError),
     "RunNet with a float counter": (_float_counter, OperatorError),
-    "CreateNet of a [2] momentum for a [3, 18] param": (_mismatched_create, ValueError),
+    "RunNet after CreateNet of a [2] momentum for a [3, 18] param": (_mismatched_create, ValueError),
     "FeedBlob": (_bad_feed, TypeError),
     "checkpoint.load": (_corrupt_load, CheckpointError),
     "checkpoint.save": (_bad_save, CheckpointError),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -42,12 +42,15 @@ class DataType(IntEnum):
     DOUBLE = 13
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class DeviceOption:
-    """A device placement: type (CPU or CUDA) and index. Immutable and hashable, so ops may share one.
+    """A device placement: type (CPU or CUDA) and index, fixed once made, and hashable by them, so ops
+    may share one and tables may be keyed by it. `node_name` (Caffe2's field, which placement ignores)
+    may be assigned as on a protobuf message: `option.node_name = "trainer_1"`.
 
-    Raises TypeError for a device type other than CPU/CUDA (or 0/1) or a device id that is not a
-    non-negative int.
+    Raises TypeError for a device type other than CPU/CUDA (or 0/1), a device id that is not a
+    non-negative int, or a node name that is not a str; FrozenInstanceError (an AttributeError) for an
+    assignment to device_type or device_id (build a new DeviceOption: ops may share this one).
     """
 
     device_type: DeviceType = CPU
@@ -61,6 +64,15 @@ class DeviceOption:
         if not isinstance(self.device_id, int) or isinstance(self.device_id, bool) or self.device_id < 0:
             raise TypeError(f"device_id must be a non-negative int, got {self.device_id!r}")
         object.__setattr__(self, "device_type", DeviceType(self.device_type))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "node_name" and name in self.__dict__:
+            raise FrozenInstanceError(f"cannot assign to DeviceOption.{name}: the device of an option is fixed "
+                                      f"(ops may share it and placement tables are keyed by it); make a new one, "
+                                      f"e.g. DeviceOption({self.device_type.name}, {self.device_id})")
+        if name == "node_name" and not isinstance(value, str):
+            raise TypeError(f"DeviceOption.node_name must be a str, got {value!r}")
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         node = f", node_name={self.node_name!r}" if self.node_name else ""

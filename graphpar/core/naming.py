@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from graphpar.core.ir import GradientSlice
 
 SCOPE_SEPARATOR = "/"
+SHARD_SUFFIX = "_shard"
 BATCH_WEIGHT = "_batch_weight"  # per replica, with Parallelize(uneven_batches=True): N·n_d/n, fed by data.feed
 
 
@@ -44,6 +45,26 @@ def split_info_name(blob: str) -> str:
 def old_shape_name(blob: str) -> str:
     """The former shape a `Reshape` of `blob` records (its second output): 'gpu_0/fc_w_grad_old_shape'."""
     return f"{blob}_old_shape"
+
+
+def shard_name(blob: str) -> str:
+    """This replica's shard of `blob` (`shard_optimizer_state`): 'gpu_1/fc_w_momentum' -> 'gpu_1/fc_w_momentum_shard'."""
+    return f"{blob}{SHARD_SUFFIX}"
+
+
+def unsharded_name(blob: str) -> str | None:
+    """The blob `blob` is a shard of ('gpu_1/fc_w_momentum_shard' -> 'gpu_1/fc_w_momentum'), else None."""
+    return blob[: -len(SHARD_SUFFIX)] if blob.endswith(SHARD_SUFFIX) else None
+
+
+def gathered_name(blob: str) -> str:
+    """Every replica's shard of `blob` concatenated (1-D): 'gpu_0/fc_w' -> 'gpu_0/fc_w_gathered'."""
+    return f"{blob}_gathered"
+
+
+def part_name(blob: str, k: int) -> str:
+    """Part k of `blob` cut into one piece per shard: ('gpu_0/fc_w_grad', 1) -> 'gpu_0/fc_w_grad_part_1'."""
+    return f"{blob}_part_{k}"
 
 
 def name_scope_of(blob: str) -> str:
@@ -142,6 +163,9 @@ LR_INJECTION = "lr_injection"  # the CPU multiplier blob of `allow_lr_injection`
 DYNAMIC_MEMORY_ARG = "dynamic_memory_management"  # net argument: free intermediates at their last use
 KEEP_ARG = "blobs_to_keep"  # net argument: blobs a run keeps whatever else holds
 FIRST_ITER_ARG = "first_iter_only_one_worker"  # net argument: the dag runs the first run serially
+COMPILE_BACKEND_ARG = "compile_backend"  # net argument of a "compiled" net: torch.compile's backend
+COMPILE_MODE_ARG = "compile_mode"  # net argument of a "compiled" net: inductor's mode ("reduce-overhead", ...)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's modes
 # net argument: every run feeds inputs of the shapes and dtypes they had at CreateNet (or the first run);
 # RunNet refuses others (runtime.static_shapes), so an executor may compile without dynamic shapes
 STATIC_SHAPES_ARG = "static_shapes"

@@ -37,7 +37,7 @@ from graphpar.core.ir import (
 )
 from graphpar.core.schema import check_operator, get_schema, is_registered
 from graphpar.core.scope import CurrentDeviceScope, CurrentNameScope, ScopedName
-from graphpar.errors import UnknownOperatorError
+from graphpar.errors import PartialCloneError, UnknownOperatorError
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # The model zoo and the examples are builder code like a user's: their frames are call sites.
@@ -433,19 +433,29 @@ class Net:
 
         `inputs` is a list of blobs, or a dict {blob: its name in the clone}. Blobs the kept ops
         produce are renamed `name/<blob>`; other blobs they read (params) keep their names and
-        become external inputs with the inputs. Returns the net and its output references.
-        Raises ValueError if an output cannot be reached or an input is not read on the path.
+        become external inputs with the inputs; the external outputs are the `outputs`. Returns the
+        net and its output references.
+        Raises PartialCloneError (a ValueError, and an AssertionError as Caffe2's assert) if an output
+        cannot be reached, an input is not read on the path, or an op the outputs need also computes
+        one of the inputs (the clone would need a value it is given).
         """
         renames = dict(inputs) if isinstance(inputs, dict) else {str(b): str(b) for b in inputs}
         renames = {str(k): str(v) for k, v in renames.items()}
         outputs = [str(b) for b in outputs]
-        ops = _backward_slice([op for op in self._net.ops if not op.is_gradient_op], list(renames), outputs)
+        forward = [op for op in self._net.ops if not op.is_gradient_op]
+        ops = _backward_slice(forward, list(renames), outputs)
         produced = {b for op in ops for b in op.outputs}
         unread = [b for b in renames if not any(b in op.inputs for op in ops)]
         if not ops or unread or not set(outputs) <= produced:
-            raise ValueError(f"ClonePartial({name!r}): outputs {outputs} must be computed from inputs "
-                             f"{list(renames)} by ops of net {self._net.name!r}, each input read on the "
-                             f"way{f'; not read: {unread}' if unread else ''}")
+            raise PartialCloneError(f"ClonePartial({name!r}): outputs {outputs} must be computed from inputs "
+                                    f"{list(renames)} by ops of net {self._net.name!r}, each input read on the "
+                                    f"way{f'; not read: {unread}' if unread else ''}")
+        feeding = {id(op) for op in _backward_slice(forward, [], list(renames))}
+        both = [op.type for op in ops if id(op) in feeding]
+        if both:
+            raise PartialCloneError(f"ClonePartial({name!r}): cannot cut net {self._net.name!r} at inputs "
+                                    f"{list(renames)}: ops {both} that outputs {outputs} need also compute some "
+                                    f"of those inputs")
         renames.update({b: f"{name}/{b}" for b in produced})
         clone_ops = []
         for op in ops:
@@ -454,8 +464,9 @@ class Net:
             op.outputs = [renames[b] for b in op.outputs]
             op.control_inputs = [renames.get(b, b) for b in op.control_inputs]
             clone_ops.append(op)
-        netdef = NetDef(name, clone_ops, [], [renames[b] for b in outputs])
+        netdef = NetDef(name, clone_ops, [], [])
         _recompute_externals(netdef)
+        netdef.external_outputs = [renames[b] for b in outputs]  # Caffe2's: the outputs asked for
         clone = Net.__new__(Net)
         clone._adopt(netdef.validate())
         return clone, [BlobReference(renames[b], clone) for b in outputs]

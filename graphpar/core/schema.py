@@ -21,8 +21,9 @@ only where the schema says so (in-place pairs, `Effects.aliases`): in-place upda
 Effects (`Effects`, `effects=` at registration) say what an op does to its inputs' tensors and values
 that passes must know without naming its type: which outputs are an input's tensor (`aliases`) or equal
 its value (`same_value`), which in-place inputs the kernel rebinds instead of writing (`rebinds`), its
-momentum buffer, how a group of it fuses into one multi-tensor op, and when one op of the type crosses
-replicas. Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
+momentum buffer, how a group of it fuses into one multi-tensor op, when one op of the type crosses
+replicas, and which inputs it works on element by element (`Elementwise`: sharded updates run it on
+parts). Adding an op with a new aliasing or in-place effect is one registration (docs/extending.md).
 
 Gradient makers follow Caffe2: `maker(op, grad_outputs) -> (grad_ops, grad_inputs)`, where
 `grad_outputs[i]` is the gradient blob of `op.outputs[i]` (or None) and `grad_inputs[i]` is the
@@ -50,7 +51,6 @@ shape rule at CreateNet, where shapes are known, so a mismatch is reported there
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -131,6 +131,12 @@ class Trait(str, Enum):
     # saved inverse std -> dX, dscale, dbias; 8 inputs: the global sums and count): `passes.inter_device_bn`
     # gives every replica's copy the statistics of the whole batch (`combine_spatial_bn`).
     BATCH_NORM = "batch_norm"
+
+
+# What keeps a kernel out of a compiled program (`executor.compiled`) unless its registration says
+# `traceable=True`: a host read of tensor values (torch.compile would bake the value in or break the
+# graph), per-run random streams, another process, or the host-side iteration counter.
+UNTRACEABLE_TRAITS = frozenset({Trait.HOST_SYNC, Trait.RANDOM, Trait.DISTRIBUTED, Trait.COUNTER})
 
 
 class Precision(str, Enum):
@@ -253,6 +259,21 @@ class MultiTensor(NamedTuple):
     updated: tuple[int, ...]
 
 
+class Elementwise(NamedTuple):
+    """An op that computes every element of each output from the same element of its `tensors` inputs
+    (one shape, which every output has) and whole scalar inputs (the others: learning rates, counters,
+    1-element weights). It gives the same bits on any flat piece of its tensors as on the whole, so
+    `passes.shard_updates` runs it on each replica's shard. `tensors`: input indices, or a function of
+    the op's input count (ops with a variable number of inputs)."""
+
+    tensors: tuple[int, ...] | Callable[[int], tuple[int, ...]]
+
+    def of(self, num_inputs: int) -> tuple[int, ...]:
+        """The tensor inputs of an op with `num_inputs` inputs."""
+        given = self.tensors(num_inputs) if callable(self.tensors) else self.tensors
+        return tuple(i for i in given if i < num_inputs)
+
+
 class PredictAs(NamedTuple):
     """What a prediction net runs instead of an op whose outputs `unused` nothing reads (a loss whose loss
     nobody reads becomes the prediction it computes): op `type` on this op's inputs `inputs`, writing its
@@ -275,6 +296,7 @@ class Effects:
     name). `momentum`: the input holding a momentum buffer (BMUF zeroes it after each block).
     `multi_tensor`: how a group of this op fuses. `cross_device(op)`: whether this one op reads or
     writes several replicas' blobs (for types that do so only sometimes; Trait.CROSS_DEVICE is always).
+    `elementwise`: the op works element by element on some of its inputs (see `Elementwise`).
     """
 
     aliases: AbstractSet[tuple[int, int]] = frozenset()  # any set given; frozensets after __post_init__
@@ -283,6 +305,7 @@ class Effects:
     momentum: int | None = None
     multi_tensor: MultiTensor | None = None
     cross_device: Callable[[OperatorDef], bool] | None = None
+    elementwise: Elementwise | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", frozenset(self.aliases))
@@ -315,6 +338,9 @@ class OpSchema:
     reuse: InputReuse | None = None  # a kernel that may overwrite an input the run owns
     precision: PrecisionRule | None = None  # mixed precision (None: FP32)
     effects: Effects = NO_EFFECTS  # what passes must know of its inputs' tensors (see `Effects`)
+    # traceable(op): whether the kernel runs inside a compiled program (torch.compile) without a graph
+    # break or a recompilation per run; the compiled executor runs the others eagerly between regions
+    traceable: Callable[[OperatorDef], bool] = field(default=lambda op: True)
     predict_as: PredictAs | None = None  # the op a prediction net runs instead, when some outputs are unused
 
     def enforced_pairs(self, num_inputs: int, num_outputs: int) -> list[tuple[int, int]]:
@@ -374,6 +400,7 @@ def register_op(
     reuse: tuple[int, Callable[[SimpleNamespace, KernelContext], Callable[..., Any]]] | None = None,
     precision: PrecisionRule | Precision | None = None,
     effects: Effects = NO_EFFECTS,
+    traceable: bool | Callable[[OperatorDef], bool] | None = None,
     predict_as: PredictAs | None = None,
 ) -> OpSchema:
     """Register an operator type once; re-registering a type is an error.
@@ -393,6 +420,11 @@ def register_op(
     `precision` is the op's mixed-precision rule (a `PrecisionRule`, or a `Precision` for the rule over
     all inputs and outputs; default FP32), read by `passes.precision` and `passes.channels_last`.
     `effects` declares aliasing, equal values, rebound inputs and fusion for passes (see `Effects`).
+    `traceable` says whether the kernel can run inside a compiled program (`executor.compiled`): no
+    host read of tensor values, no Python decision on them, nothing that changes per run but tensors;
+    a function of the op where its arguments decide (a fill reads values only with `input_as_shape`).
+    None derives it: traceable unless the op has one of `UNTRACEABLE_TRAITS`; an op with such a trait
+    whose kernel takes a traceable path under `torch.compiler.is_compiling()` says True.
     `predict_as` is the op a prediction net runs instead when some outputs are unused (see `PredictAs`).
     """
     if type_ in _REGISTRY:
@@ -410,13 +442,20 @@ def register_op(
         enforce_inplace=enforce, gradient_of=gradient_of, copy_args_to_gradient=copy_args_to_gradient,
         device_inference=device_inference, traits=traits, infer=infer, check=check,
         reuse=reuse and InputReuse(*reuse), effects=effects, predict_as=predict_as,
-        precision=PrecisionRule(precision) if isinstance(precision, Precision) else precision)
+        precision=PrecisionRule(precision) if isinstance(precision, Precision) else precision,
+        traceable=_traceable_rule(not traits & UNTRACEABLE_TRAITS if traceable is None else traceable))
     if check is not None:
         schema.kernel, schema.infer = _checked_kernel(kernel, check), infer and _checked_infer(infer, check)
         if schema.reuse is not None:
             schema.reuse = schema.reuse._replace(kernel=_checked_kernel(schema.reuse.kernel, check))
     _REGISTRY[type_] = schema
     return schema
+
+
+def _traceable_rule(spec: bool | Callable[[OperatorDef], bool]) -> Callable[[OperatorDef], bool]:
+    if callable(spec):
+        return spec
+    return (lambda op: True) if spec else (lambda op: False)
 
 
 def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable[..., Any]],
@@ -453,10 +492,15 @@ def same_shape(*groups: Iterable[int] | Callable[[int], Iterable[Iterable[int]]]
     Indices past the op's inputs (optional inputs) are skipped.
     """
 
-    @functools.cache
+    known: dict[int, tuple[tuple[int, ...], ...]] = {}  # by input count (a dict: compilers trace it, not a cache)
+
     def expanded(count: int) -> tuple[tuple[int, ...], ...]:
-        flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
-        return tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat) if len(kept) > 1)
+        found = known.get(count)
+        if found is None:
+            flat = [indices for group in groups for indices in (group(count) if callable(group) else (group,))]
+            found = known[count] = tuple(kept for kept in (tuple(i for i in indices if i < count) for indices in flat)
+                                         if len(kept) > 1)
+        return found
 
     def check(_args: SimpleNamespace, op: OperatorDef, inputs: Sequence[Any]) -> None:
         for indices in expanded(len(inputs)):  # the run-time cost: a few shape comparisons

@@ -187,5 +187,5 @@ def _failure(netdef: NetDef, index: int, inputs: list[TensorSpec], exc: Exceptio
     hint += float64_hint(op.inputs, [spec.dtype for spec in inputs])
     recorded = f" (recorded at {op.source})" if op.source else ""
     described = "\n".join(lines) or "    (none)"
-    return (f"[enforce fail at CreateNet] net {netdef.name!r} op #{index} ({op.type}){recorded}: its output shapes "
+    return (f"[enforce fail at shape inference] net {netdef.name!r} op #{index} ({op.type}){recorded}: its output shapes "
             f"cannot be inferred: {type(exc).__name__}: {exc}\n  inputs:\n{described}{hint}")

@@ -1,14 +1,18 @@
 """What the command-line tools share: help, logging, one-line errors and a clean Ctrl-C.
 
-Imports only the standard library (at module level), so a tool can install `exit_on_interrupt()` before
-it imports torch.
+Imports only the standard library (at module level), so a tool parses its options before it imports
+torch. `exit_on_interrupt()` (re-exported from `graphpar.examples.interrupt`, which a tool imports first)
+makes a Ctrl-C before `guard` end the process at once, status 130, in one line.
 
 - `parser(module, doc)`: `usage: python -m <module>`, the module docstring as the description, every
-  option's default in `--help`.
+  option's default in `--help`, and an error in one line (`<prog>: error: argument --seed: ...`, status
+  2) instead of argparse's usage block. `integer(minimum)`, `number(...)` and `file_path` are `type=`s
+  that refuse a bad value while parsing, naming the option.
 - `setup_logger(verbose)`: one handler on stdout with the time and the rank (`[12:04:31 rank0]`); the
   tools' own lines (logger `graphpar.examples`) always, graphpar's INFO lines with `--verbose`, and
   only warnings and errors on the other ranks of a launched job (as Detectron2's `setup_logger`).
   Lines go through `tqdm.write` while a progress bar is open, so the bar stays whole.
+- `progress_bar(show)`: tqdm bars for the steps of an epoch.
 - `guard(main, argv)`: runs a tool's main; a Ctrl-C ends it with one line and exit status 130 (the
   first Ctrl-C only: the others are ignored while it stops, so the clean-up cannot be interrupted),
   an error with one line (the message and its hint) and exit status 1 (`--verbose`: the traceback
@@ -20,14 +24,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
-INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+from graphpar.examples.interrupt import INTERRUPTED, exit_on_interrupt
+
+__all__ = ["INTERRUPTED", "ArgumentParser", "exit_on_interrupt", "file_path", "guard", "integer", "number",
+           "one_interrupt", "one_line", "parser", "progress_bar", "setup_logger"]
+
 
 log = logging.getLogger("graphpar.examples")
 
@@ -43,23 +54,62 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action) or ""
 
 
-def parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """An ArgumentParser whose usage is `python -m module` and whose help shows the defaults."""
-    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc.strip(), formatter_class=HelpFormatter)
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: argparse prints its whole usage (9 lines and more) first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
-def exit_on_interrupt(quiet: bool = False) -> None:
-    """Until `guard` takes over: a Ctrl-C (while torch loads, say) ends the process at once, status 130,
-    with one line (none with `quiet`, nor on the other ranks of a launched job). Nothing has been
-    written yet, so there is nothing to clean up."""
-    quiet = quiet or _rank() != 0
+def parser(module: str, doc: str) -> ArgumentParser:
+    """An ArgumentParser whose usage is `python -m module`, whose help shows the defaults and whose
+    errors are one line."""
+    return ArgumentParser(prog=f"python -m {module}", description=doc.strip(), formatter_class=HelpFormatter)
 
-    def stop(signum: int, frame: object) -> None:
-        if not quiet:
-            os.write(2, b"\ninterrupted\n")
-        os._exit(INTERRUPTED)
 
-    signal.signal(signal.SIGINT, stop)
+def integer(minimum: int) -> Callable[[str], int]:
+    """An argparse `type`: an int >= `minimum` (argparse's message: `argument --seed: must be an
+    integer >= 0, got '-1'`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number(minimum: float = 0.0, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse `type`: a finite float > `minimum` (>= with `inclusive`); nan and inf are refused."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {minimum:g}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
+def file_path(text: str) -> Path:
+    """An argparse `type`: a path a file can be written at: not empty, not a directory, and no part of
+    its directory an existing file (a missing directory is created when the file is written)."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a file path, got ''")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory: name a file in it, e.g. "
+                                         f"{str(path / 'model.safetensors')!r}")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(blocking)!r} is not a directory")
+    return path
 
 
 def _rank() -> int:
@@ -113,6 +163,26 @@ def setup_logger(verbose: bool = False, rank: int | None = None, all_ranks: bool
     top.setLevel(logging.INFO if verbose else logging.NOTSET)  # NOTSET: the root's level (warnings)
     log.setLevel(logging.INFO)
     return log
+
+
+class _QuietBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def set_postfix_str(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def progress_bar(show: bool = True) -> Callable[[int, str], Any]:
+    """`bar(total, desc)`: a tqdm progress bar (with its rate and ETA) that vanishes when closed, or one
+    that shows nothing (`show` False, as on the other ranks of a launched job, or without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with graphpar[examples]
+        show = False
+    if not show:
+        return lambda total, desc: _QuietBar()
+    return lambda total, desc: tqdm(total=total, desc=desc, leave=False)
 
 
 _interrupted = threading.Event()  # a Ctrl-C reached a one_interrupt handler: the process is stopping

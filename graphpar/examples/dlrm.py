@@ -11,13 +11,33 @@ goes from 0.69 (chance) to a loss below 0.1 and over 95% held-out accuracy.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
-
-from graphpar.examples import cli
+from graphpar.examples import interrupt
 
 if __name__ == "__main__":
-    cli.exit_on_interrupt()  # a Ctrl-C while torch loads: exit at once, status 130
+    interrupt.exit_on_interrupt()  # from now on a Ctrl-C exits at once, status 130
+
+import functools  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from graphpar.examples import cli  # noqa: E402
+
+
+def make_parser() -> cli.ArgumentParser:
+    """The options, each value checked as it is parsed (no torch needed: `--help` answers at once)."""
+    parser = cli.parser("graphpar.examples.dlrm", __doc__)
+    parser.add_argument("--devices", type=cli.integer(1), default=None, help="devices (default: all GPUs, else 4 CPUs)")
+    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
+    parser.add_argument("--optimizer", choices=("adagrad", "adam", "momentum"), default="adagrad",
+                        help="the update of the dense and the embedding (sparse) params")
+    parser.add_argument("--lr", type=cli.number(0.0), default=0.1, help="learning rate of --optimizer")
+    parser.add_argument("--steps", type=cli.integer(1), default=300, help="training steps")
+    parser.add_argument("--batch", type=cli.integer(1), default=256, help="global batch, split over the devices")
+    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built; show an error's traceback")
+    return parser
+
+
+if __name__ == "__main__":
+    make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
 
@@ -57,19 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = cli.parser("graphpar.examples.dlrm", __doc__)
-    parser.add_argument("--devices", type=int, default=None, help="devices (default: all GPUs, else 4 CPUs)")
-    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad",
-                        help="the update of the dense and the embedding (sparse) params")
-    parser.add_argument("--lr", type=float, default=0.1, help="learning rate of --optimizer")
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
-    parser.add_argument("--batch", type=int, default=256, help="global batch, split over the devices")
-    parser.add_argument("--verbose", action="store_true", help="log what Parallelize built; show an error's traceback")
+    parser = make_parser()
     args = parser.parse_args(argv)
     cli.setup_logger(args.verbose)
     gpus = 0 if args.cpu else num_cuda_devices()
     count = args.devices or (gpus or 4)
+    if args.batch % count:
+        parser.error(f"argument --batch: must be a multiple of the {count} devices, got {args.batch}")
     forward = functools.partial(dlrm, num_dense=4, table_rows=TABLES, dim=8, bottom=(16,), top=(32,))
     train = model_helper.ModelHelper(name="dlrm_train")
     dpm.Parallelize(train, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,

@@ -12,31 +12,80 @@ like one device on the whole batch. After every epoch it prints the mean loss an
 (over 95% after the default 12 epochs, on every test sample) and writes a checkpoint that
 `--resume` continues from, learning-rate schedule included, and `metrics.json` beside it (with
 `--plot`, a loss/accuracy PNG beside them at the end). An existing checkpoint is never replaced
-silently: continue it with `--resume`, or start over with `--overwrite`. Batches are loaded on a
-background thread (`DeviceFeeder`) while the devices compute; the loop is `graphpar.engine.Trainer`
-with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
+silently: continue it with `--resume`, or start over with `--overwrite`; a process that
+`python -m graphpar.launch --max-restarts N` restarted continues the checkpoint its job wrote, with
+the same command line. Batches are loaded on a background thread (`DeviceFeeder`) while the devices
+compute; the loop is `graphpar.engine.Trainer` with hooks. Ctrl-C stops cleanly (exit status 130), keeping the last checkpoint; an error is one line
 (`--verbose`: with its traceback).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
-from graphpar.examples import cli
+from graphpar.examples import interrupt
 
 if __name__ in ("__main__", "__mp_main__"):  # run as a command, or a process --num-processes started
-    cli.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # a Ctrl-C while torch loads: exit at once, 130
+    interrupt.exit_on_interrupt(quiet=__name__ == "__mp_main__")  # from now on a Ctrl-C exits at once, 130
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from graphpar.core.naming import COMPILE_MODES  # noqa: E402
+from graphpar.examples import cli  # noqa: E402
+
+
+def make_parser() -> cli.ArgumentParser:
+    """The options, each value checked as it is parsed (no torch needed: `--help` answers at once)."""
+    parser = cli.parser("graphpar.examples.train", __doc__)
+    parser.add_argument("--devices", type=cli.integer(1), default=None,
+                        help="devices per process (default: this machine's GPUs shared out over its processes, "
+                             "else 4 CPU devices)")
+    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
+    parser.add_argument("--epochs", type=cli.integer(1), default=12,
+                        help="epochs in all (a resumed run continues to it)")
+    parser.add_argument("--batch-size", type=cli.integer(1), default=64, help="global batch, split over the devices")
+    parser.add_argument("--lr", type=cli.number(0.0), default=0.05,
+                        help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
+    parser.add_argument("--lr-step-epochs", type=cli.integer(1), default=8, help="decay the LR x0.1 every N epochs")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
+    parser.add_argument("--checkpoint", type=cli.file_path, default=Path("graphpar_digits.safetensors"),
+                        help="checkpoint file, written every epoch; metrics.json goes beside it")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over, replacing an existing --checkpoint and its metrics.json")
+    parser.add_argument("--plot", action="store_true",
+                        help="at the end, draw loss and test accuracy per epoch into training.png beside "
+                             "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
+    parser.add_argument("--seed", type=cli.integer(0), default=0,
+                        help="seed of the init, the split and the batch order")
+    parser.add_argument("--no-finite-check", action="store_true",
+                        help="do not check each step's loss before its update (Parallelize's check_finite_loss: "
+                             "one host sync per device and step). A NaN or inf loss still stops the run, when "
+                             "the trainer records the loss: after that step's update (the checkpoint of the last "
+                             "finished epoch is kept)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                        metavar="MODE", help="compile the train step with torch.compile (inductor; the first "
+                        "epoch pays the compile time); MODE: one of " + ", ".join(COMPILE_MODES))
+    parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
+    parser.add_argument("--verbose", action="store_true",
+                        help="log what Parallelize built and each init/sync; show the traceback of an error")
+    parser.add_argument("--num-processes", type=cli.integer(1), default=1,
+                        help="processes (shards) on this machine, each with --devices devices (gloo)")
+    return parser
+
+
+if __name__ == "__main__":
+    make_parser().parse_args()  # --help and a malformed value answer before torch loads (main parses again)
 
 import numpy as np  # noqa: E402
 
 from graphpar.model import brew, model_helper, optimizer  # noqa: E402
-from graphpar.parallel import comm, launch  # noqa: E402
+from graphpar.parallel import comm, elastic, launch  # noqa: E402
 from graphpar.parallel import data_parallel_model as dpm  # noqa: E402
 from graphpar.platform.devices import num_cuda_devices  # noqa: E402
 from graphpar.runtime import checkpoint, workspace  # noqa: E402
@@ -76,12 +125,12 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
-          rendezvous: dict | None = None, compute_dtype: str | None = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: dict | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
     updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
-    mixed precision (docs/precision.md)."""
+    mixed precision (docs/precision.md). `compile_` compiles the train step (Parallelize's `compile`)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
@@ -89,11 +138,19 @@ def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_l
             m, base_learning_rate=lr, policy="step", stepsize=lr_step,
             gamma=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
         devices=devices, cpu_device=cpu, check_finite_loss=check_finite_loss, rendezvous=rendezvous,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, compile=compile_)
     test = model_helper.ModelHelper(name="digits_test", init_params=False)
     dpm.Parallelize(test, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
                     devices=devices, cpu_device=cpu, uneven_batches=True, compute_dtype=compute_dtype)
     return train, test
+
+
+def compile_options(args: argparse.Namespace) -> dict | None:
+    """Parallelize's `compile` from --compile [MODE] and the backend (None: not compiled)."""
+    if args.compile is None:
+        return None
+    mode = None if args.compile == "default" or args.compile_backend != "inductor" else args.compile
+    return {"backend": args.compile_backend, "mode": mode}
 
 
 def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndarray) -> float:
@@ -105,60 +162,29 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
 
 def parse_args(argv: Sequence[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
-    parser = cli.parser("graphpar.examples.train", __doc__)
-    parser.add_argument("--devices", type=int, default=None,
-                        help="devices per process (default: this machine's GPUs shared out over its processes, "
-                             "else 4 CPU devices)")
-    parser.add_argument("--cpu", action="store_true", help="use CPU devices even when GPUs are present")
-    parser.add_argument("--epochs", type=int, default=12, help="epochs in all (a resumed run continues to it)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the devices")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="base learning rate of Nesterov SGD (momentum 0.9, weight decay 1e-4), for the global batch")
-    parser.add_argument("--lr-step-epochs", type=int, default=8, help="decay the LR x0.1 every N epochs")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="compute dtype: bfloat16 runs Conv/FC in bf16 with fp32 master params (docs/precision.md)")
-    parser.add_argument("--checkpoint", type=Path, default=Path("graphpar_digits.safetensors"),
-                        help="checkpoint file, written every epoch; metrics.json goes beside it")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over, replacing an existing --checkpoint and its metrics.json")
-    parser.add_argument("--plot", action="store_true",
-                        help="at the end, draw loss and test accuracy per epoch into training.png beside "
-                             "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the init, the split and the batch order")
-    parser.add_argument("--no-finite-check", action="store_true",
-                        help="do not stop a step whose loss is NaN or inf (saves one host sync per device and step)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="log what Parallelize built and each init/sync; show the traceback of an error")
-    parser.add_argument("--num-processes", type=int, default=1,
-                        help="processes (shards) on this machine, each with --devices devices (gloo)")
+    parser = make_parser()
     args = parser.parse_args(argv)
-    if args.num_processes < 1:
-        parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
+    if elastic.restart_count() and elastic.written_by_this_job(args.checkpoint):
+        args.resume, args.overwrite = True, False  # the launcher's agent restarted this job: continue it
     shards = max(args.num_processes, launch.get_world_size())
     args.cpu = args.cpu or num_cuda_devices() == 0
     available = None if args.cpu else num_cuda_devices()
     per_machine = args.num_processes if launch.get_world_size() == 1 else comm.get_local_size()
     if args.devices is None:  # GPUs: this machine's shared out, one per process with --num-processes K on K
         args.devices = 4 if available is None else max(1, available // per_machine)  # None: on the CPU
-    if args.devices < 1:
-        parser.error(f"--devices must be at least 1, got {args.devices}")
     if available is not None:
         try:
             comm.local_devices(args.devices, 0, per_machine, available)
         except ValueError as exc:
             parser.error(f"--devices {args.devices} x {per_machine} processes: {exc} (or pass --cpu)")
-    if args.epochs < 1:
-        parser.error(f"--epochs must be at least 1, got {args.epochs}")
-    if not 1 <= args.batch_size <= train_size:
-        parser.error(f"--batch-size must be between 1 and the {train_size} training samples, got {args.batch_size}")
+    if args.batch_size > train_size:
+        parser.error(f"argument --batch-size: must be at most the {train_size} training samples, got "
+                     f"{args.batch_size}")
     if args.batch_size % (args.devices * shards):
         every = args.devices * shards
         what = f"--devices {args.devices}" + (f" x {shards} processes" if shards > 1 else "")
         parser.error(f"--batch-size {args.batch_size} must be a multiple of {what} (every device gets the same "
                      f"share), e.g. {max(every, args.batch_size // every * every)}")
-    if args.lr <= 0 or args.lr_step_epochs < 1:
-        parser.error(f"--lr must be > 0 and --lr-step-epochs >= 1, got {args.lr} and {args.lr_step_epochs}")
     if args.resume and not args.checkpoint.exists():
         parser.error(f"--resume: there is no checkpoint at {args.checkpoint} (train once without --resume, or "
                      f"pass --checkpoint)")
@@ -226,7 +252,8 @@ class EpochEnd(HookBase):
         storage.put_scalar("epoch_loss", float(np.mean(losses)))
         if self.say:  # one process writes the checkpoint (atomically); every process can load it
             checkpoint.save(self.path, dpm.GetCheckpointParams(self.trainer.model),
-                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size})
+                            metadata={"epoch": done // self.steps, "batch_size": self.batch_size,
+                                      **elastic.job_metadata()})
             log.info("epoch %2d  loss %.4f  test accuracy %.2f%%", done // self.steps, np.mean(losses),
                      100 * self.accuracy)
 
@@ -287,11 +314,18 @@ def process_devices(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it after
-    the step in flight, with the loading thread stopped (status 130)."""
+    """Train in this process: alone, or as one shard of launch.get_world_size(). Ctrl-C ends it (status
+    130) after the step in flight, with the loading thread stopped, or where it lands outside the steps
+    (loading the data, building, initialising): one line from the process that reports it, nothing from
+    the others (the processes of --num-processes: their parent says it)."""
     cli.setup_logger(args.verbose)  # here: a process that launch started has the logging of a fresh one
     with cli.one_interrupt():
-        return _run(args)
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            if launch.is_main_process() and getattr(args, "report_interrupt", True):
+                print(f"\ninterrupted; {_kept(args.checkpoint)}", file=sys.stderr, flush=True)
+            return cli.INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -304,13 +338,14 @@ def _run(args: argparse.Namespace) -> int:
         done = checkpoint.read_metadata(args.checkpoint)["iteration"] or 0
         if done >= max_iter:
             if say:
-                log.info("nothing to do: %s is at epoch %d of %d; pass a larger --epochs (e.g. --epochs %d) to "
-                         "train longer", args.checkpoint, done // steps_per_epoch, args.epochs, args.epochs + 4)
+                at = done // steps_per_epoch
+                log.info("nothing to do: %s is at epoch %d, and --epochs %d asks for no more; to train longer, pass "
+                         "an --epochs above %d (e.g. --epochs %d)", args.checkpoint, at, args.epochs, at, at + 4)
             return 0
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous(), args.dtype)
+                        not args.no_finite_check, launch.rendezvous(), args.dtype, compile_options(args))
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,
@@ -323,7 +358,7 @@ def _run(args: argparse.Namespace) -> int:
     loader = ShardOf(ArrayLoader({"data": x_train, "label": y_train}, args.batch_size, seed=args.seed), shard, shards)
     with DeviceFeeder(loader, train) as feeder:
         epoch_end = EpochEnd(test, x_test, y_test, args.checkpoint, steps_per_epoch, args.epochs,
-                             _progress_bar(say), say, args.batch_size)
+                             cli.progress_bar(say), say, args.batch_size)
         hooks = [IterationTimer(), LRScheduler(), epoch_end]
         if say:
             hooks.append(EpochWriter(args.checkpoint.parent, steps_per_epoch, console=False))
@@ -333,7 +368,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume:
             trainer.resume_or_load(resume=True, path=args.checkpoint)
             if say:
-                log.info("resumed from %s at epoch %d", args.checkpoint, trainer.iter // steps_per_epoch)
+                again = f" (restart {elastic.restart_count()} of this job)" if elastic.restart_count() else ""
+                log.info("resumed from %s at epoch %d%s", args.checkpoint, trainer.iter // steps_per_epoch, again)
         try:
             trainer.train()
         except KeyboardInterrupt:
@@ -349,21 +385,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(metrics, args.checkpoint.parent / "training.png")
     return 0
-
-
-def _progress_bar(show: bool = True):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        show = False
-    if not show:
-        class _Quiet:
-            def update(self) -> None: ...
-
-            def close(self) -> None: ...
-
-        return lambda total, desc: _Quiet()
-    return lambda total, desc: tqdm(total=total, desc=desc, leave=False)
 
 
 def _plot(metrics: Path, out: Path) -> None:

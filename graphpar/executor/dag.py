@@ -39,13 +39,14 @@ import torch
 
 from graphpar.core.naming import FIRST_ITER_ARG
 from graphpar.core.schema import Trait, has_trait
-from graphpar.executor.program import StepFailed
+from graphpar.executor.program import StepFailed, step_runs
 from graphpar.executor.run import run_plan, serial
 from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.executor.streams import NO_STREAMS, RunStreams, StreamBackend, current_streams
 from graphpar.executor.threads import thread_budget
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet, Phase
 
 
@@ -109,12 +110,13 @@ class _Run:
 
     def __init__(self, plan: CompiledNet, frame: list, streams: RunStreams | None) -> None:
         self.plan, self.frame, self.streams = plan, frame, streams
+        self.runs = step_runs(plan)
         self.users_left = list(plan.frame.version_users)  # per freeable version (dynamic memory)
         self.running = 0
         self.waiting = 0  # collectives across processes running (Schedule.waits)
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
         self.wait_backlog: list[int] = []  # the same for Schedule.waits
-        self.failure: tuple[int, Exception] | None = None
+        self.failure: tuple[int, BaseException] | None = None  # (-1, KeyboardInterrupt()): a Ctrl-C
         self.lock = threading.Lock()
 
     def start(self, schedule: Schedule) -> None:
@@ -153,10 +155,15 @@ _START = -1  # the task that starts a phase: release its roots
 class DagExecutor:
     """Runs a plan's steps concurrently as their dependencies complete (see the module docstring)."""
 
+    op_by_op = "dag"
+
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._grow = threading.Lock()
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return True
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)
@@ -242,7 +249,6 @@ class DagExecutor:
                     elif state.running == 0 and state.waiting == 0:  # drained before it started
                         state.finished.set()
                 continue
-            plan = state.plan
             if threads != state.schedule.threads:
                 threads = state.schedule.threads
                 torch.set_num_threads(threads)
@@ -250,7 +256,7 @@ class DagExecutor:
             if state.failure is None:
                 try:
                     if state.streams is None:
-                        plan.runs[index](state.frame)
+                        state.runs[index](state.frame)
                     else:
                         state.streams.run(index, worker_streams.setdefault(id(state.streams.backend), {}))
                 except Exception as exc:  # reported by the thread that called run()

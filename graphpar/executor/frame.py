@@ -19,7 +19,7 @@ executor frees each transient slot right after its last use and the run keeps on
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -51,10 +51,12 @@ class FrameLayout:
     """How a net's blobs map to frame slots and what a run loads, frees, stores and drops.
 
     Freeing works on *versions*: each write of a blob starts one, read by the ops up to the next
-    write. A transient version can be freed once every op that uses it has run; in the plan's fixed
-    order that is after its last user there (`frees`, for "simple"), in any order once its user count drops to
-    zero (`releases` and `version_slots`/`version_users`, for concurrent executors). A version whose
-    user writes the next version in place is not freed: the rebinding releases it.
+    write. A transient version can be freed once every op that uses it has run, whatever order the
+    steps run in (any order that respects the plan's dependencies): an executor that launches in a
+    fixed order frees after each step what `frees_in(order)` lists for it (the last user of each
+    version in that order); one that launches dynamically counts each version's users down
+    (`releases`, `version_slots`, `version_users`). A version whose user writes the next version in
+    place is not freed: the rebinding releases it.
     """
 
     names: tuple[str, ...]  # the blob of each slot
@@ -64,7 +66,6 @@ class FrameLayout:
     store_names: tuple[str, ...]  # ...under these names
     stale: tuple[tuple[int, str], ...]  # (slot, name) of the transient blobs the net writes
     drops: tuple[str, ...]  # transient names removed from the workspace when the run succeeds
-    frees: tuple[tuple[int, ...], ...]  # per step: slots to free after it in the order steps run
     releases: tuple[tuple[int, ...], ...]  # per step: the freeable versions it uses
     version_slots: tuple[int, ...]  # per freeable version: its slot
     version_users: tuple[int, ...]  # per freeable version: how many steps use it
@@ -75,11 +76,25 @@ class FrameLayout:
         """Whether an executor should free slots during the run."""
         return bool(self.version_slots)
 
+    def frees_in(self, order: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """Per step: the slots to free right after it when the steps of `order` run in that order (the
+        versions whose last user it is there); empty when the run frees nothing. `order` may be any
+        order that respects the plan's dependencies, or part of one: a version is freed after its last
+        user within `order`, so a part must hold every step that runs after it."""
+        frees: list[list[int]] = [[] for _ in self.releases]
+        if not self.version_slots:
+            return tuple(map(tuple, frees))
+        last: dict[int, int] = {}
+        for j in order:
+            for v in self.releases[j]:
+                last[v] = j
+        for v, j in sorted(last.items()):
+            frees[j].append(self.version_slots[v])
+        return tuple(map(tuple, frees))
 
-def layout_frame(netdef: NetDef, keep_all: bool = False, order: Sequence[int] | None = None) -> FrameLayout:
-    """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies);
-    `frees` follows `order`, the order the steps run in (default: program order)."""
-    position = list(range(len(netdef.ops))) if order is None else _positions(order)
+
+def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
+    """The frame layout of `netdef` (data inputs and outputs only: control inputs are dependencies)."""
     flow = dataflow(netdef)
     slot = {blob: k for k, blob in enumerate(flow.data_blobs)}
     loads = [Load(slot[blob], blob, *load) for blob, load in flow.loads.items()]
@@ -89,30 +104,20 @@ def layout_frame(netdef: NetDef, keep_all: bool = False, order: Sequence[int] | 
     freeing = bool(netdef.args.get(DYNAMIC_MEMORY_ARG)) and not keep_all
     versions = [(v.blob, v.users) for v in flow.versions if v.blob not in persistent and not v.rewritten_in_place] \
         if freeing else []
-    frees: list[list[int]] = [[] for _ in netdef.ops]
     releases: list[list[int]] = [[] for _ in netdef.ops]
-    for v, (blob, users) in enumerate(versions):
-        frees[max(users, key=position.__getitem__)].append(slot[blob])
+    for v, (_blob, users) in enumerate(versions):
         for user in users:
             releases[user].append(v)
     stored = [b for b in written if not freeing or b in persistent]
     drops = tuple(b for b in written if freeing and b not in persistent)
     stale = tuple((slot[b], b) for b in written if b not in persistent)
     return FrameLayout(tuple(slot), slot, tuple(loads), tuple(slot[b] for b in stored), tuple(stored), stale, drops,
-                       tuple(map(tuple, frees)), tuple(map(tuple, releases)),
+                       tuple(map(tuple, releases)),
                        tuple(slot[blob] for blob, _ in versions), tuple(len(users) for _, users in versions),
                        persistent)
 
 
-def _positions(order: Sequence[int]) -> list[int]:
-    """Per step: its position in `order`."""
-    position = [0] * len(order)
-    for p, j in enumerate(order):
-        position[j] = p
-    return position
-
-
-def open_frame(plan: CompiledNet, blobs: Mapping[str, torch.Tensor]) -> list:
+def open_frame(plan: CompiledNet, blobs: MutableMapping[str, torch.Tensor]) -> list:
     """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace (whose stale
     transient blobs it removes).
 

@@ -66,12 +66,13 @@ from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
 from graphpar.executor.failure import op_location, recorded_at
-from graphpar.executor.program import StepFailed, straight_line
+from graphpar.executor.program import StepFailed, step_runs, straight_line
 from graphpar.executor.run import run_plan, serial
 from graphpar.executor.runtime import Runtime, runtime_of
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet, Phase
 
 log = logging.getLogger(__name__)
@@ -300,8 +301,8 @@ class Captured:
         self.frame: list = list(self.template)
         # what the run takes from the captured frame: the captured steps' outputs and the static inputs
         self.written = sorted({slot for j in cut.captured for slot in plan.steps[j].outputs} | set(cut.loads))
-        phase = plan.phases[0]._replace(steps=cut.captured, staged=False)
-        program = straight_line(plan, phase, plan.frame.frees_memory)
+        frees = plan.frame.frees_in(cut.prologue + cut.captured) if plan.frame.frees_memory else None
+        program = straight_line(plan, cut.captured, frees, "captured")
         captured_frame, template = self.frame, self.template
 
         def body() -> None:
@@ -337,25 +338,27 @@ class Captured:
 
 
 class _Replay:
-    """The Launch of a captured run: the whole step at the first phase (`executor.run.Launch`)."""
+    """The Launch of a captured run (`executor.run.Launch`): each phase's host prologue steps at their
+    phase, and the captured steps of every phase in one replay at the last phase, after the state
+    check that precedes it (`executor.run.run_plan`), so a run that fails before it changed nothing.
+    (Deferring the captured steps is valid: no prologue step depends on one, see `split`.)"""
 
     def __init__(self, plan: CompiledNet, runtime: Runtime, frame: list, backend: GraphBackend,
                  blobs: dict[str, torch.Tensor]) -> None:
         self.plan, self.runtime, self.frame, self.backend, self.blobs = plan, runtime, frame, backend, blobs
-        self.done = False
 
     def __call__(self, phase: Phase) -> None:
-        if self.done:
-            return
-        self.done = True
         plan, runtime, frame = self.plan, self.runtime, self.frame
         cut: Split = runtime.graph_split
-        runs = plan.runs
+        runs, members = step_runs(plan), set(phase.steps)
         for j in cut.prologue:
-            try:
-                runs[j](frame)
-            except Exception as exc:
-                raise StepFailed(j) from exc
+            if j in members:
+                try:
+                    runs[j](frame)
+                except Exception as exc:
+                    raise StepFailed(j) from exc
+        if phase.index < len(plan.phases) - 1:
+            return
         if runtime.graph is None:
             loads = set(cut.loads)
             for j in cut.captured:  # the previous run's values: the capture allocates the graph's own
@@ -374,8 +377,13 @@ class _Replay:
 class CudaGraphExecutor:
     """Runs a plan eagerly for its warm-up runs, then as a replayed CUDA graph (see the module docstring)."""
 
+    op_by_op = "simple"  # a replayed graph has no per-op times
+
     def __init__(self) -> None:
         self._told: set[str] = set()
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return False  # the next replay overwrites the graph's static outputs in place
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         runtime = runtime_of(plan)

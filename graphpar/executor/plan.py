@@ -6,9 +6,9 @@ turned into slots of a per-run frame (`executor.frame`). Every input must exist 
 workspace, or as an earlier op's output). The executor never looks at an op's type: all it needs
 comes from the schema and the plan.
 
-A step's `run(frame)` is the one place that calls a kernel: it reads the input slots, calls the
-kernel and writes the output slots. Every executor (and the profiler, which wraps steps) calls it;
-outputs are written only after the kernel returns, so a failed op writes nothing.
+How a step calls its kernel (read the input slots, call the kernel, write the output slots) is encoded
+once, in `executor.program`, which generates every executor's code from the steps; outputs are written
+only after the kernel returns, so a failed op writes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from graphpar.core.shapes import BlobSpec, infer_specs
 from graphpar.errors import MissingBlobError, OperatorError
 from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
-from graphpar.executor.program import Reuse, make_run
+from graphpar.executor.program import Reuse
 from graphpar.executor.registry import get_executor
 from graphpar.executor.threads import intra_op_threads
 from graphpar.platform.devices import cuda_is_simulated, num_cuda_devices, torch_device
@@ -36,11 +36,10 @@ RandomStream = Callable[[torch.device], torch.Generator]
 
 
 class Step(NamedTuple):
-    """One op, ready to run: `run(frame)` executes it; the rest describes it for executors."""
+    """One op, ready to run (`executor.program` generates the code that runs it on a frame)."""
 
     kernel: Callable[..., Any]  # kernel(*inputs) -> the output, or a tuple of them
-    run: Callable[[list], None]  # reads the input slots, calls the kernel, writes the output slots
-    index: int
+    index: int  # type: ignore[assignment]  # the op's position (a field shadowing tuple.index)
     inputs: tuple[int, ...]  # frame slots read (data inputs)
     outputs: tuple[int, ...]  # frame slots written
     device: torch.device
@@ -54,15 +53,14 @@ class Step(NamedTuple):
         """The same step calling `kernel` instead (e.g. a timed wrapper of its own), and `reuse_kernel`
         instead of its reuse kernel (None: the step never reuses its input)."""
         reuse = self.reuse and reuse_kernel and self.reuse._replace(kernel=reuse_kernel)
-        return self._replace(kernel=kernel, reuse=reuse,
-                             run=make_run(kernel, self.inputs, self.outputs, self.claims, reuse))
+        return self._replace(kernel=kernel, reuse=reuse or None)
 
 
 class Phase(NamedTuple):
     """One phase of a plan (see `CompiledNet`): its steps in program order, whether it is the second one
     (it starts with the state check) and its CPU kernels' intra-op threads."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field shadowing tuple.index
     steps: tuple[int, ...]
     staged: bool
     threads: int
@@ -108,11 +106,9 @@ class CompiledNet:
     staged_from: int  # order[staged_from:] is the second phase (the updates and what depends on them)
     state_guard: StateGuard
     staged_threads: int
-    runs: tuple[Callable[[list], None], ...] = field(init=False, repr=False)  # each step's run, for loops
     phases: tuple[Phase, ...] = field(init=False, repr=False)  # the non-empty phases, in order
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "runs", tuple(step.run for step in self.steps))
         split = ((self.order[:self.staged_from], False, self.intra_op_threads),
                  (self.order[self.staged_from:], True, self.staged_threads))
         object.__setattr__(self, "phases", tuple(Phase(k, *phase)
@@ -139,10 +135,12 @@ class CompiledNet:
         return replace(self, steps=steps)
 
 
-def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) -> CompiledNet:
+def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False, infer_shapes: bool = True) -> CompiledNet:
     """Validate `netdef` and build its plan against `workspace` (the net is copied: later edits do not count).
 
     `keep_all` keeps every blob after a run whatever the net's memory options say (for introspection).
+    `infer_shapes=False` builds the plan without shape facts (for a net whose blobs do not fit it yet;
+    the caller checks them before it runs).
 
     Raises:
         ValueError / TypeError: the net breaks its structure or a schema (`core.schema.validate_net`),
@@ -156,7 +154,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     validate_net(netdef)
     get_executor(netdef.type, f"net {netdef.name!r}")
     check_inputs_exist(netdef, {*workspace.blobs, *getattr(workspace, "objects", ())}, workspace.name)  # CreateBlob'd blobs count
-    specs = infer_specs(netdef, workspace.blobs)
+    specs = infer_specs(netdef, workspace.blobs) if infer_shapes else {}
     flow = dataflow(netdef)
     claims = _claims(netdef, flow)
     reused = _reused_inputs(netdef, flow, specs)
@@ -165,7 +163,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False) ->
     dependencies = flow.predecessors
     staged = _staged(dependencies, updates)
     order = tuple(j for j in range(len(staged)) if not staged[j]) + tuple(j for j in range(len(staged)) if staged[j])
-    frame = layout_frame(netdef, keep_all, order)
+    frame = layout_frame(netdef, keep_all)
     streams = workspace.random_streams(netdef.name)
     steps = tuple(_compile_op(netdef, index, op, frame.slot, streams, claims[index], reused[index])
                   for index, op in enumerate(netdef.ops))
@@ -208,10 +206,13 @@ def _reused_inputs(netdef: NetDef, flow: Dataflow, specs: Mapping[str, BlobSpec 
     reused: list[int | None] = []
     for index, op in enumerate(netdef.ops):
         reuse = get_schema(op.type).reuse
-        blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
+        if reuse is None or reuse.input >= len(op.inputs):
+            reused.append(None)
+            continue
+        blob = op.inputs[reuse.input]
         spec = specs.get(blob)
         small = spec is not None and spec.numel * spec.dtype.itemsize < REUSE_MIN_BYTES
-        rewritten = blob is not None and blob in op.outputs and op.inputs.count(blob) == 1 and not small
+        rewritten = blob in op.outputs and op.inputs.count(blob) == 1 and not small
         reused.append(int(not flow.written_before(blob, index)) if rewritten else None)
     return reused
 
@@ -284,11 +285,10 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
     try:
         fn = schema.kernel(args, ctx)
         reuse = (Reuse(schema.reuse.kernel(args, ctx), schema.reuse.input, reused)
-                 if reused is not None and not claims else None)
+                 if reused is not None and schema.reuse is not None and not claims else None)
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc
     inputs = tuple(slot[b] for b in op.inputs)
     outputs = tuple(slot[b] for b in op.outputs)
-    return Step(fn, make_run(fn, inputs, outputs, claims, reuse), index, inputs, outputs, device,
-                netdef.op_device(op), claims, reuse)
+    return Step(fn, index, inputs, outputs, device, netdef.op_device(op), claims, reuse)

@@ -1,77 +1,50 @@
-"""How steps call their kernels on a frame: one step at a time (`make_run`), or a whole plan as one
-straight-line Python function (`straight_line`), the "simple" executor's loop unrolled.
+"""How a step calls its kernel: encoded once (`_statement`), generated as Python source for every way
+a plan runs.
 
-`straight_line(plan, phase)` generates, compiles and returns `program(frame)`, which calls the kernel
-of every step of one of the plan's phases (`executor.plan.CompiledNet`) in program order on frame slots
-(`frame[3] = k2(frame[1], frame[0])`), frees what the plan frees after each step (`plan.frame.frees`,
-in that order), and on an exception raises `StepFailed` carrying the failing step's index.
-`executor.run.run_plan` runs the phases one after the other.
-With no per-op loop, tuple unpacking or dispatch left, RunNet's per-op cost is that of the kernel
-call itself (torch.fx generates Python code from its graphs the same way). Generating costs about
-20 µs per op, once per plan, on its first run.
+A step is one statement over frame slots (`frame[3] = k2(frame[1], frame[0])`). From it this module
+generates, once per plan:
+
+- `straight_line(plan, steps, frees, label)`: `program(frame)`, which runs `steps` in that order on
+  the frame, frees after each step what `frees` lists for it (`FrameLayout.frees_in` of the order the
+  run uses), and raises `StepFailed` carrying the failing step's index. The "simple" loop unrolled: a
+  run does per op only the kernel call and its frame reads and writes (torch.fx generates Python from
+  its graphs the same way); generating costs about 20 µs per op, once per plan.
+- `step_runs(plan)`: one `run(frame)` per step, for executors that launch steps one at a time (the
+  dag's workers, a CUDA graph's host prologue); made on first use and kept in the plan's runtime.
+- `functional(plan, steps, inputs, outputs, label)`: `program(*inputs) -> outputs`, the same
+  statements over local variables instead of frame slots, a pure function of its inputs but for the
+  in-place updates the kernels declare: what the compiled executor hands to `torch.compile`.
 
 A step whose kernel overwrites inputs (Trait.OVERWRITES_INPUTS) gets each such input through
 `claim(frame, slot, holders)`: the tensor itself when nothing but the frame (and `holders` known
 others: the workspace, for a loaded blob) holds it and no other tensor shares its memory, else a copy.
 A step with a reuse kernel (`core.schema.InputReuse`, `Step.reuse`) calls it when `owns(frame, slot)`
 says the same of the input it may overwrite, and its ordinary kernel otherwise: the results are the
-same bits, without allocating where the run owns the input (`x = relu(x)` as `relu_`).
+same bits, without allocating where the run owns the input (`x = relu(x)` as `relu_`). A functional
+program calls only ordinary kernels: reference counts mean nothing to a tracer, and the compiler
+plans buffer reuse itself.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from graphpar.executor.runtime import runtime_of
+
 if TYPE_CHECKING:
-    from graphpar.executor.plan import CompiledNet, Phase
+    from graphpar.executor.plan import CompiledNet, Step
 
 
 class StepFailed(Exception):
-    """Raised by a straight-line program when step `index` failed; the kernel's error is the cause."""
+    """Raised by a generated program when step `index` failed; the kernel's error is the cause."""
 
     def __init__(self, index: int) -> None:
         super().__init__(index)
         self.index = index
-
-
-def straight_line(plan: CompiledNet, phase: Phase, frees: bool) -> Callable[[list], None]:
-    """`program(frame)` running the steps of `phase` in its order (freeing `plan.frame.frees` if `frees`)."""
-    lines = []
-    for j in phase.steps:
-        step = plan.steps[j]
-        claims = dict(step.claims)
-        args = (f"claim(frame, {i}, {claims[p]})" if p in claims else f"frame[{i}]" for p, i in enumerate(step.inputs))
-        reuse = step.reuse
-        kernel = f"(r{j} if owns(frame, {step.inputs[reuse.input]}, {reuse.holders}) else k{j})" if reuse else f"k{j}"
-        call = f"{kernel}({', '.join(args)})"
-        if len(step.outputs) == 1:
-            lines.append(f"i = {j}; frame[{step.outputs[0]}] = {call}")
-        elif step.outputs:
-            lines.append(f"i = {j}; store(frame, {step.outputs!r}, {call})")
-        else:
-            lines.append(f"i = {j}; {call}")
-        if frees:
-            lines.extend(f"frame[{slot}] = None" for slot in plan.frame.frees[j])
-    body = "\n".join(f"            {line}" for line in lines) or "            pass"
-    used = [plan.steps[j] for j in phase.steps]
-    reusing = [step for step in used if step.reuse]
-    params = ", ".join(["store", "claim", "owns", "StepFailed", *(f"k{step.index}" for step in used),
-                        *(f"r{step.index}" for step in reusing)])
-    source = (f"def make({params}):\n"
-              f"    def program(frame):\n"
-              f"        i = 0\n"
-              f"        try:\n{body}\n"
-              f"        except Exception as exc:\n"
-              f"            raise StepFailed(i) from exc\n"
-              f"    return program\n")
-    namespace: dict = {}
-    exec(compile(source, f"<plan {plan.name} phase {phase.index}>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["make"](store_all, claim, owns, StepFailed, *(step.kernel for step in used),
-                             *(step.reuse.kernel for step in reusing))
 
 
 class Reuse(NamedTuple):
@@ -83,57 +56,87 @@ class Reuse(NamedTuple):
     holders: int = 0
 
 
-def make_run(fn: Callable[..., Any], ins: tuple[int, ...], outs: tuple[int, ...],
-             claims: tuple[tuple[int, int], ...] = (), reuse: Reuse | None = None) -> Callable[[list], None]:
-    """The step function: read `ins` from the frame, call `fn`, write its result(s) to `outs`.
+def _frame_slot(slot: int) -> str:
+    return f"frame[{slot}]"
 
-    Specialised by arity so that the common one- and two-input ops build no argument lists. `claims`:
-    (input position, known holders) of the inputs `fn` overwrites, passed through `claim`; `reuse`:
-    the kernel to call instead when the run owns the input it may overwrite (`owns`).
-    """
-    if reuse is not None:
-        reused, slot, holders = reuse.kernel, ins[reuse.input], reuse.holders
 
-        def reusing(frame: list) -> None:
-            kernel = reused if owns(frame, slot, holders) else fn
-            result = kernel(*[frame[i] for i in ins])
-            store_all(frame, outs, (result,) if len(outs) == 1 else result)
+def _local(slot: int) -> str:
+    return f"s{slot}"
 
-        return reusing
-    if claims:
-        holders = dict(claims)
 
-        def claiming(frame: list) -> None:
-            args = [claim(frame, i, holders[p]) if p in holders else frame[i] for p, i in enumerate(ins)]
-            store_all(frame, outs, (fn(*args),) if len(outs) == 1 else fn(*args))
+def _statement(step: Step, functional: bool) -> str:
+    """The one statement that runs `step`: read its input slots, call its kernel, write its output slots
+    (frame slots, or locals named after them when `functional`)."""
+    j, ref = step.index, _local if functional else _frame_slot
+    if functional:
+        kernel, args = f"k{j}", [ref(i) for i in step.inputs]
+    else:
+        claims = dict(step.claims)
+        args = [f"claim(frame, {i}, {claims[p]})" if p in claims else ref(i) for p, i in enumerate(step.inputs)]
+        reuse = step.reuse
+        kernel = f"(r{j} if owns(frame, {step.inputs[reuse.input]}, {reuse.holders}) else k{j})" if reuse else f"k{j}"
+    call = f"{kernel}({', '.join(args)})"
+    if len(step.outputs) == 1:
+        return f"{ref(step.outputs[0])} = {call}"
+    if not step.outputs:
+        return call
+    if functional:
+        return f"{', '.join(map(ref, step.outputs))}, = {call}"
+    return f"store(frame, {step.outputs!r}, {call})"
 
-        return claiming
-    if len(outs) == 1:
-        (o,) = outs
-        if len(ins) == 1:
-            (i,) = ins
 
-            def unary(frame: list) -> None:
-                frame[o] = fn(frame[i])
+def _build(plan: CompiledNet, steps: Sequence[int], label: str, source: str, functional: bool) -> Any:
+    """Compile `source`, which defines `program` inside `make(<kernels of steps>)`, and return `program`."""
+    used = [plan.steps[j] for j in steps]
+    reusing = [] if functional else [step for step in used if step.reuse]
+    names = ["store", "claim", "owns", "StepFailed", *(f"k{step.index}" for step in used),
+             *(f"r{step.index}" for step in reusing)]
+    namespace: dict = {}
+    header = f"def make({', '.join(names)}):\n"
+    exec(compile(header + source + "    return program\n", f"<plan {plan.name} {label}>", "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace["make"](store_all, claim, owns, StepFailed, *(step.kernel for step in used),
+                             *(step.reuse.kernel for step in reusing if step.reuse))
 
-            return unary
-        if len(ins) == 2:
-            i, j = ins
 
-            def binary(frame: list) -> None:
-                frame[o] = fn(frame[i], frame[j])
+def straight_line(plan: CompiledNet, steps: Sequence[int], frees: Sequence[Sequence[int]] | None,
+                  label: str) -> Callable[[list], None]:
+    """`program(frame)` running `steps` in that order, freeing `frees[j]` after step j (None: nothing)."""
+    lines = []
+    for j in steps:
+        lines.append(f"i = {j}; {_statement(plan.steps[j], functional=False)}")
+        if frees is not None:
+            lines.extend(f"frame[{slot}] = None" for slot in frees[j])
+    body = "\n".join(f"            {line}" for line in lines) or "            pass"
+    source = (f"    def program(frame):\n"
+              f"        i = 0\n"
+              f"        try:\n{body}\n"
+              f"        except Exception as exc:\n"
+              f"            raise StepFailed(i) from exc\n")
+    return _build(plan, steps, label, source, functional=False)
 
-            return binary
 
-        def nary(frame: list) -> None:
-            frame[o] = fn(*[frame[i] for i in ins])
+def step_runs(plan: CompiledNet) -> tuple[Callable[[list], None], ...]:
+    """Per step: `run(frame)`, running that step alone (its kernel's exception propagates as it is)."""
+    runtime = runtime_of(plan)
+    if runtime.runs is None:
+        with runtime.lock:
+            if runtime.runs is None:
+                steps = range(len(plan.steps))
+                source = "".join(f"    def run{j}(frame):\n        {_statement(plan.steps[j], functional=False)}\n"
+                                 for j in steps)
+                source += f"    program = ({''.join(f'run{j}, ' for j in steps)})\n"
+                runtime.runs = _build(plan, steps, "steps", source, functional=False)
+    return runtime.runs
 
-        return nary
 
-    def multi(frame: list) -> None:
-        store_all(frame, outs, fn(*[frame[i] for i in ins]))
-
-    return multi
+def functional(plan: CompiledNet, steps: Sequence[int], inputs: Sequence[int], outputs: Sequence[int],
+               label: str) -> Callable[..., tuple]:
+    """`program(*inputs) -> outputs`: `steps` in that order over local variables, one per slot."""
+    lines = [_statement(plan.steps[j], functional=True) for j in steps]
+    lines.append(f"return ({''.join(f'{_local(slot)}, ' for slot in outputs)})")
+    body = "".join(f"        {line}\n" for line in lines)
+    source = f"    def program({', '.join(map(_local, inputs))}):\n{body}"
+    return _build(plan, steps, label, source, functional=True)
 
 
 def store_all(frame: list, outs: tuple[int, ...], results: Any) -> None:

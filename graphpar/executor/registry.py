@@ -15,18 +15,31 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from graphpar.executor.compiled import CompiledExecutor
 from graphpar.executor.dag import DagExecutor
 from graphpar.executor.graphs import CudaGraphExecutor
 from graphpar.executor.simple import SimpleExecutor
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet
 
 
 class Executor(Protocol):
-    """Runs a compiled plan once against a workspace's blobs."""
+    """Runs a compiled plan once against a workspace's blobs, and says what callers may assume of it.
+
+    `op_by_op` is the net type that runs the same plan one kernel call at a time (the profiler times
+    each op there: itself, or "simple" where the executor replays a graph or runs compiled programs).
+    `keeps_outputs(netdef)` says whether the tensors a run leaves in the workspace stay as they are
+    until a later run rewrites their blobs; False where the next run overwrites them in place (a
+    replayed CUDA graph's static outputs): a caller that holds one across runs copies it first.
+    """
+
+    op_by_op: str
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None: ...
+
+    def keeps_outputs(self, netdef: NetDef) -> bool: ...
 
 
 _EXECUTORS: dict[str, Executor] = {}
@@ -58,3 +71,4 @@ register_executor("simple", SimpleExecutor())
 register_executor("dag", DagExecutor())
 register_executor("async_scheduling", get_executor("dag"))  # Caffe2's name for its concurrent executor
 register_executor("cuda_graph", CudaGraphExecutor())  # a step captured once in a CUDA graph, then replayed
+register_executor("compiled", CompiledExecutor())  # each phase compiled by torch.compile into a few programs

@@ -57,7 +57,8 @@ def run_plan(plan: CompiledNet, blobs: dict[str, torch.Tensor], start: Start) ->
     except StateChanged as exc:
         raise op_failure(plan, frame, exc.step, exc) from exc
     except StepFailed as failed:
-        raise op_failure(plan, frame, failed.index, failed.__cause__) from failed.__cause__
+        cause = failed.__cause__ or failed  # every launch raises it from the kernel's error
+        raise op_failure(plan, frame, failed.index, cause) from cause
     finally:
         if torch.get_num_threads() != old_threads:
             torch.set_num_threads(old_threads)
@@ -86,7 +87,8 @@ def serial(plan: CompiledNet, runtime: Runtime, frame: list) -> Launch:
     if programs is None:
         with runtime.lock:
             if runtime.programs is None:
-                frees = plan.frame.frees_memory
-                runtime.programs = tuple(straight_line(plan, phase, frees) for phase in plan.phases)
+                frees = plan.frame.frees_in(plan.order) if plan.frame.frees_memory else None
+                runtime.programs = tuple(straight_line(plan, phase.steps, frees, f"phase {phase.index}")
+                                         for phase in plan.phases)
             programs = runtime.programs
     return _Serial(programs, frame)

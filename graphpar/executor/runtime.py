@@ -23,9 +23,11 @@ class Runtime:
     def __init__(self, checks: int) -> None:
         self.lock = threading.Lock()  # held while deriving what is built once
         self.programs: tuple[Any, ...] | None = None  # one straight-line program per phase (`program`)
+        self.runs: tuple[Any, ...] | None = None  # one run(frame) per step (`program.step_runs`)
         self.schedules: tuple[Any, ...] | None = None  # the dag's schedules (`dag.make_schedules`)
         self.graph_split: Any = None  # how a "cuda_graph" net splits for capture (`executor.graphs.split`)
         self.graph: Any = None  # its captured step (`executor.graphs.Captured`)
+        self.lowered: Any = None  # a "compiled" net's regions and programs (`executor.compiled.Lowered`)
         self.verified: list = [None] * checks  # weak references to the state tensors last checked
         self.committed = False  # a run has completed: the workspace's transient blobs are this net's
         self.completed = 0  # runs completed

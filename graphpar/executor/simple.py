@@ -15,11 +15,17 @@ import torch
 from graphpar.executor.run import run_plan, serial
 
 if TYPE_CHECKING:
+    from graphpar.core.ir import NetDef
     from graphpar.executor.plan import CompiledNet
 
 
 class SimpleExecutor:
     """Runs a plan's steps one after another in program order."""
+
+    op_by_op = "simple"
+
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return True
 
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
         run_plan(plan, blobs, serial)

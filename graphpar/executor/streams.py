@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from graphpar.core.ir import CUDA, DeviceOption
+from graphpar.executor.program import step_runs
 from graphpar.platform.devices import cuda_is_simulated
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ class RunStreams:
     def __init__(self, backend: StreamBackend, plan: CompiledNet, frame: list) -> None:
         """Made in the calling thread, when the run starts: it takes the caller's current streams."""
         self.backend, self.plan, self.frame = backend, plan, frame
+        self.runs = step_runs(plan)
         self.events: list[Any] = [None] * len(plan.steps)  # the event after each step that ran on a stream
         self.streams: list[Any] = [None] * len(plan.steps)
         self.caller: dict[DeviceOption, Any] = {}  # per device: the caller's current stream
@@ -148,7 +150,7 @@ class RunStreams:
         if step.option.device_type != CUDA or not backend.active(step.device):
             for i in before:  # a host step reading what a stream computed
                 backend.synchronize(self.events[i])
-            self.plan.runs[index](self.frame)
+            self.runs[index](self.frame)
             return
         stream = worker_streams.get(step.option)
         if stream is None:
@@ -165,7 +167,7 @@ class RunStreams:
             if isinstance(value, torch.Tensor):
                 backend.keep_alive(value, stream)
         with backend.use(stream):
-            self.plan.runs[index](frame)
+            self.runs[index](frame)
         self.events[index] = backend.record(stream)
         self.streams[index] = stream
         self.used[id(stream)] = (stream, step.option)

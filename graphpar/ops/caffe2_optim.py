@@ -15,7 +15,15 @@ from types import SimpleNamespace
 import torch
 
 from graphpar.core.ir import DeviceOption
-from graphpar.core.schema import NOT_DIFFERENTIABLE, KernelContext, TensorSpec, Trait, register_op
+from graphpar.core.schema import (
+    NOT_DIFFERENTIABLE,
+    Effects,
+    Elementwise,
+    KernelContext,
+    TensorSpec,
+    Trait,
+    register_op,
+)
 from graphpar.core.shapes import on_meta
 from graphpar.ops.common import op_label
 from graphpar.ops.optim import counter_at
@@ -79,7 +87,7 @@ def _rms_prop(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 register_op(
     "RmsProp", inputs=4, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
     args={"decay": 0.9, "momentum": 0.0, "epsilon": 1e-5}, kernel=_rms_prop, gradient=NOT_DIFFERENTIABLE,
-    traits=_UPDATE,
+    traits=_UPDATE, effects=Effects(elementwise=Elementwise((0, 1, 2))),
     doc="[grad, mean_squares, mom, lr] -> [step, mean_squares, mom]: ms += (1 - decay)(g^2 - ms); mom = "
         "momentum mom + lr g / sqrt(ms + epsilon); step = mom (Caffe2 then adds -lr' step to the param).")
 
@@ -117,7 +125,7 @@ def _sparse_adadelta(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tu
 _ADADELTA_ARGS = {"epsilon": 1e-5, "decay": 0.95}
 register_op(
     "Adadelta", inputs=5, outputs=3, inplace={(0, 0), (1, 1), (2, 2)}, args=_ADADELTA_ARGS, kernel=_adadelta,
-    gradient=NOT_DIFFERENTIABLE, traits=_UPDATE,
+    gradient=NOT_DIFFERENTIABLE, traits=_UPDATE, effects=Effects(elementwise=Elementwise((0, 1, 2, 3))),
     doc="[param, moment, moment_delta, grad, lr] -> [param, moment, moment_delta]: h = decay h + (1 - decay) "
         "g^2; step = sqrt(d + epsilon) / sqrt(h + epsilon) g; param += lr step; d = decay d + (1 - decay) "
         "step^2.")
@@ -261,6 +269,7 @@ register_op(
     "RAdam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)}, args=_ADAM_ARGS, kernel=_radam,
     gradient=NOT_DIFFERENTIABLE, traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), check=counter_at(5),
     infer=lambda a, _ctx, inputs: on_meta(lambda p, m1, m2, g, lr: _radam_rows(a, p, m1, m2, g, lr, 1), inputs[:5]),
+    effects=Effects(elementwise=Elementwise((0, 1, 2, 3))),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: rectified Adam, torch.optim.RAdam's update with "
         "t = iter (lr negative). Caffe2 ran it as Adam with enableRAdam=1; graphpar's build_adam records "

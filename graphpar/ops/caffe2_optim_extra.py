@@ -58,7 +58,9 @@ def _same_rows(where: str, names: list[str], *tensors: torch.Tensor) -> None:
 def _storm_rows(a: SimpleNamespace, param: torch.Tensor, moment: torch.Tensor, gss: torch.Tensor,
                 grad: torch.Tensor, lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     new_gss = gss + (grad * grad).sum().to(gss.dtype)
-    nlr = _scalar(lr, grad.dtype) * torch.pow(a.beta + _scalar(new_gss, grad.dtype), -1.0 / 3.0)
+    seen = a.beta + _scalar(new_gss, grad.dtype)
+    nlr = _scalar(lr, grad.dtype) * torch.pow(seen, -1.0 / 3.0)
+    nlr = torch.where(seen > 0, nlr, torch.zeros_like(nlr))  # beta 0 and only zero gradients so far: no step (not inf * 0)
     alpha = a.momentum * nlr * nlr
     new_moment = grad + (1 - alpha) * (moment - grad)
     return param + nlr * new_moment, new_moment, new_gss
@@ -93,8 +95,9 @@ def _sparse_storm(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple
 
 
 _STORM_ARGS = {"momentum": 10.0, "beta": 0.1}
-_STORM_RULE = ("gss += ‖g‖²; nlr = lr (beta + gss)^(-1/3); a = momentum nlr²; moment = g + (1 - a)(moment - g); "
-               "param += nlr moment (STORM, Cutkosky & Orabona 2019; lr negative)")
+_STORM_RULE = ("gss += ‖g‖²; nlr = lr (beta + gss)^(-1/3), 0 while beta + gss is 0 (beta 0, zero gradients: "
+               "nothing moves); a = momentum nlr²; moment = g + (1 - a)(moment - g); param += nlr moment (STORM, "
+               "Cutkosky & Orabona 2019; lr negative)")
 register_op(
     "Storm", inputs=5, outputs=3, inplace={(0, 0), (1, 1), (2, 2)}, args=_STORM_ARGS, kernel=_storm,
     gradient=NOT_DIFFERENTIABLE, traits=_UPDATE,

@@ -29,14 +29,20 @@ _ADVICE = ("Lower the learning rate, check the batch for NaN or inf, or clip gra
 
 
 def _first_not_finite(names: Sequence[str], xs: Sequence[torch.Tensor]) -> str | None:
-    """'<name> is <value>' for the first input holding a NaN or an infinity, else None."""
+    """'<name> is <value>' for the first input holding a NaN or an infinity, else None (one host read
+    when all are finite)."""
+    if len(xs) == 1 and xs[0].numel() == 1:
+        if math.isfinite(xs[0].item()):
+            return None
+    elif bool(torch.stack([torch.isfinite(x).all().to(xs[0].device) for x in xs]).all()):
+        return None
     for name, x in zip(names, xs):
-        if not (math.isfinite(x.item()) if x.numel() == 1 else bool(torch.isfinite(x).all())):
+        if not bool(torch.isfinite(x).all()):
             return f"{name!r} is {x[~torch.isfinite(x)].reshape(-1)[0].item()}"
     return None
 
 
-def _check_finite(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
+def _check_finite(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     names = ctx.op.inputs
 
     def run(*xs: torch.Tensor) -> tuple:
@@ -44,7 +50,7 @@ def _check_finite(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tupl
         if bad is not None:
             raise FloatingPointError(
                 f"{bad} (not finite): the step stopped before any parameter update, so the params and "
-                f"optimizer state are those of the previous step. {_ADVICE}")
+                f"optimizer state are those of the previous step. {a.why or _ADVICE}")
         return ()
 
     return run
@@ -55,10 +61,12 @@ def _no_outputs(_a: SimpleNamespace, _ctx: KernelContext, _inputs: list[TensorSp
 
 
 register_op(
-    "CheckFinite", inputs=(1, None), outputs=0, kernel=_check_finite, gradient=NO_GRADIENT,
+    "CheckFinite", inputs=(1, None), outputs=0, args={"why": ""}, kernel=_check_finite, gradient=NO_GRADIENT,
     traits=(Trait.HOST_SYNC,), infer=_no_outputs,
     doc="[X_1, ...] -> nothing: raises FloatingPointError naming the first input holding a NaN or an "
-        "infinity (read on the host). Parallelize(check_finite_loss=True) puts one per replica on its losses.")
+        "infinity (read on the host, once when all are finite), ending with `why` (default: advice for a "
+        "diverging loss). Parallelize(check_finite_loss=True) puts one per replica on its losses, and a "
+        "float16 all-reduce without a loss scale one on the gradient sums.")
 
 
 def _check_finite_across_shards(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:

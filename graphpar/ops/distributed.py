@@ -22,6 +22,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -77,18 +79,37 @@ def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Ten
         raise ValueError(f"{op_label(ctx.op)}: timeout_ms must be >= 1, got {a.timeout_ms}")
 
     def run() -> torch.Tensor:
-        try:
+        role = "serve" if a.is_master else "reach"
+        where = (f"{op_label(ctx.op)}: could not {role} the TCPStore at {a.host}:{a.port} within {a.timeout_ms} ms "
+                 f"(is the shard with is_master=True running?)")
+        timeout = datetime.timedelta(milliseconds=a.timeout_ms)
+        deadline = time.monotonic() + a.timeout_ms / 1000
+        if not a.is_master and not _listening(a.host, a.port, deadline):
+            raise RuntimeError(f"{where}: nothing accepted a connection")
+        try:  # torch's client retries a failed connect once more after its timeout: give it what is left
+            left = max(1.0, (deadline - time.monotonic()) * 1000)
             store: torch.distributed.Store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
-                                               datetime.timedelta(milliseconds=a.timeout_ms), False)
+                                               datetime.timedelta(milliseconds=left), False)
+            store.set_timeout(timeout)  # every store operation waits at most timeout_ms
         except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
-            role = "serve" if a.is_master else "reach"
-            raise RuntimeError(f"{op_label(ctx.op)}: could not {role} the TCPStore at {a.host}:{a.port} within "
-                               f"{a.timeout_ms} ms (is the shard with is_master=True running?): {exc}") from None
+            raise RuntimeError(f"{where}: {exc}") from None
         if a.prefix:
             store = torch.distributed.PrefixStore(a.prefix, store)
         return _handle(distributed.register_store(store))
 
     return run
+
+
+def _listening(host: str, port: int, deadline: float) -> bool:
+    """Whether a connection to host:port succeeds before `deadline` (time.monotonic()), trying again
+    every 50 ms while it is refused (the serving shard may start later)."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return True
+        except OSError:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 def _handle_rule(_a: SimpleNamespace, _ctx: KernelContext, _inputs: list[TensorSpec]) -> list[TensorSpec]:
@@ -192,20 +213,28 @@ def _shifted(i: int, o: int) -> bool:
     return i == o + 1
 
 
-def _allreduce(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
-    if a.order not in distributed.REDUCE_ORDERS:
-        raise ValueError(f"Allreduce: order must be one of {distributed.REDUCE_ORDERS}, got {a.order!r}")
-    if a.order == "ring" or comm.size == 1:
-        comm.allreduce(x)
-        return
-    parts = comm.allgather(x)  # every shard adds the same values in the same tree order
+def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of one tensor per shard, added in Parallelize's Sum tree over shard positions."""
     for level in tree_levels(len(parts)):
         for positions in level:
             total = parts[positions[0]]
             for position in positions[1:]:
                 total = total + parts[position]
             parts[positions[0]] = total
-    x.copy_(parts[0])
+    return parts[0]
+
+
+def _check_order(order: str, op_type: str) -> None:
+    if order not in distributed.REDUCE_ORDERS:
+        raise ValueError(f"{op_type}: order must be one of {distributed.REDUCE_ORDERS}, got {order!r}")
+
+
+def _allreduce(comm: distributed.Communicator, x: torch.Tensor, a: SimpleNamespace) -> None:
+    _check_order(a.order, "Allreduce")
+    if a.order == "ring" or comm.size == 1:
+        comm.allreduce(x)
+        return
+    x.copy_(_tree_sum(comm.allgather(x)))  # every shard adds the same values in the same tree order
 
 
 register_op(
@@ -229,6 +258,41 @@ register_op(
     kernel=_collective(_broadcast), infer=_copies_rule, gradient=NOT_DIFFERENTIABLE, traits=_IN_PLACE,
     device_inference=_handle_device,
     doc="Output i = shard `root`'s input i + 1 (input 0: the communicator); in place enforced.")
+
+
+def _reduce_scatter(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    where = op_label(ctx.op)
+    _check_order(a.order, where)
+
+    def run(world: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        comm, flat = distributed.get_world(int(world)), x.reshape(-1)
+        sizes = list(a.split)
+        if not sizes and flat.numel() % comm.size == 0:
+            sizes = [flat.numel() // comm.size] * comm.size
+        if len(sizes) != comm.size or sum(sizes) != flat.numel() or min(sizes) < 0:
+            raise ValueError(f"{where}: split {list(a.split)} must cut X's {flat.numel()} elements into one part "
+                             f"per shard ({comm.size})")
+        if a.order == "ring" or comm.size == 1:
+            return comm.reduce_scatter(flat, sizes)
+        return _tree_sum(comm.alltoall(flat, sizes))  # each shard adds its part of every shard in tree order
+
+    return run
+
+
+def _reduce_scatter_infer(a: SimpleNamespace, _ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    """Known when every part has one size (the shard's rank, known only at run time, picks its part)."""
+    sizes = set(a.split)
+    return [TensorSpec((sizes.pop(),), inputs[1].dtype) if len(sizes) == 1 else None]
+
+
+register_op(
+    "ReduceScatter", inputs=2, outputs=1, args={"split": Arg("ints", ()), "order": "ring"}, kernel=_reduce_scatter,
+    infer=_reduce_scatter_infer, gradient=NOT_DIFFERENTIABLE, traits=_DISTRIBUTED, device_inference=_handle_device,
+    doc="Y = part r of the sum over the shards of X (input 1, flattened; input 0: the communicator), r this "
+        "shard: X is cut into the sizes of `split`, one part per shard in shard order (default equal parts). "
+        "order='ring': the backend's reduce-scatter; 'tree': an all-to-all, then Parallelize's Sum tree over "
+        "shard positions, so shards x devices sum exactly as one process's tree over all devices (as "
+        "Allreduce). Parallelize(shard_gradients=True) reduces each gradient with it.")
 
 
 def _allgather(_a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

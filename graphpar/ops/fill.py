@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from graphpar.core.ir import DataType
+from graphpar.core.ir import DataType, OperatorDef
 from graphpar.core.schema import NO_GRADIENT, Arg, KernelContext, TensorSpec, Trait, register_op
 from graphpar.ops.common import op_label
 
@@ -98,7 +98,13 @@ def _register_fill(type_: str, doc: str, kernel: Callable[..., Any], plan: Plan,
                    random: bool = True, **args: Any) -> None:
     traits = (Trait.FILL, Trait.HOST_SYNC, *((Trait.RANDOM,) if random else ()))
     register_op(type_, inputs=(0, 1), outputs=1, args={**_SHAPE_ARGS, **args}, kernel=kernel,
-                gradient=NO_GRADIENT, doc=doc, traits=traits, infer=_fill_rule(plan, fan_dim))
+                gradient=NO_GRADIENT, doc=doc, traits=traits, infer=_fill_rule(plan, fan_dim),
+                traceable=False if random else _reads_only_a_shape)
+
+
+def _reads_only_a_shape(op: OperatorDef) -> bool:
+    """Whether a fill reads no tensor value (only its input's shape), so it can be compiled."""
+    return not op.args.get("input_as_shape")
 
 
 def _constant_dtype(a: SimpleNamespace, ctx: KernelContext) -> torch.dtype | None:

@@ -286,18 +286,37 @@ def _conv(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]
     return conv
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _backward_stride(x: torch.Tensor, w: torch.Tensor, geo: _Geometry, padding: tuple[int, int]) -> tuple[int, ...]:
+    """The stride to give convolution_backward: `geo.stride`, except on CPU in bf16/fp16 where an axis with
+    one output position and a stride past the window's slack gets the smallest stride that keeps that one
+    position. The result is the same (a single position has no stride), and oneDNN's reduced-precision
+    weight gradient reads uninitialised memory for the larger stride (torch 2.13: a 1x1 input, 3x3 kernel,
+    pad 1, stride 2 gives NaN or 1e12 in dW in about one run of two)."""
+    if x.device.type != "cpu" or x.dtype not in _REDUCED:
+        return geo.stride
+    stride = []
+    for axis, (step, pad, dilation) in enumerate(zip(geo.stride, padding, geo.dilation)):
+        slack = x.shape[2 + axis] + 2 * pad - dilation * (w.shape[2 + axis] - 1) - 1
+        stride.append(min(step, slack + 1) if slack < step else step)
+    return tuple(stride)
+
+
 def _conv_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     geo, padding, prepare = _conv_plan(a, ctx)
     with_bias = len(ctx.op.outputs) == 3 or (len(ctx.op.outputs) == 2 and a.no_gradient_to_input)
     with_dx = _with_input_gradient(a, ctx, (1 + with_bias, 2 + with_bias))
 
     def conv_grad(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
+        padded = prepare(x, w)
         dx, dw, db = aten.convolution_backward(
             dy,
-            prepare(x, w),
+            padded,
             w,
             [w.shape[0]] if with_bias else None,
-            geo.stride,
+            _backward_stride(padded, w, geo, padding),
             padding,
             geo.dilation,
             False,

@@ -95,7 +95,10 @@ def _per_channel_inputs(*vectors: int, like_x: tuple[int, ...] = ()) -> InputChe
 def _uses_cudnn(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor | None,
                 rv: torch.Tensor | None, epsilon: float) -> bool:
     """Whether torch would run cuDNN's batch norm here (`F.batch_norm`'s own choice: a CUDA input of
-    3+ dims, a supported dtype, epsilon and batch size, `torch.backends.cudnn.enabled`)."""
+    3+ dims, a supported dtype, epsilon and batch size, `torch.backends.cudnn.enabled`). Never inside a
+    compiled program, whose compiler generates batch norm's kernels itself (`executor.compiled`)."""
+    if torch.compiler.is_compiling():
+        return False
     select = getattr(torch._C, "_select_batch_norm_backend", None)
     backends = getattr(torch._C, "_BatchNormBackend", None)
     return select is not None and backends is not None and select(x, scale, bias, rm, rv, True, epsilon) == \

@@ -21,6 +21,7 @@ from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
     Arg,
     Effects,
+    Elementwise,
     InputCheck,
     KernelContext,
     MultiTensor,
@@ -256,7 +257,8 @@ def _momentum_sgd(a: SimpleNamespace, _ctx: KernelContext, into_grad: bool = Fal
         return nesterov
 
     def plain(g: torch.Tensor, m: torch.Tensor, lr: torch.Tensor, p: torch.Tensor) -> tuple:
-        step = m.mul_(mu).add_(scaled(g, lr))  # mu m rounded, then + lr g: torch.optim.SGD's order, no FMA
+        rate_g = scaled(g, lr)  # first what can fail (a malformed lr), so a failure leaves m as it was
+        step = m.mul_(mu).add_(rate_g)  # mu m rounded, then + lr g: torch.optim.SGD's order, no FMA
         return step, step, p.sub_(step)
 
     return plain
@@ -267,7 +269,7 @@ register_op(
     args={"momentum": 0.0, "nesterov": False}, kernel=_momentum_sgd, gradient=NOT_DIFFERENTIABLE,
     reuse=(0, functools.partial(_momentum_sgd, into_grad=True)),
     traits=(Trait.INPLACE_UPDATE,), check=same_shape((0, 1, 3)),
-    effects=Effects(rebinds={0}, momentum=1,
+    effects=Effects(rebinds={0}, momentum=1, elementwise=Elementwise((0, 1, 3)),
                     multi_tensor=MultiTensor("MultiTensorMomentumSGDUpdate", (0, 1, 3), (2,), (0, 1, 3))),
     doc="[grad, mom, lr, param] -> [grad, mom, param] in place (mom and param are updated in their "
         "storage); lr is positive (the op subtracts). Plain: a = (momentum m, rounded) + lr g; mom = a; "
@@ -276,25 +278,43 @@ register_op(
         "grad and mom share one tensor.")
 
 
+Corrections = tuple[Any, Any]  # Adam's 1 - beta1^t and sqrt(1 - beta2^t): floats, or 0-d float64 tensors
+
+
 def _adam_step(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
-               lr: torch.Tensor, t: int) -> tuple:
+               lr: torch.Tensor, c: Corrections) -> tuple:
     beta1, beta2 = a.beta1, a.beta2
     m1 = torch.lerp(m1, g, 1.0 - beta1)
     m2 = torch.addcmul(m2 * beta2, g, g, value=1.0 - beta2)
-    denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(a.epsilon)
-    step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
+    denom = m2.sqrt().div_(_in(c[1], g)).add_(a.epsilon)
+    step = m1 * (lr.reshape(()).to(g.dtype) / _in(c[0], g))
     return torch.addcdiv(p, step, denom), m1, m2
 
 
 def _adam_step_inplace(a: SimpleNamespace, p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor,
-                       lr: torch.Tensor, t: int) -> tuple:
+                       lr: torch.Tensor, c: Corrections) -> tuple:
     """`_adam_step` writing param and moments into their storage, with the same roundings."""
     beta1, beta2 = a.beta1, a.beta2
     m1.lerp_(g, 1.0 - beta1)
     m2.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = m2.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(a.epsilon)
-    step = m1 * (lr.reshape(()).to(g.dtype) / (1.0 - beta1 ** t))
+    denom = m2.sqrt().div_(_in(c[1], g)).add_(a.epsilon)
+    step = m1 * (lr.reshape(()).to(g.dtype) / _in(c[0], g))
     return p.addcdiv_(step, denom), m1, m2
+
+
+def _in(value: Any, like: torch.Tensor) -> Any:
+    """A correction as `like`'s kernels take a Python float: a 0-d tensor rounded to its dtype first."""
+    return value.to(like.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _corrections(a: SimpleNamespace, it: torch.Tensor, where: str) -> Corrections:
+    """Adam's bias corrections at t = the counter's value: on the host, or, inside a compiled program
+    (`executor.compiled`), as tensor math on the counter (no host read, no value baked in)."""
+    if torch.compiler.is_compiling():
+        t = it.reshape(()).to(torch.float64)
+        return 1.0 - torch.pow(a.beta1, t), torch.sqrt(1.0 - torch.pow(a.beta2, t))
+    step = _iteration(it, where)
+    return 1.0 - a.beta1 ** step, math.sqrt(1.0 - a.beta2 ** step)
 
 
 def _iteration(it: torch.Tensor, where: str) -> int:
@@ -311,22 +331,24 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 
     def run(p: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, g: torch.Tensor, lr: torch.Tensor,
             it: torch.Tensor) -> tuple:
-        return step(a, p, m1, m2, g, lr, _iteration(it, where))
+        return step(a, p, m1, m2, g, lr, _corrections(a, it, where))
 
     return run
 
 
 def _adam_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The update's specs from a step at t = 1 on meta tensors (the counter's value is not known)."""
-    return on_meta(lambda p, m1, m2, g, lr: _adam_step(a, p, m1, m2, g, lr, 1), inputs[:5])
+    return on_meta(lambda p, m1, m2, g, lr: _adam_step(a, p, m1, m2, g, lr, (1.0 - a.beta1, math.sqrt(1.0 - a.beta2))),
+                   inputs[:5])
 
 
 register_op(
     "Adam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)},
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_adam, gradient=NOT_DIFFERENTIABLE,
-    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer,
+    traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=_adam_infer, traceable=True,
     check=all_checks(same_shape((0, 1, 2, 3)), counter_at(5)),
-    effects=Effects(multi_tensor=MultiTensor("MultiTensorAdam", (0, 1, 2, 3), (4, 5), (0, 1, 2))),
+    effects=Effects(multi_tensor=MultiTensor("MultiTensorAdam", (0, 1, 2, 3), (4, 5), (0, 1, 2)),
+                    elementwise=Elementwise((0, 1, 2, 3))),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + "
         "(1-b2) g^2; param += lr (m1/(1-b1^t)) / (sqrt(m2/(1-b2^t)) + epsilon), lr negative, t = iter; "
@@ -370,10 +392,11 @@ def _multi_momentum_sgd(a: SimpleNamespace, ctx: KernelContext) -> Callable[...,
 
     def run(*xs: torch.Tensor) -> tuple:
         gs, ms, ps, lr = xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k]
+        rate = lr.reshape(())  # before any update: a malformed lr changes nothing
         steps: list = [None] * k
         for idx in _by_dtype(list(gs)):
             g, m, p = [gs[i] for i in idx], [ms[i] for i in idx], [ps[i] for i in idx]
-            scaled = torch._foreach_mul(g, lr.reshape(()).to(g[0].dtype))
+            scaled = torch._foreach_mul(g, rate.to(g[0].dtype))
             if a.nesterov:
                 new = torch._foreach_add(scaled, m, alpha=mu)  # m' = lr g + mu m, as MomentumSGDUpdate's
                 step = torch._foreach_mul(new, 1.0 + mu)
@@ -405,16 +428,16 @@ def _multi_adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 
     def run(*xs: torch.Tensor) -> tuple:
         ps, m1s, m2s, gs, lr, it = xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k:4 * k], xs[4 * k], xs[4 * k + 1]
-        t = _iteration(it, where)
+        c1, c2 = _corrections(a, it, where)
         for idx in _by_dtype(list(gs)):
             p, m1, m2, g = ([blobs[i] for i in idx] for blobs in (ps, m1s, m2s, gs))
             torch._foreach_lerp_(m1, g, 1.0 - beta1)
             torch._foreach_mul_(m2, beta2)
             torch._foreach_addcmul_(m2, g, g, value=1.0 - beta2)
             denom = torch._foreach_sqrt(m2)
-            torch._foreach_div_(denom, math.sqrt(1.0 - beta2 ** t))
+            torch._foreach_div_(denom, _in(c2, g[0]))
             torch._foreach_add_(denom, a.epsilon)
-            step = torch._foreach_mul(m1, lr.reshape(()).to(g[0].dtype) / (1.0 - beta1 ** t))
+            step = torch._foreach_mul(m1, lr.reshape(()).to(g[0].dtype) / _in(c1, g[0]))
             torch._foreach_addcdiv_(p, step, denom)
         return (*ps, *m1s, *m2s)
 
@@ -425,6 +448,7 @@ register_op(
     "MultiTensorAdam", inputs=(6, None), outputs=(3, None), enforce_inplace=same_index,
     args={"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, kernel=_multi_adam, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), infer=lambda a, ctx, inputs: inputs[:len(ctx.op.outputs)],
+    traceable=True,
     check=all_checks(same_shape(lambda n: _blocks(n - 2, 4)), counter_at(-1)),
     device_inference=lambda op, d: ([d] * (len(op.inputs) - 1) + [_HOST], [d] * len(op.outputs)),
     doc="[param_1..k, m1_1..k, m2_1..k, grad_1..k, lr, iter] -> [param_1..k, m1_1..k, m2_1..k] in "

@@ -93,7 +93,9 @@ def _grow(a: SimpleNamespace, _ctx: KernelContext) -> Callable[..., tuple]:
     def run(scale: torch.Tensor, good: torch.Tensor) -> tuple:
         good = good + 1
         grow = good >= a.growth_interval
-        return torch.where(grow, scale * a.growth_factor, scale), torch.where(grow, torch.zeros_like(good), good)
+        grown = scale * a.growth_factor  # kept only while finite, as torch._amp_update_scale_
+        return (torch.where(grow & torch.isfinite(grown), grown, scale),
+                torch.where(grow, torch.zeros_like(good), good))
 
     return run
 
@@ -103,7 +105,8 @@ register_op(
     args={"growth_factor": 2.0, "growth_interval": 2000}, kernel=_grow, gradient=NOT_DIFFERENTIABLE,
     traits=(Trait.INPLACE_UPDATE,),
     doc="[scale, good_steps] -> same, in place: after a step whose gradients were finite, good_steps += 1; "
-        "at growth_interval, scale *= growth_factor and good_steps = 0 (torch.amp.GradScaler's update).")
+        "at growth_interval, scale *= growth_factor unless that is not finite, and good_steps = 0 "
+        "(torch.amp.GradScaler's update).")
 register_op(
     "BackoffLossScale", inputs=2, outputs=2, enforce_inplace={(0, 0), (1, 1)}, args={"backoff_factor": 0.5},
     kernel=lambda a, _ctx: lambda scale, good: (scale * a.backoff_factor, torch.zeros_like(good)),

@@ -24,6 +24,7 @@ from graphpar.core.ir import DeviceOption, OperatorDef
 from graphpar.core.schema import (
     NOT_DIFFERENTIABLE,
     Effects,
+    Elementwise,
     InputCheck,
     KernelContext,
     TensorSpec,
@@ -223,6 +224,7 @@ _ADAGRAD_ARGS = {"epsilon": 1e-5, "decay": 1.0}
 register_op(
     "Adagrad", inputs=4, outputs=2, inplace={(0, 0), (1, 1)}, args=_ADAGRAD_ARGS, kernel=_adagrad,
     gradient=NOT_DIFFERENTIABLE, traits=_UPDATE, check=same_shape((0, 1, 2)),
+    effects=Effects(elementwise=Elementwise((0, 1, 2))),
     doc="[param, moment, grad, lr] -> [param, moment]: moment = decay moment + grad^2; param += lr grad / "
         "(sqrt(moment) + epsilon). lr is negative for descent (Caffe2's sign); equals torch.optim.Adagrad "
         "(decay 1, lr_decay 0) with its eps.")

@@ -25,6 +25,7 @@ from graphpar.core.schema import (
     NO_GRADIENT,
     Arg,
     Effects,
+    Elementwise,
     KernelContext,
     Precision,
     PrecisionRule,
@@ -276,6 +277,7 @@ register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
 register_op("Scale", inplace={(0, 0)}, args={"scale": 1.0},
             kernel=lambda a, _ctx: lambda x: x * a.scale, gradient=one_input_gradient("Scale"),
             reuse=(0, lambda a, _ctx: lambda x: x.mul_(a.scale) if x.is_floating_point() else x * a.scale),
+            effects=Effects(elementwise=Elementwise((0,))),
             precision=Precision.FOLLOW,
             doc="Y = scale * X; gradient Scale(dY) with the same scale.")
 register_op("Clip", inplace={(0, 0)}, args={"min": -math.inf, "max": math.inf},
@@ -431,6 +433,48 @@ register_op(
         "parts); add_axis drops the axis (sizes 1). Gradient Concat(dY...), zeros for missing dY.")
 
 
+def _slice_index(a: SimpleNamespace, shape: Sequence[int], where: str) -> tuple[slice, ...]:
+    """The index of Caffe2's Slice: `[starts[i], ends[i])` along dim i, a negative bound counting from
+    the end (dim + 1 + bound, so ends=-1 runs to the end); dims past `starts` whole."""
+    if len(a.starts) != len(a.ends) or len(a.starts) > len(shape):
+        raise ValueError(f"{where}: starts {list(a.starts)} and ends {list(a.ends)} need one bound per dim, "
+                         f"at most {len(shape)} (X is {list(shape)})")
+    index = []
+    for dim, (start, end) in enumerate(zip(a.starts, a.ends)):
+        size = shape[dim]
+        lo, hi = (size + 1 + b if b < 0 else b for b in (start, end))
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(f"{where}: dim {dim} of size {size} has no slice [{start}, {end})")
+        index.append(slice(lo, hi))
+    return tuple(index)
+
+
+def _slice_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    where = op_label(ctx.op)
+    return lambda x: x[_slice_index(a, x.shape, where)]
+
+
+def _slice_grad_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    where = op_label(ctx.op)
+
+    def run(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        dx = torch.zeros_like(x, dtype=dy.dtype)
+        dx[_slice_index(a, x.shape, where)] = dy
+        return dx
+
+    return run
+
+
+_SLICE_ARGS = {"starts": Arg("ints", ()), "ends": Arg("ints", ())}
+register_op(
+    "Slice", args=_SLICE_ARGS, kernel=_slice_kernel, gradient=one_input_gradient("SliceGradient", "X"),
+    doc="Y = X[starts[0]:ends[0], starts[1]:ends[1], ...] (Caffe2's Slice with its bounds as arguments): a "
+        "negative bound counts from the end, dim + 1 + bound, so ends=[-1] runs to the end; dims past "
+        "`starts` are kept whole. Gradient SliceGradient(X, dY).")
+register_gradient("SliceGradient", "Slice", _slice_grad_kernel,
+                  doc="dX = zeros shaped like X with dY at Slice's bounds.")
+
+
 def _permutation(a: SimpleNamespace, ctx: KernelContext) -> tuple[int, ...]:
     axes = tuple(a.axes)
     if sorted(axes) != list(range(len(axes))):
@@ -580,6 +624,7 @@ register_op(
     "WeightedSum", inputs=(2, None), inplace={(0, 0)}, args={"grad_on_w": False},
     kernel=_weighted_sum_kernel, gradient=_weighted_sum_maker,
     reuse=(0, functools.partial(_weighted_sum_kernel, into_x0=True)),
+    effects=Effects(elementwise=Elementwise(lambda n: tuple(range(0, n, 2)))),
     doc="Y = w0 X0 + w1 X1 + ... (equal shapes; X0's dtype) with 1-element weights; in place into X0 allowed. "
         "Gradient WeightedSumGradient: dXi = wi dY, and dwi = sum(dY Xi) with grad_on_w.")
 register_gradient(

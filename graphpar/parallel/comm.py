@@ -5,6 +5,7 @@ reductions of Python values (metrics, evaluation results) across the processes t
     comm.get_rank(), comm.get_world_size(), comm.get_local_rank(), comm.is_main_process()
     comm.create_local_process_group(num_workers_per_machine)   # every process calls it, once
     comm.all_gather(obj), comm.gather(obj), comm.reduce_dict({"loss": 1.5}), comm.synchronize()
+    comm.shared_random_seed()                                  # one random seed for every process
 
 The collectives run over `group`: None is torch.distributed's default group (the one
 `graphpar.launch` joins; a script started by `python -m graphpar.launch` or torchrun joins it
@@ -29,7 +30,7 @@ from graphpar.platform import distributed
 
 __all__ = ["all_gather", "create_local_process_group", "gather", "get_local_process_group", "get_local_rank",
            "get_local_size", "get_rank", "get_world_size", "is_main_process", "local_devices", "model_world",
-           "reduce_dict", "synchronize"]
+           "reduce_dict", "shared_random_seed", "synchronize"]
 
 METRICS_WORLD = "graphpar_metrics_cw"  # the communicator `model_world` creates
 _local_group: Any = None
@@ -134,6 +135,11 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[:len(data)] = torch.from_numpy(data.copy())
     return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(group.allgather(padded), sizes)]
+
+
+def shared_random_seed(group: Any = None) -> int:
+    """A random int in [0, 2^31), the same on every process of `group`: process 0's (Detectron2's)."""
+    return int(all_gather(int(np.random.default_rng().integers(2**31)), group)[0])
 
 
 def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:

@@ -34,12 +34,12 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial, wraps
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from graphpar.core.ir import CPU, CUDA, DeviceOption, NetDef
-from graphpar.core.naming import KEEP_ARG, device_prefix, parse_device_scope, stripBlobName
+from graphpar.core.naming import KEEP_ARG, device_prefix, parse_device_scope, shard_name, stripBlobName
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.core.scope import CurrentDeviceScope
@@ -60,10 +60,18 @@ from graphpar.passes.distributed import SYNC_WORLD, barrier_net, store_of
 from graphpar.passes.finish import chain_collectives
 from graphpar.passes.memonger import optimize_memory
 from graphpar.passes.model_state import parallel_state as _state_of
-from graphpar.passes.options import LossScale, ParallelizeOptions, args_doc, blob_names, checked
+from graphpar.passes.options import (
+    CompileOptions,
+    LossScale,
+    ParallelizeOptions,
+    args_doc,
+    blob_names,
+    checked,
+)
 from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
+from graphpar.passes.shards import state_gather_net, state_scatter_net
 from graphpar.passes.state import Blob, ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
@@ -146,10 +154,13 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     accumulate_gradients: int = 1,
     cpu_update_once: bool = True,
     cuda_graph: bool = False,
+    compile: bool | str | Mapping[str, Any] | CompileOptions | None = None,
     compute_dtype: str | torch.dtype | None = None,
     loss_scale: float | str | Mapping[str, Any] | LossScale | None = None,
     channels_last: bool = False,
     allreduce_dtype: str | torch.dtype | None = None,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> None:
     """Replicate the model over `devices` and add gradients, all-reduce, updates and the initial sync.
 
@@ -173,8 +184,11 @@ def Parallelize(  # noqa: N802 - Caffe2 name
             in param_init_net, an op reading another replica's blob, a model parallelized twice,
             gradient_bucket_bytes or first_bucket_bytes < 1, a param whose size bucketing cannot tell,
             a bad rendezvous (unknown key, bad value) or one combined with an unsupported option,
-            cuda_graph with cpu_device, a bad compute_dtype, loss_scale or allreduce_dtype value,
-            loss_scale with shared_model, allreduce_dtype with a rendezvous. The model is left as it was.
+            cuda_graph with cpu_device or with compile, a bad compile mode, a bad compute_dtype, loss_scale or allreduce_dtype value,
+            loss_scale with shared_model, allreduce_dtype with a rendezvous, shard_optimizer_state with
+            shared_model, sparse gradients or an update it cannot split (`passes.shard_updates`),
+            shard_gradients with buckets, allreduce_dtype or (across shards) loss_scale. The model is
+            left as it was.
         TypeError: a model that is not a ModelHelper, non-int (or bool) device ids, builders that are not
             callable (or None, where optional), a flag that is not True or False, non-int
             gradient_bucket_bytes or first_bucket_bytes, a loss_scale of another type (or a dict with
@@ -189,11 +203,18 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     if given["cuda_graph"] and cpu_device:
         raise ParallelizeError("Parallelize: cuda_graph=True captures CUDA work; it needs CUDA devices, not "
                                "cpu_device=True")
-    net_type = "cuda_graph" if given["cuda_graph"] else given["net_type"]
+    if given["cuda_graph"] and given["compile"]:
+        raise ParallelizeError("Parallelize: cuda_graph=True and compile=... both replace the train net's executor; "
+                               "use compile='reduce-overhead' for inductor's CUDA graphs, or cuda_graph=True alone")
+    net_type = "cuda_graph" if given["cuda_graph"] else "compiled" if given["compile"] else given["net_type"]
+    if given["compile"]:
+        given["dynamic_memory_management"] = True  # intermediates stay inside the compiled program
     _check_options(cpu_device, given["param_update_builder_fun"], given["optimizer_builder_fun"],
                    given["shared_model"], net_type)
-    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"], cuda)
+    given["shard_optimizer_state"] = given["shard_optimizer_state"] or given["shard_gradients"]  # stage 2 has 1's
     _check_combinations(given)
+    bucket_bytes, auto_buckets = _bucket_bytes(given["gradient_bucket_bytes"], given["bucket_cap_mb"],
+                                               cuda and not given["shard_gradients"])
     rdv = _check_rendezvous(given["rendezvous"], shared_model=given["shared_model"],
                             default_engine=default_engine(not cpu_device))
     _check_bn_groups(given["combine_spatial_bn"], rdv)
@@ -219,7 +240,8 @@ def Parallelize(  # noqa: N802 - Caffe2 name
     with _gc_paused(), _unchanged_on_error(model):
         blob_to_device: dict[str, DeviceOption] = {}
         reducer = make_reducer(layout, blob_to_device, options.use_nccl, _peer_access(layout), options.num_shards,
-                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring")
+                               options.max_concurrent_distributed_ops, rdv.reduce_order if rdv else "ring",
+                               rdv.shard_id if rdv else 0)
         model._parallel = ParallelState(model, options, layout, reducer, blob_to_device,
                                         non_datapar=frozenset(str(p) for p in model.GetAllParams("")))
         model._parallel_runs = RunState()
@@ -256,6 +278,22 @@ def _check_combinations(given: dict[str, Any]) -> None:
         raise ParallelizeError("Parallelize: loss_scale is not supported with shared_model")
     if given["allreduce_dtype"] is not None and given["rendezvous"] is not None:
         raise ParallelizeError("Parallelize: allreduce_dtype is not supported with a rendezvous (one process only)")
+    if given["shard_optimizer_state"] and given["shared_model"]:
+        raise ParallelizeError("Parallelize: shard_optimizer_state is not supported with shared_model (the replicas "
+                               "share one copy of the params and state, which the first device updates)")
+    if not given["shard_gradients"]:
+        return
+    stage2 = "Parallelize: shard_gradients=True (each replica keeps only its part of the summed gradients)"
+    if given["gradient_bucket_bytes"] is not None or given["bucket_cap_mb"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with gradient buckets, which all-reduce whole flat buffers; "
+                               f"drop gradient_bucket_bytes / bucket_cap_mb, or use shard_optimizer_state=True "
+                               f"alone (ZeRO stage 1 all-reduces the gradients, in buckets too)")
+    if given["allreduce_dtype"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with allreduce_dtype; use shard_optimizer_state=True alone")
+    if given["loss_scale"] is not None and given["rendezvous"] is not None:
+        raise ParallelizeError(f"{stage2} does not go with loss_scale across shards: a gradient overflow in one "
+                               f"shard's parts would skip the step there only; use shard_optimizer_state=True "
+                               f"alone (every shard then checks the whole summed gradients)")
 
 
 def _check_bn_groups(combine: Any, rdv: Rendezvous | None) -> None:
@@ -315,6 +353,8 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
     barrier_net_timeout_sec: int = 300,
     max_gradient_norm: float | None = None,
     check_finite_loss: bool | None = None,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> None:
     """Blockwise model-update filtering (Caffe2's `Parallelize_BMUF`, see `graphpar.passes.bmuf`).
 
@@ -339,6 +379,9 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         check_finite_loss: as Parallelize's (default on for CPU replicas): a NaN or infinite loss on
             any replica makes RunNet raise before any local update, and the global update does not
             run (no replica, no global model changes).
+        shard_optimizer_state, shard_gradients: refused (ParallelizeError): each replica trains alone
+            between global updates, with its whole optimizer state, and the global update averages
+            whole params.
         rendezvous, max_concurrent_distributed_ops, barrier_net_timeout_sec: as Parallelize's: with
             several shards the global net averages the params of every replica of every shard (local
             sum on the master, cross-shard all-reduce, / (devices * num_shards)) and every shard's
@@ -349,6 +392,10 @@ def Parallelize_BMUF(  # noqa: N802 - Caffe2 name
         ParallelizeError / TypeError: as Parallelize, and a bad block argument or master_device.
     """
     _check_no_device_scope("Parallelize_BMUF")
+    if shard_optimizer_state or shard_gradients:
+        raise ParallelizeError("Parallelize_BMUF: shard_optimizer_state / shard_gradients are not supported: each "
+                               "replica runs its own local updates with its whole optimizer state between "
+                               "the global updates, so there is no state to share out; use Parallelize")
     rdv = _check_rendezvous(rendezvous, "Parallelize_BMUF", default_engine=default_engine(not cpu_device))
     model = _check_model(model_helper_obj)
     if not callable(param_update_builder_fun):
@@ -649,22 +696,45 @@ def skipped_steps(model: ModelHelper) -> int:
     return _runs_of(model).skipped_steps
 
 
+STARTUP_SKIPS_WARNED = 32  # a dynamic scale still skipping every step after this many: said once, as a warning
+
+
 def _run_loss_scaled(model: ModelHelper, runs: RunState, net: Net) -> None:
     """One run of a loss-scaled net (Parallelize's loss_scale, or build_multi_precision_sgd's): a gradient
-    overflow skips the step (the failed run changed nothing), logs a warning, with a dynamic scale
-    shrinks it (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches
-    (the running sums, which may hold an inf, are zeros again)."""
+    overflow skips the step (the failed run changed nothing), with a dynamic scale shrinks it
+    (`passes.loss_scale`), and with gradient accumulation drops the step's micro-batches (the running
+    sums, which may hold an inf, are zeros again).
+
+    Logging: a dynamic scale's start-up back-off (the skips before the first step that trains, normal
+    while a scale set high comes down, as GradScaler's silent first steps) is one INFO line when it
+    starts and one when the scale settles; a warning only if it has skipped `STARTUP_SKIPS_WARNED`
+    steps and still trains none. Any other skip (a static scale, or an overflow after training began)
+    is a warning."""
+    backoff = _state_of(model).loss_scale_backoff_net
     try:
         workspace.RunNet(net, 1)
     except Exception as exc:
         if not isinstance(exc.__cause__, GradientOverflowError):
             raise
-        log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
         runs.skipped_steps += 1
-        backoff = _state_of(model).loss_scale_backoff_net
+        if backoff is None or runs.trained:
+            log.warning("RunNet(%r): step skipped: %s", model.name, exc.__cause__)
+        elif runs.skipped_steps == 1:
+            log.info("RunNet(%r): the loss scale backs off until the gradients fit; the steps skipped meanwhile "
+                     "are not logged one by one (first: %s)", model.name, exc.__cause__)
+        elif runs.skipped_steps == STARTUP_SKIPS_WARNED:
+            log.warning("RunNet(%r): %d steps in a row skipped and none trained yet; the gradients overflow at "
+                        "every scale so far (the last: %s): a NaN or inf in the batch or the forward?",
+                        model.name, runs.skipped_steps, exc.__cause__)
         if backoff is not None:
             workspace.RunNetOnce(backoff)
         reset_accumulated_gradients(model)
+        return
+    if not runs.trained:
+        runs.trained = True
+        if runs.skipped_steps and backoff is not None:
+            log.info("RunNet(%r): the loss scale settled after %d skipped steps; training", model.name,
+                     runs.skipped_steps)
 
 
 def reset_accumulated_gradients(model: ModelHelper) -> None:
@@ -691,6 +761,12 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     (`_g`, `_v`, `_prev`, from `_global_model_init_net`); counters are the outputs of counter ops
     (`Iter`, `AtomicIter`: Trait.COUNTER) outside every replica scope (e.g. `optimizer_iteration`).
 
+    With sharded optimizer state (`shard_optimizer_state`) the names are the same as without: each
+    state blob whole under the first device's name (`cpu_0/fc_w_momentum`). Once `RunInitNet` has
+    run in the current workspace, this call gathers every replica's part into those blobs (across
+    shards a collective: call it on every shard), so the checkpoint has one format for sharded and
+    unsharded runs; the gathered blobs stay in the workspace (`save_checkpoint` drops them).
+
     Raises:
         ParallelizeError: the model was not parallelized.
     """
@@ -699,7 +775,31 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     first = {b for b in replica_init_outputs(model.param_init_net.Proto(), layout)
              if layout.replica_of(b) == layout.master}
     first |= {b for net in state.init_nets[1:] for b in replica_init_outputs(net.Proto(), layout)}  # BMUF g, v
+    sharded = _sharded_state(state)
+    if sharded:
+        first -= {shard_name(layout.scoped(layout.master, name)) for name in sharded}
+        first |= {layout.scoped(layout.master, name) for name in sharded}
+        _gather_state(model, sharded)
     return first | set(iteration_counters(model))
+
+
+def _sharded_state(state: ParallelState) -> list[str]:
+    """The model's sharded optimizer state blobs (unscoped, unsharded names); [] without sharding."""
+    return [] if state.sharding is None else list(state.sharding.state)
+
+
+def _gather_state(model: ModelHelper, names: list[str]) -> None:
+    """Write each sharded state blob whole under the first device's name, if the parts exist here."""
+    state, runs, ws = _state_of(model), _runs_of(model), workspace.get_workspace()
+    layout = state.layout
+    if not all(ws.has_blob(shard_name(layout.scoped(d, n))) for d in layout.devices for n in names):
+        return  # not initialised in this workspace: the names are all the caller gets
+    if runs.state_gather is None:
+        runs.state_gather = Net(state_gather_net(f"{model.net.Proto().name}_gather_state", state, names))
+    with ws.unchanged_on_error():
+        ws.create_net(runs.state_gather, overwrite=True)
+        ws.run_net(runs.state_gather.Proto().name)
+    runs.gathered = {name: ws.blobs[name] for name in (layout.scoped(layout.master, n) for n in names)}
 
 
 def iteration_counters(model: ModelHelper) -> list[str]:
@@ -714,16 +814,30 @@ def save_checkpoint(model: ModelHelper, path: str | os.PathLike[str], metadata: 
     """Write `GetCheckpointParams(model)` to `path` (graphpar.checkpoint.save, atomic) on one shard
     only: shard 0 of the model's rendezvous, or the only process. Every shard may then load it and call
     `FinalizeAfterCheckpoint`; call `Synchronize(model)` first if other shards read it right away.
-    Returns whether this process wrote the file.
+    With sharded optimizer state every shard must call it (the state is gathered from all of them);
+    the gathered whole blobs are removed again afterwards. Returns whether this process wrote the file.
 
     Raises:
         ParallelizeError: the model was not parallelized. checkpoint.save's errors on the writer.
     """
     rdv = _state_of(model).options.rendezvous
-    if rdv is not None and rdv.shard_id != 0:
-        return False
-    checkpoint.save(path, GetCheckpointParams(model), metadata=metadata)
-    return True
+    names = GetCheckpointParams(model)  # every shard: with sharded state, the gather is a collective
+    try:
+        if rdv is not None and rdv.shard_id != 0:
+            return False
+        checkpoint.save(path, names, metadata=metadata)
+        return True
+    finally:
+        _drop_gathered(model)
+
+
+def _drop_gathered(model: ModelHelper) -> None:
+    """Remove the whole state blobs GetCheckpointParams gathered (the parts hold the state)."""
+    ws, runs = workspace.get_workspace(), _runs_of(model)
+    for name, tensor in runs.gathered.items():
+        if ws.blobs.get(name) is tensor:
+            ws.remove_blob(name)
+    runs.gathered = {}
 
 
 def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = None,  # noqa: N802
@@ -741,6 +855,11 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
 
     The blobs loaded from a checkpoint for this model count as used afterwards (`graphpar.resume`).
 
+    With sharded optimizer state (`shard_optimizer_state`), each state blob present whole under the
+    first device's name (loaded from a checkpoint, sharded or not, or fed; not one GetCheckpointParams
+    gathered) is cut into every replica's part instead (across shards from shard 0's, so every shard
+    must call it with the same state loaded) and then removed: the parts hold it.
+
     Raises:
         ParallelizeError: the model was not parallelized, or a name is in the scope of a device that is
             not a replica (a checkpoint saved with other devices); nothing is built then.
@@ -753,23 +872,46 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
     net, layout = model._checkpoint_net, state.layout
     ws = workspace.get_workspace()
     grouped = dict(state.grouped)
+    sharded = _sharded_state(state)
     if net is None:
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
+        names = [name for name in names if name not in sharded]  # cut into parts below, not copied whole
         for name in names:
             group: dict[int, Blob] = dict(layout.group(name))
             grouped.setdefault(name, group)
         net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, iteration_counters(model)))
     _check_loaded_for(model, ws, grouped)
+    scatter = _state_to_scatter(model, ws, sharded)
     with ws.unchanged_on_error():
         for name in [n for n in ws.loaded if layout.replica_of(n) is not None or parse_device_scope(n) is None]:
             del ws.loaded[name]  # this model's loaded blobs: broadcast now, or global (counters)
         ws.create_net(net, overwrite=True)  # also right after a workspace switch or reset
         ws.run_net(net.Proto().name)
+        if scatter is not None:
+            ws.create_net(scatter, overwrite=True)
+            ws.run_net(scatter.Proto().name)
+            for name in scatter.Proto().external_inputs:
+                if layout.replica_of(name) == layout.master and ws.has_blob(name):
+                    ws.remove_blob(name)  # the whole state: its parts hold it now
     model._checkpoint_net = net
     state.grouped.update(grouped)
     log.info("FinalizeAfterCheckpoint(%r): broadcast %d blobs from %s to %s in workspace %r", model.name,
              len(net.Proto().external_inputs), layout.scoped(layout.master, ""), _replica_scopes(layout, 1),
              ws.name)
+
+
+def _state_to_scatter(model: ModelHelper, ws: workspace.Workspace, sharded: list[str]) -> Net | None:
+    """The net cutting the sharded state blobs present whole on the first device (not as GetCheckpointParams
+    gathered them) into their parts, built once per set of blobs; None when there are none."""
+    state, runs = _state_of(model), _runs_of(model)
+    first = {name: state.layout.scoped(state.layout.master, name) for name in sharded}
+    names = tuple(n for n in sharded if ws.has_blob(first[n]) and runs.gathered.get(first[n]) is not ws.blobs[first[n]])
+    if not names:
+        return None
+    if names not in runs.state_scatter:
+        runs.state_scatter[names] = Net(state_scatter_net(f"{model.net.Proto().name}_scatter_state_"
+                                                          f"{len(runs.state_scatter)}", state, names))
+    return runs.state_scatter[names]
 
 
 def _check_loaded_for(model: ModelHelper, ws: workspace.Workspace, grouped: dict) -> None:
@@ -1071,6 +1213,10 @@ class RunState:
     feeds: FeedTracker | None = None  # the train net's check of fed inputs, made by the first RunNet
     sync_barrier: tuple[int, Net] | None = None  # Synchronize's (timeout, barrier Net), built on first use
     skipped_steps: int = 0  # steps RunNet skipped on a gradient overflow (passes.loss_scale)
+    trained: bool = False  # a loss-scaled step of this model was not skipped (its start-up back-off is over)
+    state_gather: Net | None = None  # GetCheckpointParams' gather of sharded state, built on first use
+    gathered: dict[str, Any] = field(default_factory=dict)  # the whole state blobs it wrote -> their tensors
+    state_scatter: dict[tuple[str, ...], Net] = field(default_factory=dict)  # FinalizeAfterCheckpoint's cuts
 
 
 def _runs_of(model: ModelHelper) -> RunState:

@@ -5,49 +5,55 @@
 
     python -m graphpar.launch --nproc-per-node 2 train.py --epochs 3      # from the shell
     python -m graphpar.launch --nproc-per-node 2 -m graphpar.examples.train --devices 2
+    python -m graphpar.launch --nproc-per-node 2 --max-restarts 3 train.py       # restart when one dies
     python -m graphpar.launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --dist-url tcp://HOST:PORT train.py
+    python -m graphpar.launch --nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py
 
-Every process gets torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR, MASTER_PORT), so a script written for the launcher also runs under
-`torchrun`, and `rendezvous()` gives the `Parallelize(rendezvous=...)` dict for it (kv_handler=None:
-torch.distributed's default group, joined through env://). `dist_url="auto"` picks a free local port
-(one machine only). Each process gets an equal share of this machine's cores (OMP_NUM_THREADS,
-unless set): gloo's threads and PyTorch's intra-op threads of several processes oversubscribe the
-CPU otherwise (a 1 MiB clone took 30 ms instead of 0.1 ms with two processes on two busy cores).
-When one process fails, the others are stopped, its traceback is shown and the
-launcher exits non-zero; no process outlives it. SIGTERM or SIGINT (Ctrl-C) to the launcher is
-forwarded to every process, which gets a grace period to exit before it is killed (as torchrun): 5 s
-after SIGTERM; after Ctrl-C (each process stops after its step in flight) `INTERRUPT_GRACE_SEC`, or
-`PEER_GRACE_SEC` once one has ended. The launcher then exits with 128 + the signal's number (130
-after Ctrl-C) and prints nothing itself (rank 0 says where it stopped).
+Both run on torch's elastic agent, torchrun's (`torch.distributed.run`, see `graphpar.parallel.agent`):
+every process gets torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID), so a script
+written for the launcher also runs under `torchrun`, and `rendezvous()` gives the
+`Parallelize(rendezvous=...)` dict for it (kv_handler=None: torch.distributed's default group, joined
+through env://). With `--max-restarts N` the agent starts the whole group again when a process dies
+(SIGKILL, an exception, an out-of-memory kill), up to N times; a restarted process sees
+TORCHELASTIC_RESTART_COUNT > 0 (`restart_count()`) and graphpar's Trainer and trainers then continue
+from the last checkpoint their job wrote. Each process gets an equal share of this machine's cores
+(OMP_NUM_THREADS, unless set). When a process fails, the launcher names its rank, how it ended and its
+command, and restarts the group or stops the others and exits with its status. SIGTERM, SIGINT
+(Ctrl-C), SIGHUP and SIGQUIT to the launcher go to every process, which gets the shutdown timeout to
+exit before it is killed (a second signal other than Ctrl-C kills at once); the launcher then exits
+with 128 + the signal's number (130 after Ctrl-C) and prints nothing itself (rank 0 says where it
+stopped). No process outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import logging
 import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
+from graphpar.parallel.elastic import restart_count
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_STATIC_RESTARTS = ("torch's static rendezvous keeps one store for every attempt, where a restarted group meets the "
+                    "keys of the processes it replaces and cannot start; for restarts across machines use "
+                    "--rdzv-backend c10d --rdzv-endpoint HOST:PORT (one machine: leave --dist-url at auto)")
 log = logging.getLogger(__name__)
-INTERRUPT_GRACE_SEC = 30.0  # after Ctrl-C, how long the processes get to stop before they are killed
-PEER_GRACE_SEC = 5.0  # ... and once one has stopped, how long the others get (one may wait on it in C++)
 
 __all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
-           "init_process_group", "is_main_process", "launch", "local_devices", "main", "rendezvous"]
+           "init_process_group", "is_main_process", "launch", "local_devices", "main", "rendezvous",
+           "restart_count"]
 
 
 def get_rank() -> int:
@@ -128,65 +134,110 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _master(dist_url: str, num_machines: int) -> tuple[str, int]:
-    """(MASTER_ADDR, MASTER_PORT) of `dist_url` ("auto": a free local port, one machine only)."""
-    if dist_url == "auto":
-        if num_machines != 1:
-            raise ValueError("launch: dist_url='auto' works on one machine only; pass tcp://HOST:PORT of machine 0")
-        return "127.0.0.1", free_port()
-    url = urlparse(dist_url)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"launch: dist_url must be 'auto' or tcp://HOST:PORT, got {dist_url!r}")
-    return url.hostname, url.port
-
-
-def _environment(rank: int, local_rank: int, world_size: int, local_world_size: int, machine_rank: int,
-                 addr: str, port: int) -> dict[str, str]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // local_world_size))
-    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(machine_rank),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads}
-
-
 def launch(main_func: Callable[..., Any], num_processes_per_machine: int, num_machines: int = 1,
            machine_rank: int = 0, dist_url: str = "auto", args: Sequence[Any] = (),
-           timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str | None = None) -> None:
+           timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str | None = None, max_restarts: int = 0) -> None:
     """Run `main_func(*args)` in `num_processes_per_machine` spawned processes on this machine (machine
     `machine_rank` of `num_machines`), each inside torch.distributed's default group (`backend`, default
     `default_backend`: NCCL with a GPU per process, else gloo; joined at `dist_url` within `timeout`,
-    see `init_process_group`). One process in all: `main_func` runs here.
+    see `init_process_group`). One process in all: `main_func` runs here. The processes run on torch's
+    elastic agent, as the command's do (it starts the processes of a Python function with
+    torch.multiprocessing's spawn); with `max_restarts` (the c10d rendezvous: dist_url "auto") it
+    starts them all again when one fails.
 
     Raises:
         ValueError: bad counts or dist_url.
-        torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a process failed (its
-            traceback in the message); the others were stopped.
-        KeyboardInterrupt: Ctrl-C; every process got a SIGINT and has ended (killed after
-            `INTERRUPT_GRACE_SEC`).
+        torch.multiprocessing.ProcessRaisedException: a process raised (its traceback in the message);
+            ProcessExitedException: one ended otherwise (killed, exit status); the others were stopped.
+        KeyboardInterrupt: Ctrl-C; every process got a SIGINT and has ended (killed after the agent's
+            shutdown timeout, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). After SIGTERM, SIGHUP or
+            SIGQUIT the processes are stopped the same way, then the signal is raised again here, for the
+            handler this process had before.
     """
     if num_processes_per_machine < 1 or num_machines < 1 or not 0 <= machine_rank < num_machines:
         raise ValueError(f"launch: needs num_processes_per_machine >= 1, num_machines >= 1 and 0 <= machine_rank < "
                          f"num_machines, got {num_processes_per_machine}, {num_machines}, {machine_rank}")
-    world_size = num_processes_per_machine * num_machines
-    if world_size == 1:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"launch: max_restarts must be an int >= 0, got {max_restarts!r}")
+    if num_processes_per_machine * num_machines == 1:
         main_func(*args)
         return
+    backend_of, endpoint, run_id = _rendezvous_of(dist_url, num_machines)
+    if max_restarts and backend_of == "static":
+        raise ValueError(f"launch: {_STATIC_RESTARTS}")
     import torch.multiprocessing as mp
 
-    addr, port = _master(dist_url, num_machines)
-    errors = mp.get_context("spawn").SimpleQueue()  # tracebacks in the order the processes failed
-    context = mp.start_processes(_worker, nprocs=num_processes_per_machine, join=False, start_method="spawn",
-                                 args=(main_func, num_processes_per_machine, num_machines, machine_rank, addr,
-                                       port, tuple(args), timeout, errors))
+    from graphpar.parallel import agent
+
+    config = _config(num_processes_per_machine, num_machines, machine_rank, (backend_of, endpoint, run_id),
+                     max_restarts, rendezvous_timeout=int(timeout.total_seconds()))
+    name = f"{getattr(main_func, '__module__', '?')}.{getattr(main_func, '__qualname__', main_func)}"
+    raised = mp.get_context("spawn").SimpleQueue()  # what each process raised, and when
+    work = (main_func, tuple(args), backend or default_backend(num_processes_per_machine), timeout,
+            agent.threads_per_process(num_processes_per_machine), raised)
     try:
-        _join(context)
-    except mp.ProcessRaisedException as exc:
-        if errors.empty():
-            raise
-        # the first failure is the cause; the others' (a peer's connection reset) are its consequences
-        rank, trace = errors.get()
-        raise mp.ProcessRaisedException(f"\n\n-- Process {rank} failed first, with:\n{trace}", rank,
-                                        exc.error_pid) from None
+        result = agent.run(config, _worker, work, name, _log_restart, block_sigint=True)
+    except agent.Signalled as signalled:
+        if signalled.signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        os.kill(os.getpid(), signalled.signum)  # the processes have ended: now this process's own handler
+        raise
+    if result.is_failed():
+        found = []
+        while not raised.empty():
+            found.append(raised.get())
+        raise _failure(result.failures, found)
+
+
+def _log_restart(line: str, final: bool) -> None:
+    """`launch`'s report of a failure: logged when the group restarts (a final one is raised)."""
+    if not final:
+        log.warning("%s", line)
+
+
+def _config(per_machine: int, machines: int, machine_rank: int, rendezvous: tuple[str, str, str], max_restarts: int,
+            rendezvous_timeout: int = 900) -> Any:
+    """torch's LaunchConfig: `machines` x `per_machine` processes meeting at `rendezvous` (backend,
+    endpoint, run id; this machine is `machine_rank` of the static one), spawned as torchrun does."""
+    from graphpar.parallel import agent
+
+    backend, endpoint, run_id = rendezvous
+    return agent.LaunchConfig(min_nodes=machines, max_nodes=machines, nproc_per_node=per_machine, run_id=run_id,
+                              rdzv_backend=backend, rdzv_endpoint=endpoint, max_restarts=max_restarts,
+                              rdzv_configs={"timeout": rendezvous_timeout,
+                                            **({"rank": machine_rank} if backend == "static" else {})})
+
+
+def _rendezvous_of(dist_url: str, num_machines: int) -> tuple[str, str, str]:
+    """(rendezvous backend, endpoint, run id) for `dist_url`: "auto" is the c10d rendezvous on a free
+    local port (one machine only, as torchrun's --standalone); tcp://HOST:PORT the static one at machine
+    0's HOST:PORT, where every machine's agent uses the same run id."""
+    if dist_url == "auto":
+        if num_machines != 1:
+            raise ValueError("launch: dist_url='auto' works on one machine only; pass tcp://HOST:PORT of machine 0")
+        return "c10d", "localhost:0", str(uuid.uuid4())
+    url = urlparse(dist_url)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"launch: dist_url must be 'auto' or tcp://HOST:PORT, got {dist_url!r}")
+    return "static", f"{url.hostname}:{url.port}", f"graphpar-{url.hostname}-{url.port}"
+
+
+def _failure(failures: dict, raised: list[tuple[int, int, int, float, str]]) -> Exception:
+    """The exception `launch` raises: the traceback of the process that raised first in the last attempt
+    (a peer's error, such as a connection reset, follows it), or how the agent saw one end (a killed
+    process is the cause of the others' errors)."""
+    import torch.multiprocessing as mp
+
+    from graphpar.parallel import agent
+
+    rank, failure = agent.first_failure(failures)
+    last = max((attempt for attempt, *_ in raised), default=None)
+    if failure.exitcode >= 0 and last is not None:
+        _, rank, pid, _, trace = min((r for r in raised if r[0] == last), key=lambda r: r[3])
+        return mp.ProcessRaisedException(f"\n\n-- Process {rank} failed first, with:\n{trace}", rank, pid)
+    how = f"exited with {failure.exitcode}" if failure.exitcode >= 0 else f"was killed by {failure.signal_name()}"
+    return mp.ProcessExitedException(f"process {rank} (pid {failure.pid}) {how}", rank, failure.pid,
+                                     failure.exitcode, failure.signal_name() if failure.exitcode < 0 else None)
 
 
 def default_backend(num_processes_per_machine: int = 1) -> str:
@@ -223,180 +274,133 @@ def init_process_group(backend: str, timeout: datetime.timedelta = DEFAULT_TIMEO
                            f"and is {url} reachable from here? {exc}") from exc
 
 
-def _join(context: Any) -> None:
-    """Wait for the processes (torch's join, which raises when one fails and stops the others). On
-    Ctrl-C: SIGINT to each live process, wait for them (Ctrl-C ignored meanwhile), kill the ones left
-    after INTERRUPT_GRACE_SEC, and re-raise."""
-    try:
-        while not context.join(timeout=0.1):
-            pass
-    except KeyboardInterrupt:
-        with _ignoring_sigint():
-            _stop(context.processes, INTERRUPT_GRACE_SEC)
-        raise
-
-
-class _ignoring_sigint:  # noqa: N801 - used as a context manager
-    """SIGINT ignored inside (main thread only), the previous handler back on leaving."""
-
-    def __enter__(self) -> None:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-
-
-def _alive(p: Any) -> bool:
-    return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
-
-
-def _worker(local_rank: int, main_func: Callable[..., Any], per_machine: int, num_machines: int, machine_rank: int,
-            addr: str, port: int, args: tuple, timeout: datetime.timedelta, errors: Any,
-            backend: str = "gloo") -> None:
+def _worker(main_func: Callable[..., Any], args: tuple, backend: str, timeout: datetime.timedelta,
+            threads: str, raised: Any) -> Any:
+    """A process of `launch`: take Ctrl-C (started with SIGINT blocked: one that came meanwhile lands
+    here, before anything ran), use its share of the cores, join the default group, run `main_func`;
+    what it raises goes to `raised` too, with the time."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import torch
     import torch.distributed as dist
 
-    rank = machine_rank * per_machine + local_rank
-    os.environ.update(_environment(rank, local_rank, per_machine * num_machines, per_machine, machine_rank,
-                                   addr, port))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read by OpenMP only when torch started
+    os.environ["OMP_NUM_THREADS"] = threads
+    torch.set_num_threads(int(threads))  # read by OpenMP only when torch started
     try:
         init_process_group(backend, timeout)
-    except RuntimeError:
-        errors.put((local_rank, traceback.format_exc()))
-        raise
-    try:
-        main_func(*args)
-    except BaseException:
-        errors.put((local_rank, traceback.format_exc()))
+        return main_func(*args)
+    except Exception:  # when it raised: before leaving the group, which makes the peers raise too
+        raised.put((restart_count(), get_rank(), os.getpid(), time.time(), traceback.format_exc()))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m graphpar.launch`: run a script once per process with torchrun's variables set."""
-    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\nEvery")[0],
+    """`python -m graphpar.launch`: torchrun's agent runs the script once per process (see the module
+    docstring); returns the exit status: 0, a failed process's status (1 if a signal killed it), or 128 +
+    the signal the launcher got."""
+    parser = argparse.ArgumentParser(prog="python -m graphpar.launch", description=__doc__.split("\n\nBoth")[0],
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                         help="processes (shards) to start on this machine")
-    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job")
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index, 0 to --nnodes - 1")
-    parser.add_argument("--dist-url", default="auto", help="'auto' (a free local port) or tcp://HOST:PORT")
+    parser.add_argument("--nnodes", default="1", help="machines in the job (a range MIN:MAX is refused: a fixed "
+                        "number of processes shares each global batch)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                        help="this machine's index, 0 to --nnodes - 1 (with --dist-url; c10d numbers the machines)")
+    parser.add_argument("--dist-url", default="auto", help="'auto' (one machine: a rendezvous on a free local port) "
+                        "or tcp://HOST:PORT of machine 0 (the static rendezvous)")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                        help="times to start the whole group again when a process fails")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=("static", "c10d"),
+                        help="torchrun's rendezvous: 'static' (--dist-url) or 'c10d' (--rdzv-endpoint)")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                        help="HOST:PORT of the rendezvous (c10d: the same on every machine; no shared file system)")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default="none", help="the job's id, the same on every machine")
+    parser.add_argument("--standalone", action="store_true",
+                        help="one machine: a c10d rendezvous on a free local port (what 'auto' does)")
+    parser.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=30,
+                        help="seconds the processes get to exit after a signal before they are killed")
     parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
     parser.add_argument("script", help="the training script, or a module with -m")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own options")
     options = parser.parse_args(argv)
-    if options.nproc_per_node < 1 or options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
-        parser.error("needs --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
     try:
-        addr, port = _master(options.dist_url, options.nnodes)
+        rendezvous = _rendezvous_options(options)
     except ValueError as exc:
         parser.error(str(exc))
-    command = [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
-    per, world = options.nproc_per_node, options.nproc_per_node * options.nnodes
-    procs: dict[int, subprocess.Popen] = {}
-    with _signals_raised():
-        try:
-            for k in range(per):
-                procs[options.node_rank * per + k] = subprocess.Popen(command, env={**os.environ, **_environment(
-                    options.node_rank * per + k, k, world, per, options.node_rank, addr, port)})
-        except _Signalled as sig:
-            _stop(list(procs.values()), 5.0, sig.signum)
-            return 128 + sig.signum
-        return _supervise(procs)
+    from graphpar.parallel import agent  # torch loads here, after --help and the checks
+
+    os.environ["OMP_NUM_THREADS"] = agent.threads_per_process(options.nproc_per_node)  # the agent passes it on
+    config = _config(options.nproc_per_node, options.nnodes, options.node_rank, rendezvous, options.max_restarts)
+    program = os.environ.get("PYTHON_EXEC", sys.executable)  # what torchrun runs: python -u [-m] script args
+    program_args = ["-u", *(["-m"] if options.module else []), options.script, *options.script_args]
+    try:
+        result = agent.run(config, program, program_args, shlex.join([program, *program_args]),
+                           lambda line, final: _say(line), shutdown_timeout=options.shutdown_timeout)
+    except agent.Signalled as signalled:
+        return 128 + signalled.signum
+    except (agent.RendezvousError, RuntimeError) as exc:  # one line, as for a process that failed
+        _say(f"graphpar.launch: the rendezvous failed: {type(exc).__name__}: {exc}")
+        return 1
+    if not result.is_failed():
+        return 0
+    _, failure = agent.first_failure(result.failures)
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def _rendezvous_options(options: argparse.Namespace) -> tuple[str, str, str]:
+    """(rendezvous backend, endpoint, run id) of the launcher's options, as torchrun's, checked (ValueError
+    names the option and the fix); `options.nnodes` becomes a number."""
+    nodes = options.nnodes.split(":")
+    if len(nodes) == 2 and nodes[0] != nodes[1]:
+        raise ValueError(f"--nnodes {options.nnodes}: a changing number of machines is not supported (each global "
+                         f"batch is split over a fixed number of processes, and a resume is exact on the same "
+                         f"layout); pass one number, e.g. --nnodes {nodes[1]}")
+    if len(nodes) > 2 or not nodes[0].isdigit() or int(nodes[0]) < 1:
+        raise ValueError(f"--nnodes must be a number >= 1, got {options.nnodes!r}")
+    count = options.nnodes = int(nodes[0])
+    if options.nproc_per_node < 1 or options.max_restarts < 0 or options.shutdown_timeout < 0:
+        raise ValueError("needs --nproc-per-node >= 1, --max-restarts >= 0 and --shutdown-timeout >= 0")
+    backend, endpoint, url = options.rdzv_backend, options.rdzv_endpoint, options.dist_url
+    if backend != "static":
+        if url != "auto" or options.node_rank or options.standalone:
+            raise ValueError(f"--rdzv-backend {backend} numbers the machines itself at --rdzv-endpoint: drop "
+                             f"--dist-url, --node-rank and --standalone")
+        if not endpoint:
+            raise ValueError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT (the same on every machine)")
+        return backend, endpoint, options.rdzv_id
+    if not 0 <= options.node_rank < count:
+        raise ValueError(f"needs 0 <= --node-rank < --nnodes, got {options.node_rank} and {count}")
+    if url != "auto" and endpoint:
+        raise ValueError("--dist-url and --rdzv-endpoint both give the rendezvous' address: pass one of them")
+    if url != "auto" or endpoint:
+        if options.max_restarts:
+            raise ValueError(f"--max-restarts with --dist-url / --rdzv-endpoint: {_STATIC_RESTARTS}")
+        if options.standalone:
+            raise ValueError("--standalone starts its own rendezvous: drop --dist-url / --rdzv-endpoint")
+        run_id = options.rdzv_id
+        if url != "auto":
+            _, endpoint, run_id = _rendezvous_of(url, count)
+        return "static", endpoint, run_id
+    if count != 1:
+        raise ValueError(f"--nnodes {count}: pass --dist-url tcp://HOST:PORT of machine 0 (and --node-rank), or "
+                         f"--rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+    return _rendezvous_of("auto", 1)  # torchrun's --standalone
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows each option's default (not a flag's False) and the description's line breaks."""
+    """--help shows each option's default (not a flag's False, nor an empty one) and the description's line
+    breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help or "" if action.default is False else super()._get_help_string(action) or ""
-
-
-class _Signalled(Exception):
-    """SIGTERM (or another forwarded signal) reached the launcher."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_signalled(signum: int, _frame: Any) -> None:
-    raise _Signalled(signum)
-
-
-class _signals_raised:
-    """Within the block, SIGTERM raises `_Signalled` (SIGINT raises KeyboardInterrupt already); the
-    previous handler is put back after. Only the main thread can set handlers."""
-
-    def __enter__(self) -> None:
-        main = threading.current_thread() is threading.main_thread()
-        self.previous = signal.signal(signal.SIGTERM, _raise_signalled) if main else None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-
-def _command(args: Any) -> str:
-    """A process's command line (Popen.args: a list, or one str or path), as a shell would read it."""
-    return shlex.join(str(a) for a in args) if isinstance(args, (list, tuple)) else str(args)
-
-
-def _supervise(procs: dict[int, subprocess.Popen], grace_sec: float = 5.0) -> int:
-    """Wait for every process (by rank); when one fails, stop the others (SIGTERM, then SIGKILL after
-    `grace_sec`) and return its exit code; on SIGTERM, forward it the same way and return 128 + its
-    number; on Ctrl-C, each process gets a SIGINT and INTERRUPT_GRACE_SEC to stop (they print; the
-    launcher does not), then 130. 0 when all succeed."""
-    failed, forward = 0, int(signal.SIGTERM)
-    running = dict(procs)
-    try:
-        while running and not failed:
-            for rank, p in list(running.items()):
-                code = p.poll()
-                if code is not None:
-                    del running[rank]
-                    if code != 0:
-                        failed = code
-                        print(f"graphpar.launch: rank {rank} (pid {p.pid}) exited with {code}; its command: "
-                              f"{_command(p.args)}; stopping the others", file=sys.stderr)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        failed, forward, grace_sec = 130, int(signal.SIGINT), INTERRUPT_GRACE_SEC
-    except _Signalled as sig:
-        failed, forward = 128 + sig.signum, sig.signum
-    with _ignoring_sigint():
-        _stop(list(running.values()), grace_sec, forward)
-    return failed if failed > 0 else (1 if failed else 0)
-
-
-def _stop(processes: Sequence[Any], grace_sec: float, signum: int = signal.SIGINT) -> None:
-    """`signum` to each live process (`multiprocessing` or `subprocess` ones), then wait up to `grace_sec`
-    for all of them, or PEER_GRACE_SEC once one has ended (a process blocked in C++ on a peer that left,
-    e.g. joining the rendezvous, does not see a SIGINT); kill the ones left (at once after a second SIGTERM)."""
-    alive = [p for p in processes if _alive(p)]
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signum)
-    deadline = time.monotonic() + grace_sec
-    try:
-        while any(_alive(p) for p in alive) and time.monotonic() < deadline:
-            if not all(_alive(p) for p in alive):
-                deadline = min(deadline, time.monotonic() + PEER_GRACE_SEC)
-            time.sleep(0.05)
-    except _Signalled:  # a second SIGTERM: kill at once
-        pass
-    for p in alive:
-        if _alive(p):
-            p.kill()
-        if hasattr(p, "join"):
-            p.join()
-        else:
-            p.wait()
+        if action.default is False or action.default == "":
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 if __name__ == "__main__":

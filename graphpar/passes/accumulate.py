@@ -7,10 +7,10 @@ data-parallel gradient g, by `Sum(g_accumulated, g) -> g_accumulated`. It append
 per gradient, `Sum(g, g_accumulated) -> g`, `Scale(g, 1/k) -> g` and `ConstantFill(g) ->
 g_accumulated` (zeros again); the all-reduce and the updates that later passes append then act on
 the mean gradient of the k micro-batches. `param_init_net` creates every `g_accumulated` as zeros
-shaped like its param; `state.reset_accumulated_net` (`model._reset_accumulated_net`) makes them
-zeros again, for a step that wrote nothing back: one the loss scale skipped on an overflow (whose
-micro-batches may have put an inf in the sums) or one that raised (`data_parallel_model.RunNet`
-and the `Trainer` run it, so the next step starts from zero sums).
+shaped like its param; `state.reset_accumulated_net` makes them zeros again, for a step that wrote
+nothing back: one the loss scale skipped on an overflow (whose micro-batches may have put an inf in
+the sums) or one that raised (`data_parallel_model.RunNet` and the `Trainer` run it through
+`data_parallel_model.reset_accumulated_gradients`, so the next step starts from zero sums).
 
 A step is then k - 1 runs of the accumulate net and one run of the train net, each on its own
 micro-batch (`engine.Trainer` does this): the same update as one step on the k-times batch (equal

@@ -34,28 +34,31 @@ from graphpar.passes.state import Blob, ParallelState
 log = logging.getLogger(__name__)
 
 
-def param_specs(init_net: NetDef, params: Iterable[str]) -> dict[str, BlobSpec]:
+_BUCKETS = ("gradient bucketing", "use gradient_bucket_bytes=0 (no buckets)")
+
+
+def param_specs(init_net: NetDef, params: Iterable[str], user: tuple[str, str] = _BUCKETS) -> dict[str, BlobSpec]:
     """The shape, dtype and device of each param after `init_net`, inferred from the ops creating it.
+    `user` names what needs them and the way out, for the errors (default: gradient bucketing's).
 
     Raises:
         ParallelizeError: naming a param that no op creates or whose shape inference cannot tell, or
             the op whose shape rule failed.
     """
-    params = list(params)
+    params, (needs, instead) = list(params), user
     try:
         specs = infer_specs(init_net, wanted=params)
     except ValueError as e:
-        raise ParallelizeError(f"gradient bucketing needs the sizes of the params, but {e}") from None
+        raise ParallelizeError(f"{needs} needs the sizes of the params, but {e}") from None
     for param in params:
         if param not in specs:
-            raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but no op of "
-                                   f"param_init_net creates it; create it there, or use "
-                                   f"gradient_bucket_bytes=0 (no buckets)")
+            raise ParallelizeError(f"{needs} needs the size of param {param!r}, but no op of "
+                                   f"param_init_net creates it; create it there, or {instead}")
         if specs[param] is None:
-            raise ParallelizeError(f"gradient bucketing needs the size of param {param!r}, but shape inference "
+            raise ParallelizeError(f"{needs} needs the size of param {param!r}, but shape inference "
                                    f"on param_init_net cannot tell it: its shape depends on tensor values (e.g. "
                                    f"a fill with input_as_shape); give the shape as an argument (e.g. "
-                                   f"XavierFill(shape=...)), or use gradient_bucket_bytes=0 (no buckets)")
+                                   f"XavierFill(shape=...)), or {instead}")
     return {param: spec for param in params if (spec := specs[param]) is not None}  # each known: checked above
 
 

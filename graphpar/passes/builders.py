@@ -108,8 +108,10 @@ def transform_nets(state: ParallelState) -> None:
 
 def build_updates(state: ParallelState) -> None:
     """The parameter updates: `param_update_builder_fun` per replica, or `optimizer_builder_fun` once
-    (unscoped; its result is kept as the model's `_optimizer`)."""
+    (unscoped; its result is kept as the model's `_optimizer`). `state.updates_start` records where
+    their ops begin in the init and train nets."""
     options = state.options
+    state.updates_start = (len(state.model.param_init_net.Proto().ops), len(state.model.net.Proto().ops))
     if options.param_update_builder_fun is not None:
         per_replica(state, options.param_update_builder_fun)
     elif options.optimizer_builder_fun is not None:

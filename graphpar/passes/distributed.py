@@ -13,7 +13,7 @@ shard has initialised.
 from __future__ import annotations
 
 from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
-from graphpar.core.naming import stripBlobName
+from graphpar.core.naming import stripBlobName, unsharded_name
 from graphpar.core.net import Net
 from graphpar.core.schema import Trait, has_trait
 from graphpar.passes.common import make_op
@@ -31,13 +31,13 @@ def model_signature(state: ParallelState) -> str:
     collectives of the init and train nets in order (but those on a group of shards' communicator),
     and the first replica's learning-rate and update ops with their arguments (lr, policy, momentum,
     ...: shards with other optimizer settings would train apart). Unscoped names, so device ids may
-    differ."""
+    differ; sharded optimizer state by its whole shape (each shard fills parts of its own sizes)."""
     layout = state.layout
     lines = [f"{len(layout.devices)} {layout.prefix} devices"]
     for op in state.model.param_init_net.Proto().ops:
-        outputs = [b for b in op.outputs if layout.replica_of(b) == layout.master]
+        outputs = [stripBlobName(b) for b in op.outputs if layout.replica_of(b) == layout.master]
         if outputs:
-            lines.append(f"init {op.type} {[stripBlobName(b) for b in outputs]} {op.args.get('shape', '')}")
+            lines.append(f"init {op.type} {outputs} {_whole_shape(state, outputs[0], op.args.get('shape', ''))}")
     for label, net in (("init", state.model.param_init_net.Proto()), ("train", state.model.net.Proto())):
         lines.extend(f"{label} {op.type} {op.inputs[0]} {[stripBlobName(b) for b in op.inputs[1:]]}"
                      for op in net.ops if has_trait(op, Trait.DISTRIBUTED)
@@ -47,6 +47,14 @@ def model_signature(state: ParallelState) -> str:
     lines.extend(f"update {op.type} {sorted((k, v) for k, v in op.args.items() if k != 'num_batches')}"
                  for op in state.model.net.Proto().ops if _first_replica_update(state, op))
     return "\n".join(lines)
+
+
+def _whole_shape(state: ParallelState, blob: str, shape: object) -> object:
+    """`shape`, or the whole shape of the sharded state `blob` is a part of (unscoped names)."""
+    whole = unsharded_name(blob)
+    if state.sharding is None or whole not in state.sharding.state:
+        return shape
+    return list(state.sharding.shapes[state.sharding.state[whole]])
 
 
 def _first_replica_update(state: ParallelState, op: OperatorDef) -> bool:

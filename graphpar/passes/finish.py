@@ -5,18 +5,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from graphpar.core.ir import OperatorDef
-from graphpar.core.naming import DYNAMIC_MEMORY_ARG, FIRST_ITER_ARG, KEEP_ARG, STATIC_SHAPES_ARG
+from graphpar.core.naming import (
+    COMPILE_BACKEND_ARG,
+    COMPILE_MODE_ARG,
+    DYNAMIC_MEMORY_ARG,
+    FIRST_ITER_ARG,
+    KEEP_ARG,
+    STATIC_SHAPES_ARG,
+)
 from graphpar.core.schema import Trait, has_trait
 from graphpar.passes.common import declare_external_inputs
 from graphpar.passes.state import ParallelState
 
 
 def configure_train_net(state: ParallelState) -> None:
-    """The train net's executor (`net_type`), `num_workers = devices * num_threads_per_device`
-    (plus `max_concurrent_distributed_ops` across shards) and, with `static_shapes`, the net argument
-    promising fixed input shapes (a copy of the net, such as the accumulate net, keeps it)."""
+    """The train net's executor (`net_type`, and `compile`'s backend and mode), `num_workers = devices *
+    num_threads_per_device` (plus `max_concurrent_distributed_ops` across shards) and, with
+    `static_shapes`, the net argument promising fixed input shapes (a copy of the net, such as the
+    accumulate net, keeps it)."""
     proto, options = state.model.net.Proto(), state.options
     proto.type = options.net_type
+    if options.compile is not None:
+        proto.args[COMPILE_BACKEND_ARG] = options.compile.backend
+        if options.compile.mode is not None:
+            proto.args[COMPILE_MODE_ARG] = options.compile.mode
     if options.static_shapes:
         proto.args[STATIC_SHAPES_ARG] = 1
     proto.num_workers = len(state.layout.devices) * options.num_threads_per_device

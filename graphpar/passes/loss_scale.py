@@ -11,7 +11,9 @@
 - `unscale_gradients`, after the all-reduce and before any update: per replica one
   `UnscaleGradients` divides that replica's summed gradients by S and raises `GradientOverflowError`
   if any is inf or NaN. Every replica (and every shard) reads the same all-reduced sums, so an
-  overflow in any replica's gradients shows in all of them: all agree. The run fails before any
+  overflow in any replica's gradients shows in all of them: all agree. With `shard_gradients` each
+  replica unscales its part of the sums; one process runs every replica's check in one run, so
+  they agree too (Parallelize refuses loss scaling with shard_gradients across shards). The run fails before any
   update started, and a failed run changes nothing: params, optimizer state and the iteration
   counter (so the learning-rate schedule) are as before the step, which is skipped.
   `data_parallel_model.RunNet` catches the error, logs a warning and, when dynamic, runs
@@ -57,10 +59,11 @@ def unscale_gradients(state: ParallelState) -> None:
     unscaled through their values.
     """
     layout, net = state.layout, state.model.net.Proto()
+    parts = state.sharding.grads if state.sharding is not None else {}
     for device in layout.devices:
         grads = []
         for name in state.grad_names:
-            grad = state.grouped[name].get(device)
+            grad = (parts.get(name) or state.grouped[name]).get(device)
             if grad is not None:
                 grads.append(str(grad.values) if isinstance(grad, GradientSlice) else str(grad))
         if grads:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from graphpar.core.naming import COMPILE_MODES
 from graphpar.errors import ParallelizeError
 from graphpar.platform.distributed import Rendezvous
 
@@ -43,8 +44,8 @@ def check_loss_scale(value: Any) -> LossScale | None:
     dict of LossScale's fields (dynamic unless it says otherwise) or a LossScale.
 
     Raises:
-        ValueError / TypeError: any other value, a scale <= 0 or not finite, growth_factor <= 1,
-            backoff_factor outside (0, 1), growth_interval < 1.
+        ValueError / TypeError: any other value, a scale <= 0 or not finite, a growth_factor <= 1 or not
+            finite, backoff_factor outside (0, 1), growth_interval < 1.
     """
     if value is None or isinstance(value, LossScale):
         scale = value
@@ -61,12 +62,53 @@ def check_loss_scale(value: Any) -> LossScale | None:
         raise TypeError(f"loss_scale={value!r}: use a number > 0 (static), 'dynamic', a dict of "
                         f"graphpar.passes.loss_scale.LossScale fields, or None")
     if scale is not None:
-        ok = (0 < scale.init_scale < float("inf") and scale.growth_factor > 1 and 0 < scale.backoff_factor < 1
-              and isinstance(scale.growth_interval, int) and scale.growth_interval >= 1)
+        ok = (0 < scale.init_scale < float("inf") and 1 < scale.growth_factor < float("inf")
+              and 0 < scale.backoff_factor < 1 and isinstance(scale.growth_interval, int)
+              and scale.growth_interval >= 1)
         if not ok:
-            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, growth_factor > 1, "
+            raise ValueError(f"loss_scale: {scale} needs 0 < init_scale < inf, 1 < growth_factor < inf, "
                              f"0 < backoff_factor < 1 and an int growth_interval >= 1")
     return scale
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How `Parallelize(compile=...)` compiles the train step (`torch.compile`'s backend and inductor's mode)."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+
+
+def check_compile(value: Any) -> CompileOptions | None:
+    """`Parallelize`'s compile argument as CompileOptions: False/None (off), True (inductor's default),
+    a mode of inductor (`COMPILE_MODES`), a dict of CompileOptions' fields, or CompileOptions.
+
+    Raises:
+        ValueError / TypeError: any other value, an unknown mode, a backend that is not a str.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileOptions()
+    if isinstance(value, CompileOptions):
+        options = value
+    elif isinstance(value, str):
+        options = CompileOptions(mode=value)
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - set(CompileOptions.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"compile: unknown keys {unknown}; use {sorted(CompileOptions.__dataclass_fields__)}")
+        options = CompileOptions(**value)
+    else:
+        raise TypeError(f"compile={value!r}: use True, a mode of inductor ({', '.join(COMPILE_MODES)}), a dict "
+                        f"with 'backend' and/or 'mode', or False")
+    if not isinstance(options.backend, str) or not options.backend:
+        raise TypeError(f"compile: backend must be the name of a torch.compile backend, got {options.backend!r}")
+    if options.mode is not None and options.mode not in COMPILE_MODES:
+        raise ValueError(f"compile: mode must be one of {', '.join(COMPILE_MODES)}, got {options.mode!r}")
+    if options.mode is not None and options.backend != "inductor":
+        raise ValueError(f"compile: mode {options.mode!r} is inductor's; backend {options.backend!r} takes none")
+    return options
 
 
 _LOW_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -251,6 +293,15 @@ def _loss_scale(value: Any, caller: str) -> LossScale | None:
         raise ParallelizeError(str(exc)) from None
 
 
+def _compile(value: Any, caller: str) -> CompileOptions | None:
+    try:
+        return check_compile(value)
+    except ValueError as exc:
+        raise ParallelizeError(f"{caller}: {exc}") from None
+    except TypeError as exc:
+        raise TypeError(f"{caller}: {exc}") from None
+
+
 def _seconds(value: Any, caller: str) -> float:
     return float(_positive("barrier_net_timeout_sec", "seconds")(value, caller))
 
@@ -409,10 +460,19 @@ class ParallelizeOptions:
         device: the other replicas' params, optimizer state and summed gradients become aliases of the
         first device's tensors (no copies, no repeated updates; see `graphpar.passes.cpu_update_once`).
         Same results, bit for bit; a value fed to one replica's param or state alone is replaced by the
-        first device's at the next step. Ignored on CUDA and across shards.""", _flag("cpu_update_once"))
+        first device's at the next step. Ignored on CUDA, across shards and with sharded state.""",
+        _flag("cpu_update_once"))
     cuda_graph: bool = option(False, """
         capture the whole train step in a CUDA graph after warm-up and replay it on every RunNet (net type
         "cuda_graph", whatever net_type says; one CUDA device; see docs/engine.md).""", _flag("cuda_graph"))
+    compile: CompileOptions | None = option(None, """
+        compile the train step with torch.compile (net type "compiled", whatever net_type says; see
+        docs/engine.md): True (inductor, its default mode), a mode of inductor ("reduce-overhead": its
+        CUDA graphs; "max-autotune"), or a dict of `CompileOptions` fields ({"backend": "aot_eager"}
+        compiles fast and fuses nothing). The train net then frees its intermediates
+        (dynamic_memory_management=True), so that they stay inside the compiled program: keep what you
+        fetch with blobs_to_keep. The first run compiles (seconds to minutes). Not with cuda_graph.""",
+        _compile)
     compute_dtype: str | None = option(None, """
         "bfloat16" or "float16" trains in mixed precision (`graphpar.passes.precision`,
         docs/precision.md): Conv, FC, their gradients and the element-wise ops between them compute in
@@ -433,8 +493,24 @@ class ParallelizeOptions:
     allreduce_dtype: str | None = option(None, """
         "bfloat16" or "float16" all-reduces the fp32 dense gradients in that dtype (half the bytes, as
         DDP's bf16/fp16 compression hooks): each copy is cast down, summed, and the sum cast back to fp32
-        before the update. None (default): gradients are all-reduced in their own dtype (fp32 masters:
-        fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+        before the update. float16 holds at most 65504: with a loss_scale an overflowing step is skipped
+        as any overflow; without one the sums are checked (one host read per step) and a step that
+        overflowed raises before any update. None (default): gradients are all-reduced in their own dtype
+        (fp32 masters: fp32). One process only (not with a rendezvous).""", _low_dtype("allreduce_dtype"))
+    shard_optimizer_state: bool = option(False, """
+        ZeRO stage 1 (`graphpar.passes.shard_updates`, docs/sharding.md): every replica of every shard keeps
+        1/N of the optimizer state (N replicas in all) and updates only its part of each flattened param,
+        then the params are all-gathered; the gradients are still all-reduced. Updates must work element
+        by element (SGD, momentum, Nesterov, weight decay, Adam, Adagrad, RmsProp, Adadelta, RAdam; LARS
+        and gradient clipping read the whole gradients); anything else is refused, before the model
+        changes. Same params as unsharded, bit for bit with Sum trees; `GetCheckpointParams` and
+        `FinalizeAfterCheckpoint` gather and cut the state, so checkpoints keep one format. Not with
+        shared_model, sparse (GradientSlice) gradients or BMUF.""", _flag("shard_optimizer_state"))
+    shard_gradients: bool = option(False, """
+        ZeRO stage 2 (implies shard_optimizer_state): the gradients are reduce-scattered instead of
+        all-reduced, so each replica holds only its part of each summed gradient. Not with gradient
+        buckets, allreduce_dtype, LARS or gradient clipping (they read whole gradients), nor with
+        loss_scale across shards.""", _flag("shard_gradients"))
     auto_buckets: bool = derived(False, "gradient_bucket_bytes is the CUDA default: per gradient if sizes are "
                                         "unknown")
 

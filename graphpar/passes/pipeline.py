@@ -42,6 +42,9 @@ from graphpar.passes import (
     loss_scale,
     memonger,
     precision,
+    reduce_scatter,
+    shard_updates,
+    shards,
     shared_model,
     sync,
 )
@@ -86,10 +89,22 @@ def _buckets(state: ParallelState) -> bool:
 
 
 def _update_once(state: ParallelState) -> bool:
-    """`cpu_update_once` applies: training CPU replicas of one process, each with its own params."""
+    """`cpu_update_once` applies: training CPU replicas of one process, each with its own params and
+    whole optimizer state."""
     options = state.options
     return (state.training and options.cpu_update_once and state.layout.device_type == CPU
-            and len(state.layout.devices) > 1 and options.num_shards == 1 and not options.shared_model)
+            and len(state.layout.devices) > 1 and options.num_shards == 1 and not options.shared_model
+            and not options.shard_optimizer_state)
+
+
+def _sharded(state: ParallelState) -> bool:
+    """Sharded state applies: shard_optimizer_state with several replicas (`passes.shards`)."""
+    return state.training and state.sharding is not None
+
+
+def _scattered(state: ParallelState) -> bool:
+    """The gradients are reduce-scattered (shard_gradients), not all-reduced."""
+    return _sharded(state) and state.options.shard_gradients
 
 
 def _computed_params_sync(state: ParallelState) -> bool:
@@ -133,14 +148,18 @@ REDUCE_GRADIENTS = (  # every replica ends up with the same gradients (and compu
     Pass("sync_computed_params", broadcast_computed.sync_computed_params,
          lambda s: s.training and _computed_params_sync(s)),
     Pass("cast_gradients_down", precision.cast_gradients_down, _option("allreduce_dtype")),
-    Pass("allreduce_gradients", allreduce.allreduce_gradients, lambda s: s.training and not _buckets(s)),
+    Pass("plan_shards", shards.plan_shards, _option("shard_optimizer_state")),
+    Pass("allreduce_gradients", allreduce.allreduce_gradients,
+         lambda s: s.training and not _buckets(s) and not _scattered(s)),
     Pass("allreduce_gradient_buckets", bucketing.allreduce_gradient_buckets, lambda s: s.training and _buckets(s)),
+    Pass("reduce_scatter_gradients", reduce_scatter.reduce_scatter_gradients, _scattered),
     Pass("cast_gradients_up", precision.cast_gradients_up, _option("allreduce_dtype")),
     Pass("prune_shared_params", shared_model.prune_shared_params, _option("shared_model")),
     Pass("unscale_gradients", loss_scale.unscale_gradients, _option("loss_scale", lambda s: s is not None)),
 )
 UPDATES = (
     Pass("build_updates", builders.build_updates, training),
+    Pass("shard_updates", shard_updates.shard_updates, _sharded),
     Pass("grow_loss_scale", loss_scale.grow_loss_scale, _option("loss_scale", lambda s: s is not None and s.dynamic)),
     Pass("fuse_updates", fuse_updates.fuse_updates, lambda s: s.training and s.layout.device_type == CUDA),
 )

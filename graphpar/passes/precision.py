@@ -227,11 +227,23 @@ def cast_gradients_down(state: ParallelState) -> None:
             state.blob_to_device[cast] = option
 
 
+FP16_OVERFLOW = ("the float16 all-reduce (allreduce_dtype='float16') overflowed: a gradient or its sum is beyond "
+                 "float16's 65504. Use allreduce_dtype='bfloat16' (float32's range), or a loss_scale ('dynamic' "
+                 "skips such a step and backs off)")
+
+
 def cast_gradients_up(state: ParallelState) -> None:
-    """After the all-reduce: each low sum back into its fp32 gradient blob; `state.grouped` names those again."""
-    net = state.model.net.Proto()
+    """After the all-reduce: each low sum back into its fp32 gradient blob; `state.grouped` names those
+    again. A float16 all-reduce without a loss scale (whose unscaling checks every gradient) gets one
+    `CheckFinite` on the first replica's sums (every replica holds the same): float16 overflows above
+    65504, where float32 gradients are finite, and would turn the params into inf; the run then stops
+    before any update instead."""
+    layout, net = state.layout, state.model.net.Proto()
     for name, original in state.lowered.items():
         for device, grad in original.items():
-            net.ops.append(make_op("Cast", [str(state.grouped[name][device])], [str(grad)], state.layout.option(device),
+            net.ops.append(make_op("Cast", [str(state.grouped[name][device])], [str(grad)], layout.option(device),
                                    to=FP32))
         state.grouped[name] = original
+    if state.lowered and state.options.allreduce_dtype == "float16" and state.options.loss_scale is None:
+        sums = [str(original[layout.master]) for original in state.lowered.values()]
+        net.ops.append(make_op("CheckFinite", sums, [], layout.option(layout.master), why=FP16_OVERFLOW))

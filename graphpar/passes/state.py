@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphpar.core.ir import BlobReference, DeviceOption, GradientSlice, NetDef
 from graphpar.core.net import Net
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.options import ParallelizeOptions
 from graphpar.passes.reducers import Reducer
+
+if TYPE_CHECKING:
+    from graphpar.passes.shards import Sharding
 
 Blob = str | GradientSlice
 
@@ -95,6 +98,8 @@ class ParallelState:
     loss_scale_backoff_net: Net | None = None  # dynamic loss_scale: what RunNet runs after a skipped step
     bmuf: BmufNets | None = None  # Parallelize_BMUF's global nets
     lowered: dict[str, dict[int, Blob]] = field(default_factory=dict)  # allreduce_dtype: the fp32 gradients
+    updates_start: tuple[int, int] = (0, 0)  # init and train net op counts before build_updates: the updates follow
+    sharding: Sharding | None = None  # shard_optimizer_state with several replicas (passes.shards)
     # communicators over a group of shards only (combine_spatial_bn's groups): blob -> the group's shard ids
     group_worlds: dict[str, tuple[int, ...]] = field(default_factory=dict)
 

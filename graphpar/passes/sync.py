@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from graphpar.core.ir import CPU, DeviceOption, NetDef, OperatorDef
-from graphpar.core.naming import parse_device_scope, stripBlobName
+from graphpar.core.naming import parse_device_scope, shard_name, stripBlobName
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout, declare_external_inputs, make_op
 from graphpar.passes.finish import chain_collectives
@@ -130,12 +130,17 @@ def checkpoint_sync_net(name: str, names: Sequence[str], reducer: Reducer, count
 
 
 def compute_sync_blobs(state: ParallelState) -> None:
-    """Find the blobs the initial sync broadcasts (`compute_blobs_to_sync`) and group them by device."""
+    """Find the blobs the initial sync broadcasts (`compute_blobs_to_sync`) and group them by device;
+    sharded optimizer state is not synced (each replica fills its own part, `passes.shard_updates`)."""
     grouped, layout = state.grouped, state.layout
     computed = [str(b) for name in state.computed_param_names for b in grouped[name].values()]
     params = [str(b) for name in state.param_names for b in grouped[name].values()]
     blobs, names = compute_blobs_to_sync(state.model.param_init_net.Proto(), layout, params, computed,
                                          state.options.shared_model)
+    if state.sharding is not None:
+        parts = {shard_name(name) for name in state.sharding.state}
+        blobs = [b for b in blobs if stripBlobName(b) not in parts]
+        names = [n for n in names if n not in parts]
     grouped.update(group_by_device(blobs, layout))
     state.sync_names = names
 

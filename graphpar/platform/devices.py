@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,12 +55,11 @@ def cuda_on_cpu(enabled: bool = True) -> Iterator[None]:
 def _parse_map(text: str) -> tuple[int, ...] | None:
     if not text.strip():
         return None
-    try:
-        ids = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"GRAPHPAR_DEVICE_MAP={text!r}: expected comma-separated physical GPU ids, one per "
-                         f"logical device, e.g. GRAPHPAR_DEVICE_MAP=0,0,0,0") from None
-    return _checked_map(ids, f"GRAPHPAR_DEVICE_MAP={text!r}")
+    parts = [part.strip() for part in text.split(",")]
+    if not all(re.fullmatch(r"-?[0-9]+", part) for part in parts):  # int() also takes '0_1', '+1', '١'
+        raise ValueError(f"GRAPHPAR_DEVICE_MAP={text!r}: expected comma-separated physical GPU ids (digits), one "
+                         f"per logical device, e.g. GRAPHPAR_DEVICE_MAP=0,0,0,0")
+    return _checked_map(tuple(int(part) for part in parts), f"GRAPHPAR_DEVICE_MAP={text!r}")
 
 
 def _checked_map(ids: Sequence[int], what: str) -> tuple[int, ...]:

@@ -253,6 +253,26 @@ class Communicator:
         self._wait("Allgather", lambda: self.group.allgather([outputs], [tensor]))
         return outputs
 
+    def reduce_scatter(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Part `rank` of 1-D `tensor` cut into `sizes` (one per shard), summed over the shards."""
+        if self.group is None:
+            return tensor.clone()
+        parts = [piece.contiguous() for piece in torch.split(tensor, sizes)]
+        output = torch.empty_like(parts[self.rank])
+        self._wait("ReduceScatter", lambda: self.group.reduce_scatter([output], [parts]))
+        return output
+
+    def alltoall(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Shard s gets part s of 1-D `tensor` cut into `sizes` (one per shard); returns the parts of
+        this shard's size every shard sent it, in shard order."""
+        if self.group is None:
+            return [tensor.clone()]
+        output = tensor.new_empty(sizes[self.rank] * self.size)
+        options = torch.distributed.AllToAllOptions()
+        self._wait("AllToAll", lambda: self.group.alltoall_base(output, tensor.contiguous(),
+                                                               [sizes[self.rank]] * self.size, sizes, options))
+        return list(torch.split(output, sizes[self.rank]))
+
     def barrier(self) -> None:
         """Return once every shard has reached its barrier on this communicator."""
         if self.group is not None:

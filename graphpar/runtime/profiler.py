@@ -117,8 +117,9 @@ class Profile:
 def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str | None = None) -> Profile:
     """Run a net `num_iter` times op by op, timing each op; the blobs end up as after `RunNet`.
 
-    A `"cuda_graph"` net runs as `"simple"` here: a replayed graph has no per-op times (and timing
-    synchronizes the device after each op, which a capture cannot do).
+    A net whose executor cannot time ops (a replayed `"cuda_graph"`, `"compiled"` programs) runs on the
+    executor its type names for that (`Executor.op_by_op`, `"simple"`): timing synchronizes the device
+    after each op, which neither a capture nor a compiled program can do.
 
     Args:
         net_or_name: the name of a net created with `CreateNet` (its plan is run), or a `Net` /
@@ -153,7 +154,7 @@ def profile_net(net_or_name: Any, num_iter: int = 1, workspace: Workspace | str 
         return step.with_kernel(timer(step.kernel, step.index), step.reuse and timer(step.reuse.kernel, step.index))
 
     timed_plan = plan.with_steps(tuple(map(timed, plan.steps)))
-    executor = get_executor("simple" if plan.type == "cuda_graph" else plan.type)
+    executor = get_executor(get_executor(plan.type).op_by_op)
     sync()
     start = clock()
     for _ in range(num_iter):

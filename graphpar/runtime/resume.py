@@ -5,9 +5,11 @@ until the value is used (a run reads or writes it), replaced (FeedBlob, remove, 
 broadcast to the replicas (`FinalizeAfterCheckpoint`). While entries remain, every run is checked
 first, so that two mistakes of resuming raise instead of training from the wrong values:
 
-- a run that reads a *replica* of a loaded blob (`cpu_1/fc_w` after loading `cpu_0/fc_w`), i.e.
-  `FinalizeAfterCheckpoint` was skipped (replicas would differ forever) or the checkpoint was saved
-  with another first device (the model would train from its initial values);
+- a run that reads a *replica* of a loaded blob (`cpu_1/fc_w` after loading `cpu_0/fc_w`, or a
+  replica's part `cpu_0/fc_w_momentum_shard` of sharded state after loading `cpu_0/fc_w_momentum`),
+  i.e. `FinalizeAfterCheckpoint` was skipped (replicas would differ forever, or train from the
+  initial state) or the checkpoint was saved with another first device (the model would train from
+  its initial values);
 - a run that overwrites a loaded blob without reading it, i.e. the checkpoint was loaded before the
   init net ran (the loaded values would be thrown away).
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from graphpar.core.naming import parse_device_scope, stripBlobName
+from graphpar.core.naming import parse_device_scope, stripBlobName, unsharded_name
 from graphpar.errors import CheckpointError
 
 RESUME_ORDER = ("RunInitNet, then checkpoint.load(path, model=model) (which maps the file's names onto the "
@@ -27,7 +29,7 @@ RESUME_ORDER = ("RunInitNet, then checkpoint.load(path, model=model) (which maps
 
 def unsynced_replicas(reads: Iterable[str], loaded: Mapping[str, str]) -> list[tuple[str, str]]:
     """(loaded blob, a replica of it in `reads` that was not loaded) pairs: same unscoped name, another
-    replica scope."""
+    replica scope; or a replica's part of it (`_shard`), in any scope."""
     scoped: dict[str, list[str]] = {}
     for name in loaded:
         if parse_device_scope(name) is not None:
@@ -39,7 +41,8 @@ def unsynced_replicas(reads: Iterable[str], loaded: Mapping[str, str]) -> list[t
         scope = parse_device_scope(read)
         if scope is None or read in loaded:  # a replica loaded from the file too holds its saved value
             continue
-        pairs.extend((name, read) for name in scoped.get(stripBlobName(read), ()))
+        unscoped = stripBlobName(read)
+        pairs.extend((name, read) for name in scoped.get(unsharded_name(unscoped) or unscoped, ()))
     return pairs
 
 

@@ -38,22 +38,18 @@ class ShapePromise:
     def check(self, blobs: Mapping[str, torch.Tensor]) -> dict[str, Spec]:
         """Raise ValueError naming the first fed input whose shape or dtype differs from its recorded one;
         return the specs of the inputs seen for the first time (to record once the run succeeded)."""
-        first: dict[str, Spec] = {}
-        for name in self.inputs:
-            tensor = blobs.get(name)
-            if tensor is None:
-                continue  # the run reports the missing blob
-            spec, now = self.specs.get(name), _spec(tensor)
-            if spec is None:
-                first[name] = now
-            elif now != spec:
+        for name, (shape, dtype) in self.specs.items():
+            tensor = blobs.get(name)  # a missing one: the run reports it
+            if tensor is not None and (tensor.shape != shape or tensor.dtype != dtype):
                 raise ValueError(
-                    f"RunNet({self.net!r}): input {name!r} is {_show(now)} but was {_show(spec)} when the net "
-                    f"was created (or first ran), and the net promises static shapes (Parallelize("
+                    f"RunNet({self.net!r}): input {name!r} is {_show(_spec(tensor))} but was {_show((shape, dtype))} "
+                    f"when the net was created (or first ran), and the net promises static shapes (Parallelize("
                     f"static_shapes=True), net argument {STATIC_SHAPES_ARG!r}). Feed it with that shape and "
                     f"dtype (full batches: a loader's drop_last=True), or build the model without "
                     f"static_shapes; nothing ran")
-        return first
+        if len(self.specs) == len(self.inputs):
+            return {}
+        return {name: _spec(blobs[name]) for name in self.inputs if name not in self.specs and name in blobs}
 
     def record(self, specs: Mapping[str, Spec]) -> None:
         """Keep the specs `check` returned, after the run that read them succeeded."""

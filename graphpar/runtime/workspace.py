@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
@@ -57,7 +57,8 @@ import torch
 from graphpar.core.ir import CUDA, DeviceOption, DeviceType, NetDef, OperatorDef, proto_converter
 from graphpar.core.naming import ALIASED_STATE_ARG
 from graphpar.core.scope import CurrentDeviceScope
-from graphpar.errors import MissingBlobError
+from graphpar.core.shapes import infer_specs
+from graphpar.errors import MissingBlobError, OperatorError, ShapeInferenceError
 from graphpar.executor import CompiledNet, compile_net, get_executor
 from graphpar.executor.plan import checked_torch_device
 from graphpar.platform.devices import (
@@ -68,6 +69,8 @@ from graphpar.platform.devices import (
 )
 from graphpar.runtime.resume import check_run
 from graphpar.runtime.static_shapes import ShapePromise, promises_static_shapes
+
+log = logging.getLogger(__name__)
 
 _FEEDABLE_KINDS = "biufc"  # numpy dtype kinds with a torch equivalent: bool, ints, floats, complex
 
@@ -88,7 +91,9 @@ class Workspace:
         self._running: set[str] = set()  # the nets running now (in some thread)
         self._running_lock = threading.Lock()
         # the input shapes each created net with `static_shapes` keeps (runtime.static_shapes), by plan
-        self._promises: weakref.WeakKeyDictionary[CompiledNet, ShapePromise] = weakref.WeakKeyDictionary()
+        self._promises: dict[int, tuple[CompiledNet, ShapePromise]] = {}  # by id(plan)
+        # the plans (by id) created while their blobs did not fit their shapes, checked before they run (_compile)
+        self._unchecked: dict[int, CompiledNet] = {}
 
     def __repr__(self) -> str:
         return f"Workspace({self.name!r}, {len(self.blobs)} blobs, {len(self.nets)} nets)"
@@ -135,13 +140,17 @@ class Workspace:
         self.objects.clear()
         self.nets.clear()
         self.loaded.clear()
+        self._promises.clear()
+        self._unchecked.clear()
         self._restart_streams()
 
     @contextmanager
     def unchanged_on_error(self) -> Iterator[None]:
         """Put back the blobs (the same tensors), text blobs, nets, load records and random-stream state if
         the block raises. Tensors updated in place are not copied: runs stage those (`executor.frame`)."""
-        saved = [(m, dict(m)) for m in (self.blobs, self.objects, self.nets, self.loaded)]
+        mappings: tuple[dict[Any, Any], ...] = (self.blobs, self.objects, self.nets, self.loaded, self._promises,
+                                                self._unchecked)
+        saved = [(m, dict(m)) for m in mappings]
         compiles = self._compiles
         try:
             yield
@@ -246,18 +255,26 @@ class Workspace:
     def create_net(self, net: Any, overwrite: bool = False) -> CompiledNet:
         """Compile `net` once and keep it under its NetDef's name; return its plan.
 
+        A net whose ops do not fit the shapes of the blobs it reads (fed later, or still empty) is
+        created, as in Caffe2, and its shapes checked again before it runs (`run_net`).
+
         Raises:
             RuntimeError: a net of that name exists and `overwrite` is False.
-            MissingBlobError, ValueError, TypeError, OperatorError: see executor.compile_net.
+            MissingBlobError, ValueError, TypeError, OperatorError: see executor.compile_net (a broken
+                schema, a missing input, a kernel that cannot be built; not a shape mismatch).
         """
         netdef = _as_netdef(net)
         if netdef.name in self.nets and not overwrite:
             raise RuntimeError(f"net {netdef.name!r} already exists in workspace {self.name!r}; pass "
                                f"overwrite=True to replace it.")
         with self.unchanged_on_error():  # a failed compile must not advance the random streams
-            plan = compile_net(netdef, self, self.keep_all)
+            plan = self._compile(netdef)
+        replaced = self.nets.get(netdef.name)
+        if replaced is not None:
+            self._promises.pop(id(replaced), None)
+            self._unchecked.pop(id(replaced), None)
         if promises_static_shapes(plan):
-            self._promises[plan] = ShapePromise(plan, self.blobs)
+            self._promises[id(plan)] = (plan, ShapePromise(plan, self.blobs))
         self.nets[netdef.name] = plan
         return plan
 
@@ -268,6 +285,8 @@ class Workspace:
             RuntimeError: the net was never created in this workspace, or it is running in another thread.
             ValueError: `num_iter` is not a non-negative int, or the net promises static shapes and a
                 fed input's shape or dtype changed (`runtime.static_shapes`); checked before anything runs.
+            ShapeInferenceError: an op's inputs do not fit it (naming the op and their shapes; a
+                ValueError and a RuntimeError), for a net created while they did not; nothing runs.
             CheckpointError: the run would misuse values loaded from a checkpoint (`graphpar.resume`).
             OperatorError, MissingBlobError: an op failed (see executor.run); persistent blobs are as
                 they were after the last run that succeeded.
@@ -288,7 +307,10 @@ class Workspace:
                                    f"or wait for the other run to return")
             self._running.add(name)
         try:
-            promise = self._promises.get(plan) if num_iter else None
+            if num_iter:
+                self._check_shapes(plan)
+            entry = self._promises.get(id(plan)) if num_iter and self._promises else None
+            promise = entry[1] if entry is not None and entry[0] is plan else None
             first_shapes = promise.check(self.blobs) if promise is not None else None
             if self.loaded and num_iter:
                 self._check_load_order(plan)
@@ -305,12 +327,38 @@ class Workspace:
         """Compile and run `net` once without keeping it (typical for init nets); raises as
         create_net and run_net."""
         with self.unchanged_on_error():  # a failed compile or run must not advance the random streams
-            plan = compile_net(_as_netdef(net), self, self.keep_all)
+            plan = self._compile(_as_netdef(net))
+            self._check_shapes(plan)
             if self.loaded:
                 self._check_load_order(plan)
             get_executor(plan.type).run(plan, self.blobs)
             if self.loaded:
                 self._mark_used(plan)
+
+    def _compile(self, netdef: NetDef) -> CompiledNet:
+        """compile_net; a net whose blobs do not fit its shapes yet (fed later, still empty) is compiled
+        without shape facts and checked again before each run until one passes (`_check_shapes`):
+        Caffe2 found such errors when the op ran, so CreateNet accepts the net as Caffe2's did."""
+        compiles = self._compiles
+        try:
+            return compile_net(netdef, self, self.keep_all)
+        except ShapeInferenceError as exc:
+            self._compiles = compiles  # the compile that failed drew no random stream
+            try:
+                plan = compile_net(netdef, self, self.keep_all, infer_shapes=False)
+            except OperatorError:  # a kernel refuses its args too: the shape rule's error says more
+                raise exc from None
+            self._unchecked[id(plan)] = plan
+            log.info("CreateNet(%r): its blobs do not fit its shapes yet; checked again before it runs: %s",
+                     netdef.name, exc)
+            return plan
+
+    def _check_shapes(self, plan: CompiledNet) -> None:
+        """Raise ShapeInferenceError, before anything runs, if `plan`'s net was created with blobs that did
+        not fit it and the workspace's blobs still do not (`_compile`)."""
+        if self._unchecked and self._unchecked.get(id(plan)) is plan:
+            infer_specs(plan.netdef, self.blobs)
+            del self._unchecked[id(plan)]
 
     def _check_load_order(self, plan: CompiledNet) -> None:
         """Refuse a run that would misuse blobs loaded from a checkpoint (`graphpar.resume`)."""
@@ -480,7 +528,8 @@ def CreateNet(net: Any, overwrite: bool = False) -> bool:  # noqa: N802
 
     Raises RuntimeError if the name is taken and `overwrite` is False, MissingBlobError if an op
     input neither exists nor is produced earlier in the net, ValueError/TypeError for an op that
-    breaks its schema, OperatorError if a kernel cannot be built.
+    breaks its schema, OperatorError if a kernel cannot be built. Shapes that do not fit yet are
+    reported by RunNet, before anything runs (as Caffe2 reported them when the op ran).
     """
     get_workspace().create_net(net, overwrite)
     return True
@@ -489,8 +538,9 @@ def CreateNet(net: Any, overwrite: bool = False) -> bool:  # noqa: N802
 def RunNet(net_or_name: Any, num_iter: int = 1) -> bool:  # noqa: N802
     """Run a created net (by name, Net or NetDef) `num_iter` times; returns True.
 
-    Raises RuntimeError if it was not created, ValueError for a bad `num_iter`, and OperatorError
-    (or MissingBlobError) naming the failing op.
+    Raises RuntimeError if it was not created, ValueError for a bad `num_iter`, ShapeInferenceError
+    (a ValueError and a RuntimeError) for inputs that do not fit an op, and OperatorError (or
+    MissingBlobError) naming the failing op.
     """
     get_workspace().run_net(net_or_name, num_iter)
     return True
@@ -624,7 +674,7 @@ def WorkspaceGuard(workspace_name: str) -> Iterator[None]:  # noqa: N802
 _CAFFE2_NAMES = {
     "run_plan": ("RunPlan", "RunPlanInBackground"),
     "immediate": ("IsImmediate", "StartImmediate", "StopImmediate", "RunOperatorImmediate", "ImmediateBlobs",
-                  "FetchImmediate", "FeedImmediate"),
+                  "FetchImmediate", "FeedImmediate", "_immediate_root_folder"),
     "workspace_extras": ("NumGpuDevices", "IsGPUDeviceType", "FetchTorch", "FetchBlobs", "RunOperatorsOnce",
                          "StringifyBlobName", "StringifyNetName", "GetNameScope", "StringifyProto", "Predictor",
                          "RunOperatorMultiple", "C", "GlobalInit"),

@@ -15,21 +15,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from yacs.config import CfgNode as _YacsNode
 
 __all__ = ["CfgNode", "get_cfg"]
 
 
 class CfgNode(_YacsNode):
-    """yacs' CfgNode (attribute access, `merge_from_file`, `merge_from_list`, `freeze`, `clone`, `dump`)."""
+    """yacs' CfgNode (attribute access, `merge_from_file`, `merge_from_list`, `freeze`, `clone`, `dump`).
+
+    The merges are all or nothing (a merge that raises leaves the config as it was) and refuse a
+    frozen config (yacs' item assignment would change it silently)."""
 
     def merge_from_list(self, cfg_list: list[Any]) -> None:
-        """Merge `KEY VALUE` pairs (a command line's trailing `opts`).
+        """Merge `KEY VALUE` pairs (a command line's trailing `opts`), all or none.
 
         Raises:
+            AttributeError: the config is frozen.
             ValueError: an odd number of items (a key without its value); a value of another type.
             KeyError: a key that is not in the config.
         """
+        self._check_not_frozen("merge_from_list")
         if len(cfg_list) % 2:
             raise ValueError(f"merge_from_list: needs KEY VALUE pairs, got an odd number of items: {cfg_list}")
         for key in cfg_list[0::2]:  # yacs checks with `assert` (gone under python -O): check here first
@@ -39,7 +45,48 @@ class CfgNode(_YacsNode):
                     raise KeyError(f"Non-existent config key: {key} (set only keys of get_cfg(); add a new key "
                                    f"to the config before merging)")
                 node = node[part]
+        _YacsNode.merge_from_list(self.clone(), cfg_list)  # every pair on a copy first: a bad one changes nothing
         super().merge_from_list(cfg_list)
+
+    def merge_from_file(self, cfg_filename: str) -> None:
+        """Merge a YAML file (or yacs' Python config file), all or nothing.
+
+        Raises:
+            AttributeError: the config is frozen.
+            ValueError: the file is not YAML, or its top level is not a mapping of keys; a value of
+                another type. KeyError: a key that is not in the config.
+        """
+        self._check_not_frozen("merge_from_file")
+        if str(cfg_filename).endswith(".py"):
+            super().merge_from_file(cfg_filename)
+            return
+        with open(cfg_filename) as f:
+            text = f.read()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {str(cfg_filename)!r} is not valid YAML: {exc}") from None
+        if loaded is None:  # an empty file merges nothing
+            return
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(cfg_filename)!r}: the top level must be a mapping of keys "
+                             f"(e.g. 'SOLVER:' then '  BASE_LR: 0.02'), got a {type(loaded).__name__}")
+        self.merge_from_other_cfg(self.load_cfg(text))
+
+    def merge_from_other_cfg(self, cfg_other: _YacsNode) -> None:
+        """Merge another config, all or nothing.
+
+        Raises:
+            AttributeError: the config is frozen. KeyError / ValueError: as `merge_from_list`.
+        """
+        self._check_not_frozen("merge_from_other_cfg")
+        _YacsNode.merge_from_other_cfg(self.clone(), cfg_other)  # on a copy first: a bad key changes nothing
+        super().merge_from_other_cfg(cfg_other)
+
+    def _check_not_frozen(self, what: str) -> None:
+        if self.is_frozen():
+            raise AttributeError(f"{what}: the config is frozen (DefaultTrainer freezes its cfg); merge into "
+                                 f"cfg.clone() after defrost(), or defrost() it first")
 
 
 def _defaults() -> CfgNode:
@@ -87,7 +134,8 @@ def _defaults() -> CfgNode:
     c.TEST.EVAL_PERIOD = 0  # 0: evaluate after training only
 
     c.OUTPUT_DIR = "./output"
-    c.SEED = 0  # the workspace's random streams and the training sampler (< 0: the workspace's seed is left alone)
+    c.SEED = 0  # the workspace's random streams and the training sampler (< 0: the workspace's seed is left
+    # alone and the sampler takes a random seed every process shares)
     return c
 
 

@@ -289,14 +289,30 @@ class TrainingSampler:
     """Detectron2's infinite training sampler: every process draws the same seeded stream of epochs
     (each a permutation of `range(size)` when `shuffle`, else in order) and takes every `world`-th
     index starting at its `rank`, so the shards' indices are disjoint and together cover each epoch.
-    All shards must use the same `seed`."""
+    All shards must use the same `seed`; `seed=None` (Detectron2's default) is one random seed that
+    the processes agree on (`comm.shared_random_seed`, a collective: every process builds its sampler
+    at the same point).
 
-    def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int | None = None,
+    Raises:
+        ValueError: size < 1; a bad rank or world; `seed=None` with `world` > 1 but no group of that
+            many processes to agree with (pass the same `seed` everywhere instead).
+    """
+
+    def __init__(self, size: int, shuffle: bool = True, seed: int | None = 0, rank: int | None = None,
                  world: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"TrainingSampler: size must be >= 1, got {size}")
-        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.size, self.shuffle = size, shuffle
         self.rank, self.world = _shard_of(rank, world)
+        if seed is None:
+            from graphpar.parallel import comm, launch
+
+            if self.world != launch.get_world_size():
+                raise ValueError(f"TrainingSampler(seed=None): world={self.world} processes cannot agree on a "
+                                 f"random seed in a group of {launch.get_world_size()}; pass seed= (the same "
+                                 f"on every process)")
+            seed = comm.shared_random_seed()
+        self.seed = seed
 
     def __iter__(self) -> Iterator[int]:
         rng = np.random.default_rng(self.seed)

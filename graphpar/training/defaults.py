@@ -33,6 +33,7 @@ from graphpar.model import optimizer
 from graphpar.model.model_helper import ModelHelper
 from graphpar.parallel import comm, launch
 from graphpar.parallel import data_parallel_model as dpm
+from graphpar.platform.devices import cuda_is_simulated, num_cuda_devices
 from graphpar.runtime import checkpoint, workspace
 from graphpar.training.config import CfgNode
 from graphpar.training.engine import (
@@ -71,7 +72,10 @@ MODEL_REGISTRY: dict[str, Callable[[CfgNode], Callable[..., Any]]] = {
 
 def devices_of(cfg: CfgNode) -> tuple[list[int], bool]:
     """(this process's device ids, whether they are CPU devices): MODEL.NUM_DEVICES CPU devices, or this
-    process's GPUs (`comm.local_devices`; NUM_DEVICES 0: the machine's GPUs shared out)."""
+    process's GPUs (`comm.local_devices`; NUM_DEVICES 0: the machine's GPUs shared out). With
+    MODEL.DEVICE "cuda" on a machine without GPUs it raises (torch's DataParallel would fall back to the
+    CPU silently), unless CUDA devices are placed on the CPU (`GRAPHPAR_CUDA_ON_CPU=1`, the opt-in
+    fallback): then MODEL.NUM_DEVICES (at least 1) logical CUDA devices."""
     if cfg.MODEL.DEVICE not in ("cpu", "cuda"):
         raise ValueError(f"MODEL.DEVICE must be 'cpu' or 'cuda', got {cfg.MODEL.DEVICE!r}")
     count = cfg.MODEL.NUM_DEVICES
@@ -79,6 +83,13 @@ def devices_of(cfg: CfgNode) -> tuple[list[int], bool]:
         if count < 1:
             raise ValueError(f"MODEL.NUM_DEVICES must be >= 1 for CPU devices, got {count}")
         return list(range(count)), True
+    if num_cuda_devices() == 0:
+        if cuda_is_simulated():
+            return list(range(max(count, 1))), False
+        raise ValueError("MODEL.DEVICE is 'cuda' but no GPU is visible (torch.cuda.is_available() is False): set "
+                         "MODEL.DEVICE to 'cpu' to train on MODEL.NUM_DEVICES CPU devices, or GRAPHPAR_CUDA_ON_CPU=1 "
+                         "to run the CUDA devices on the CPU (graphpar does not fall back silently, as torch's "
+                         "DataParallel does)")
     return comm.local_devices(count or None), False
 
 
@@ -185,7 +196,8 @@ class DefaultTrainer(Trainer):
             raise ValueError("DATASETS.TRAIN is empty: name datasets registered in graphpar.loaders.DatasetCatalog")
         dataset = [d for name in cfg.DATASETS.TRAIN for d in DatasetCatalog.get(name)]
         devices, _ = devices_of(cfg)
-        return build_train_loader(dataset, default_mapper, cfg.SOLVER.IMS_PER_BATCH, seed=cfg.SEED,
+        return build_train_loader(dataset, default_mapper, cfg.SOLVER.IMS_PER_BATCH,
+                                  seed=cfg.SEED if cfg.SEED >= 0 else None,  # < 0: a random seed, shared
                                   aspect_ratio_grouping=cfg.DATALOADER.ASPECT_RATIO_GROUPING,
                                   num_workers=cfg.DATALOADER.NUM_WORKERS, num_devices=len(devices))
 
@@ -209,15 +221,16 @@ class DefaultTrainer(Trainer):
     def build_hooks(self) -> list[HookBase]:
         """IterationTimer, LRScheduler (the scheduler), the checkpointer (OUTPUT_DIR, every
         SOLVER.CHECKPOINT_PERIOD), EvalHook (TEST.EVAL_PERIOD, `test`), and on the main process a
-        PeriodicWriter (OUTPUT_DIR)."""
+        PeriodicWriter (OUTPUT_DIR/metrics.json, and a console line every 20 iterations: iteration,
+        ETA, total_loss, time, lr)."""
         cfg = self.cfg
         hooks: list[HookBase] = [IterationTimer(), LRScheduler(self.scheduler),
                                  _Checkpointer(cfg.OUTPUT_DIR, max(1, cfg.SOLVER.CHECKPOINT_PERIOD))]
         if cfg.DATASETS.TEST:
             hooks.append(EvalHook(cfg.TEST.EVAL_PERIOD,
                                   lambda: flatten_results_dict(self.test(self.cfg, self.test_model))))
-        if comm.is_main_process():
-            hooks.append(PeriodicWriter(cfg.OUTPUT_DIR, period=20, console=False, tensorboard=False))
+        if comm.is_main_process():  # a console line every 20 iterations, as Detectron2's CommonMetricPrinter
+            hooks.append(PeriodicWriter(cfg.OUTPUT_DIR, period=20, console=True, tensorboard=False))
         return hooks
 
     # -- evaluation and state --
@@ -265,7 +278,11 @@ class DefaultTrainer(Trainer):
     def resume_or_load(self, resume: bool = True, path: Any = None) -> int:
         """With `resume` and a checkpoint in OUTPUT_DIR: continue from the last one (params, optimizer
         state, and `state_dict`). Otherwise start from MODEL.WEIGHTS' params, if set, at iteration 0.
-        Returns the iteration training starts at."""
+        A process the launcher's agent restarted continues from the last checkpoint its job wrote in
+        OUTPUT_DIR (see `Trainer.resume_or_load`). Returns the iteration training starts at."""
+        restarted = self.restart_checkpoint()
+        if restarted is not None:
+            resume, path = True, restarted
         found = checkpoints(self.cfg.OUTPUT_DIR) if resume and path is None else []
         target = path if path is not None else (found[-1] if found else None)
         if resume and target is not None:

@@ -12,8 +12,10 @@ a `DeviceFeeder`'s prepared batches), runs the train net once, records the losse
 called on it, or on its `sampler`, when present). Scalars go to `trainer.storage` (one value per
 iteration and name) where the writers read them; under a rendezvous the losses are the global batch's
 (gathered from every shard, as Detectron2's `comm.reduce_dict`), the same on every shard, while `time`
-is this process's step time. `auto_scale_workers` applies Detectron2's linear
-scaling rule to a config for a new device count.
+is this process's step time. A process the launcher's agent restarted (`--max-restarts`)
+continues from the last checkpoint its job's PeriodicCheckpointer wrote (`resume_or_load`, or `train`
+on its own). `auto_scale_workers` applies Detectron2's linear scaling rule to a config for a new
+device count.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import torch
 from graphpar.core.ir import CUDA
 from graphpar.core.naming import stripBlobName, unscoped_name
 from graphpar.errors import CheckpointError
+from graphpar.executor import get_executor
 from graphpar.parallel import data_parallel_model as dpm
+from graphpar.parallel import elastic
 from graphpar.runtime import checkpoint, workspace
 from graphpar.training.data import Fed, feed
 
@@ -47,6 +51,7 @@ __all__ = ["ITERATIONS_DONE", "Config", "EvalHook", "EventStorage", "HookBase", 
 log = logging.getLogger(__name__)
 
 RECORD_PERIOD = 20  # iterations between host reads of the losses on CUDA replicas (Trainer's record_period)
+TOTAL_LOSS = "total_loss"  # the sum of an iteration's losses, recorded beside them (Detectron2's name)
 
 
 # ---- storage ---------------------------------------------------------------------------------------
@@ -175,7 +180,7 @@ class LRScheduler(HookBase):
 
         model = self.trainer.model
         on_host = model._parallel.layout.device_type != CUDA
-        held = _held(tensor, model.net.Proto().type == "cuda_graph")
+        held = _held(tensor, _overwritten(model))
 
         def lr() -> float:
             value = held.detach().to("cpu", copy=True).numpy().reshape(-1)[0]
@@ -215,11 +220,12 @@ class PeriodicCheckpointer(HookBase):
         """Write the checkpoint after `iteration` iterations: `GetCheckpointParams` (which carry
         `optimizer_iteration`, the updates made) and, in the metadata, `metadata()` and the
         iterations done under `ITERATIONS_DONE` (loss-scaled steps that were skipped count: they
-        consumed their batches), where `resume_or_load` continues."""
+        consumed their batches), where `resume_or_load` continues, and the job's id under the launcher
+        (`elastic.JOB_KEY`), which a restarted process continues from."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"model_{iteration:07d}.safetensors"
         checkpoint.save(path, sorted(dpm.GetCheckpointParams(self.trainer.model)),
-                        metadata={**self.metadata(), ITERATIONS_DONE: iteration})
+                        metadata={**self.metadata(), ITERATIONS_DONE: iteration, **elastic.job_metadata()})
         if self.keep is not None:
             for old in checkpoints(self.directory)[:-self.keep]:
                 old.unlink(missing_ok=True)
@@ -270,9 +276,11 @@ class EvalHook(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Every `period` iterations (and at the end) writes the latest scalars: a console line (with the
-    ETA from the median step time), a JSON line in `directory/metrics.json`, and TensorBoard events
-    in `directory` when `tensorboard` is installed (`tensorboard=None`: when available)."""
+    """Every `period` iterations (and at the end) writes the latest scalars: a console line (the
+    iteration, the ETA from the median step time, `total_loss` (and the losses it sums when there are
+    several), then the other scalars: `time`, `lr`, ...), a JSON line in `directory/metrics.json`
+    (every scalar), and TensorBoard events in `directory` when `tensorboard` is installed
+    (`tensorboard=None`: when available)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, period: int = 20,
                  console: bool = True, tensorboard: bool | None = None) -> None:
@@ -321,8 +329,16 @@ class PeriodicWriter(HookBase):
             left = self.trainer.max_iter - iteration - 1
             step = storage.median("time")
             eta = f"  eta {_duration(left * step)}" if not math.isnan(step) and left > 0 else ""
-            values = "  ".join(f"{k} {v:.4g}" for k, v in latest.items())
-            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {values}", flush=True)
+            print(f"iter {iteration + 1}/{self.trainer.max_iter}{eta}  {self._console_values(latest)}", flush=True)
+
+    def _console_values(self, latest: dict[str, float]) -> str:
+        """`total_loss` first; the losses it sums only if there are several (one equals it); then the rest."""
+        losses = getattr(self.trainer, "loss_names", [])
+        shown = [TOTAL_LOSS] if TOTAL_LOSS in latest else []
+        if len(losses) > 2 or TOTAL_LOSS not in latest:
+            shown += [name for name in losses if name in latest and name != TOTAL_LOSS]
+        shown += [name for name in latest if name not in losses]
+        return "  ".join(f"{name} {latest[name]:.4g}" for name in shown)
 
 
 def _duration(seconds: float) -> str:
@@ -392,6 +408,7 @@ class Trainer:
         self._in_epoch = 0
         self._pending: Any = None
         self._initialized = False
+        self._loaded = False  # resume_or_load ran
         self._done = 0  # iterations run (skipped loss-scaled steps included): where train() starts
         self.last_fed: Fed | None = None  # the last step's Fed: names, rows, host-side fields per device
         self._world: Any = None  # the communicator the losses are gathered on (under a rendezvous)
@@ -467,14 +484,23 @@ class Trainer:
         data has a length, restores the epoch and skips the batches the saved run had consumed in
         it, so data whose order depends only on the epoch gives the same batches.
 
+        A process the launcher's agent restarted (TORCHELASTIC_RESTART_COUNT > 0) continues from the
+        last checkpoint its job wrote in the PeriodicCheckpointer's directory, whatever `resume` and
+        `path` say (they said how the job began); one that has none does as they say.
+
         Raises:
             FileNotFoundError: `path` does not exist. CheckpointError: see `checkpoint.load`; without
                 `resume`, also a file holding none of the model's params.
         """
         self.initialize()
+        self._loaded = True
+        restarted = self.restart_checkpoint()
+        if restarted is not None:
+            resume, path = True, restarted
+            log.info("restart %d of this job: continuing from its last checkpoint", elastic.restart_count())
         target = Path(path) if path is not None else None
         if target is None and resume:
-            saver = next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
+            saver = self._checkpointer()
             found = checkpoints(saver.directory) if saver is not None else []
             target = found[-1] if found else None
         if target is None:
@@ -491,6 +517,17 @@ class Trainer:
         self._skip_to(self.iter)
         log.info("resumed from %s at iteration %d", target, self.iter)
         return self.iter
+
+    def _checkpointer(self) -> PeriodicCheckpointer | None:
+        return next((h for h in self.hooks if isinstance(h, PeriodicCheckpointer)), None)
+
+    def restart_checkpoint(self) -> Path | None:
+        """In a process the launcher's agent restarted: the last checkpoint this job's PeriodicCheckpointer
+        wrote (`graphpar.parallel.elastic`), where training continues; else None."""
+        saver = self._checkpointer()
+        if elastic.restart_count() == 0 or saver is None:
+            return None
+        return elastic.last_of_this_job(checkpoints(saver.directory))
 
     def _load_weights(self, target: Path) -> None:
         """The file's params (scoped under any device, as `checkpoint.load(model=...)` maps them onto
@@ -528,6 +565,8 @@ class Trainer:
         raised (a NaN loss) runs that iteration again on the next batch.
         """
         self.initialize()
+        if not self._loaded and (restarted := self.restart_checkpoint()) is not None:
+            self.resume_or_load(True, restarted)  # a restarted process continues its job: as resume_or_load
         self.iter = self.storage.iter = self._done
         if self.iter >= self.max_iter:
             print(f"nothing to train: already at iteration {self.iter} of max_iter {self.max_iter}; raise "
@@ -589,9 +628,17 @@ class Trainer:
         if done % self.record_period == 0 or done >= self.max_iter:
             self.record_losses()
 
+    @property
+    def loss_names(self) -> list[str]:
+        """The names the losses are recorded under: the unscoped names of the blobs the forward builder
+        returned (each the mean over the global batch), and `total_loss`, their sum."""
+        names = next(iter(self.model._parallel.losses_by_device.values()))
+        return [unscoped_name(str(n)) for n in names] + [TOTAL_LOSS]
+
     def record_losses(self) -> None:
         """Read the losses of the iterations run since the last call on the host (under a rendezvous,
-        gathered from every shard: every shard must call it together) and record their global means.
+        gathered from every shard: every shard must call it together) and record their global means,
+        and `total_loss`, their sum (Detectron2's scalar).
 
         Raises:
             FloatingPointError: a loss is not finite (the values of earlier iterations are recorded).
@@ -603,11 +650,14 @@ class Trainer:
         values = iter(self._global_losses(local))
         for iteration, held in unrecorded:
             steps = [next(values) for _ in held]
+            total = 0.0
             for name in steps[-1]:
                 value = sum(v[name] for v in steps) / len(steps)
                 if not math.isfinite(value):
                     raise FloatingPointError(f"loss {name!r} became {value} at iteration {iteration}")
                 self.storage.put_scalar(name, value, iteration)
+                total += value
+            self.storage.put_scalar(TOTAL_LOSS, total, iteration)
 
     def _record_quietly(self) -> None:
         """record_losses after a failed step: the losses of the iterations before it still count."""
@@ -630,8 +680,8 @@ class Trainer:
         """[device][loss] the loss tensors of this shard's replicas, left on their devices: the live
         tensors (the next run makes new ones), copies where a CUDA graph's replay would overwrite them."""
         state = self.model._parallel
-        captured = self.model.net.Proto().type == "cuda_graph"
-        return [[_held(workspace.FetchTensor(str(name)), captured) for name in names]
+        overwritten = _overwritten(self.model)
+        return [[_held(workspace.FetchTensor(str(name)), overwritten) for name in names]
                 for names in state.losses_by_device.values()]
 
     @staticmethod
@@ -667,10 +717,16 @@ class Trainer:
         return out
 
 
-def _held(tensor: torch.Tensor, captured: bool) -> torch.Tensor:
-    """A tensor to read later: itself (the next run makes a new one), or for a captured net a copy on
-    its device (no host sync), since the graph's next replay overwrites its tensors in place."""
-    return tensor.detach().clone() if captured else tensor
+def _held(tensor: torch.Tensor, overwritten: bool) -> torch.Tensor:
+    """A tensor to read later: itself (the next run makes a new one), or where the next run overwrites
+    it in place (a replayed CUDA graph) a copy on its device (no host sync)."""
+    return tensor.detach().clone() if overwritten else tensor
+
+
+def _overwritten(model: Any) -> bool:
+    """Whether the next run of `model`'s train net overwrites the tensors this run left (`Executor.keeps_outputs`)."""
+    proto = model.net.Proto()
+    return not get_executor(proto.type).keeps_outputs(proto)
 
 
 # ---- configs and the linear scaling rule ---------------------------------------------------------

@@ -111,7 +111,8 @@ class MapDataset(torchdata.Dataset):
     dataset, the samples are mapped in order and those mapped to None are left out (Detectron2's).
 
     Raises:
-        RuntimeError: `max_retries` consecutive samples failed (naming the last index).
+        ValueError: `max_retries` is not an int >= 1.
+        RuntimeError (when read): `max_retries` consecutive samples failed, or every sample did.
     """
 
     def __new__(cls, dataset: Any, map_func: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
@@ -120,6 +121,9 @@ class MapDataset(torchdata.Dataset):
         return super().__new__(cls)
 
     def __init__(self, dataset: Any, map_func: Callable[[Any], Any], max_retries: int = 100, seed: int = 42) -> None:
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
+            raise ValueError(f"MapDataset: max_retries must be an int >= 1 (samples tried in a row before an error), "
+                             f"got {max_retries!r}")
         self._dataset, self._map_func, self._max_retries = dataset, map_func, max_retries
         self._rng = random.Random(seed)
         self._fallback = set(range(len(dataset)))
@@ -128,21 +132,22 @@ class MapDataset(torchdata.Dataset):
         return len(self._dataset)
 
     def __getitem__(self, index: int) -> Any:
-        current = int(index)
-        for retry in range(1, self._max_retries + 1):
+        current, tried = int(index), 0
+        for tried in range(1, self._max_retries + 1):
             data = self._map_func(self._dataset[current])
             if data is not None:
                 self._fallback.add(current)
                 return data
             self._fallback.discard(current)
-            if retry % 3 == 0:
-                log.warning("MapDataset: %d samples in a row failed to map (last index %d); trying another", retry,
+            if tried % 3 == 0:
+                log.warning("MapDataset: %d samples in a row failed to map (last index %d); trying another", tried,
                             current)
             if not self._fallback:
-                break
+                raise RuntimeError(f"MapDataset: every sample of the dataset mapped to None ({tried} tried in a row, "
+                                   f"starting at index {index}); the mapper fails on all of them")
             current = self._rng.sample(sorted(self._fallback), k=1)[0]
-        raise RuntimeError(f"MapDataset: {self._max_retries} samples in a row mapped to None (starting at index "
-                           f"{index}); the mapper fails on every sample it tried")
+        raise RuntimeError(f"MapDataset: {tried} samples in a row mapped to None (starting at index {index}; "
+                           f"max_retries={self._max_retries}); the mapper fails on every sample it tried")
 
 
 class _MapIterableDataset(torchdata.IterableDataset):
@@ -198,6 +203,8 @@ class AspectRatioGroupedDataset(torchdata.IterableDataset):
     Yields lists of samples."""
 
     def __init__(self, dataset: Any, batch_size: int) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"AspectRatioGroupedDataset: batch_size must be an int >= 1, got {batch_size!r}")
         self.dataset, self.batch_size = dataset, batch_size
 
     def __iter__(self) -> Iterator[list[Any]]:
@@ -232,7 +239,7 @@ def single_device_batch_size(total_batch_size: int, num_devices: int, world: int
 
 def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None, total_batch_size: int | None = None,
                        sampler: Any = None, aspect_ratio_grouping: bool = False, num_workers: int = 0,
-                       seed: int = 0, num_devices: int = 1, *, collate_fn: Callable[[list], Any] | None = None,
+                       seed: int | None = 0, num_devices: int = 1, *, collate_fn: Callable[[list], Any] | None = None,
                        drop_last: bool = True, single_gpu_batch_size: int | None = None) -> Any:
     """An infinite loader of this process's share of each global batch, each `collate`d from
     `mapper(sample)`s, as Detectron2's `build_detection_train_loader`.
@@ -240,7 +247,7 @@ def build_train_loader(dataset: Any, mapper: Callable[[Any], Any] | None = None,
     The batch: `total_batch_size` over every device of every process (checked by
     `single_device_batch_size`), or `single_gpu_batch_size` samples per device (not both). `dataset`
     is a list (of dicts; serialized, see `DatasetFromList`), a map-style dataset read in the order of
-    `sampler` (default a `TrainingSampler` seeded with `seed`), or an iterable dataset read as it
+    `sampler` (default a `TrainingSampler` seeded with `seed`; None: a random seed every process shares), or an iterable dataset read as it
     yields (its sampler must be None; it shards itself over processes and workers). `collate_fn`
     turns this process's list of samples into a batch (default `graphpar.data.collate`, split per
     device); `drop_last=False` keeps a short last batch of a finite sampler. The batches do not depend

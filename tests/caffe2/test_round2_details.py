@@ -1,6 +1,6 @@
 """Caffe2 details its own tests and trainer rely on: SoftmaxWithLoss(only_loss=True), enable_tensor_core
 through brew.arg_scope, ModelHelper.GetOptimizationParamInfo, Parallelize with a forward builder
-returning [] (no loss on that replica), CreateNet's shape errors as Caffe2's run-time enforce failures,
+returning [] (no loss on that replica), shape errors as Caffe2's run-time enforce failures,
 and GetGpuPeerAccessPattern on logical GPUs placed on the CPU."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_losses_on_some_replicas_only_are_refused() -> None:
 
 def test_a_shape_error_at_create_net_is_also_caffe2s_runtime_enforce_failure() -> None:
     """Caffe2's Split of 3 values into 2 failed when run, with a RuntimeError saying `enforce fail`;
-    graphpar finds it at CreateNet, with an error that is that too (and still a ValueError)."""
+    graphpar raises that too when the net runs, before any op (and it is still a ValueError)."""
     net = core.Net("split")
     net.Proto().type = "dag"
     a = net.AddExternalInput("a")

@@ -24,6 +24,7 @@ from graphpar.core.schema import (
     scoped_registry,
 )
 from graphpar.core.shapes import BlobSpec, infer_specs, on_meta
+from graphpar.errors import ShapeInferenceError
 from graphpar.ops.fill import DataType
 from tests.ops.examples import EXAMPLES, Example
 from tests.ops.helpers import make_op, run_op
@@ -242,21 +243,40 @@ def test_replicated_ops_are_inferred_once(counted: dict[str, int], op_type: str,
 # ---- CreateNet ------------------------------------------------------------------------------------------
 
 
-def test_create_net_reports_a_shape_mismatch_naming_the_op_before_anything_runs() -> None:
+def test_run_net_reports_a_shape_mismatch_naming_the_op_before_anything_runs() -> None:
+    """CreateNet accepts a net whose blobs do not fit it yet (Caffe2 found that when the op ran); each
+    RunNet checks again before any op runs, until the blobs fit."""
     for name, value in _mlp_feeds(inner=4).items():
         if isinstance(value, torch.Tensor):
             workspace.FeedBlob(name, value.numpy())
     workspace.FeedBlob("w2", np.zeros((2, 5), np.float32))
     workspace.FeedBlob("b2", np.zeros(2, np.float32))
     net = _mlp()
-    before = workspace.Blobs()
-    with pytest.raises(ValueError, match=r"op #0 \(FC\) \(recorded at .*test_shapes.py:\d+\).*same reduction dim"):
-        workspace.CreateNet(net)
-    assert workspace.Blobs() == before
-    workspace.FeedBlob("w1", np.zeros((5, 3), np.float32))
     workspace.CreateNet(net)
+    before = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
+    for _ in range(2):
+        with pytest.raises(ShapeInferenceError, match=r"\[enforce fail at shape inference\] .*op #0 \(FC\) "
+                                                      r"\(recorded at .*test_shapes.py:\d+\).*same reduction dim"):
+            workspace.RunNet(net)
+        assert workspace.Blobs() == sorted(before)
+    workspace.FeedBlob("w1", np.zeros((5, 3), np.float32))
     workspace.RunNet(net)
     assert workspace.FetchBlob("p").shape == (8, 2)
+    workspace.FeedBlob("w1", np.zeros((5, 7), np.float32))
+    with pytest.raises(ShapeInferenceError, match="same reduction dim"):
+        workspace.RunNetOnce(net)
+
+
+def test_a_net_of_a_blob_fed_later_is_created_as_in_caffe2() -> None:
+    """Caffe2's partial-clone test creates nets on empty feeds (a Sum of a still-empty float64 blob and a
+    float32 one); the net is created, and runs once fed what fits."""
+    workspace.RunNetOnce(NetDef("params", [OperatorDef("ConstantFill", [], ["p1"], {"shape": [2], "value": 1.0})]))
+    net = NetDef("clone", [OperatorDef("Sum", ["b1", "p1"], ["c1"])], external_inputs=["b1", "p1"])
+    workspace.FeedBlob("b1", np.array([]))
+    workspace.CreateNet(net)
+    workspace.FeedBlob("b1", np.array([1.0, 2.0], np.float32))
+    workspace.RunNet(net)
+    np.testing.assert_array_equal(workspace.FetchBlob("c1"), [2.0, 3.0])
 
 
 def test_inference_at_create_net_leaves_the_random_streams_alone(monkeypatch: pytest.MonkeyPatch) -> None:

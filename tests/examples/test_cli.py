@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from graphpar import checkpoint
@@ -32,8 +33,9 @@ def _fresh(tmp_path: Path, name: str = "c.safetensors") -> Path:
 
 def _interrupt(command: list[str], trigger: str | None, delay: float, cwd: Path) -> tuple[int, str, float]:
     """Run `command`, send SIGINT to its process group `delay` s after stdout shows `trigger` (None: after
-    start), and return (exit status, stderr, seconds from the signal to the exit). Once more if the free
-    port the launcher picked was taken meanwhile (by another job on this machine)."""
+    start; `| module`: after stderr shows that `python -X importtime` imported `module`), and return
+    (exit status, stderr, seconds from the signal to the exit). Once more if the free port the launcher
+    picked was taken meanwhile (by another job on this machine)."""
     found = _interrupt_once(command, trigger, delay, cwd)
     return _interrupt_once(command, trigger, delay, cwd) if "EADDRINUSE" in found[1] else found
 
@@ -43,7 +45,7 @@ def _interrupt_once(command: list[str], trigger: str | None, delay: float, cwd: 
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
                             start_new_session=True)
     if trigger is not None:
-        for line in proc.stdout:
+        for line in proc.stderr if trigger.startswith("| ") else proc.stdout:
             if trigger in line:
                 break
     time.sleep(delay)
@@ -58,7 +60,7 @@ def _interrupt_once(command: list[str], trigger: str | None, delay: float, cwd: 
 
 TRAIN = [sys.executable, "-m", "graphpar.examples.train", "--devices", "2", "--epochs", "3", "--overwrite"]
 POINTS = [  # (where, stdout line to wait for, then seconds)
-    ("start-up, torch loading", None, 0.3),
+    ("start-up, torch loading", "| graphpar.examples.cli", 0.0),  # imported once the handler is in place
     ("building the nets", "training a CNN", 0.0),
     ("first steps", "training a CNN", 0.4),
     ("right after an epoch's checkpoint", "epoch  1", 0.0),
@@ -78,8 +80,11 @@ def _check_one_clean_stop(code: int, err: str, where: str) -> None:
 @pytest.mark.parametrize("where, trigger, delay", POINTS, ids=[p[0] for p in POINTS])
 def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path, where, trigger, delay):
     repeats = int(os.environ.get("GRAPHPAR_SIGINT_REPEATS", 1))  # more in a soak run
+    command = [*TRAIN, "--checkpoint", str(tmp_path / "c.safetensors")]
+    if trigger.startswith("| "):  # the start: a moment fixed by the imports, whatever the machine's load
+        command[1:1] = ["-X", "importtime"]
     for _ in range(repeats):
-        code, err, _ = _interrupt([*TRAIN, "--checkpoint", str(tmp_path / "c.safetensors")], trigger, delay, tmp_path)
+        code, err, _ = _interrupt(command, trigger, delay, tmp_path)
         _check_one_clean_stop(code, err, where)
     if trigger is not None and trigger.startswith("epoch"):  # the finished epoch's checkpoint survives
         assert checkpoint.read_metadata(tmp_path / "c.safetensors")["metadata"]["epoch"] >= 1
@@ -112,6 +117,56 @@ def test_ctrl_c_of_two_processes_says_it_once(tmp_path, command, trigger, delay)
                                     tmp_path)
     _check_one_clean_stop(code, err, " ".join(command[2:4]))
     assert seconds < 25  # each process stopped after its step; none waited for the grace period to end
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the processes through /proc")
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_ctrl_c_while_the_processes_start_says_it_once(tmp_path, delay):
+    """Issue 35 item 7 (the launcher's side): a Ctrl-C while the processes of `--num-processes 2` were
+    starting printed their tracebacks from the middle of an import (or `Fatal Python error:
+    init_import_site`). They start with SIGINT blocked and take it once they can stop cleanly."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [*TRAIN, "--num-processes", "2", "--devices", "1", "--checkpoint", str(tmp_path / "c.safetensors")]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert len(_children(proc.pid)) >= 2, "the processes did not start"
+        time.sleep(delay)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the launcher and its processes
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    _check_one_clean_stop(proc.returncode, err, f"{delay} s into the processes' start-up")
+    assert "Fatal Python error" not in err and time.monotonic() - sent < 25
+
+
+def test_an_interrupt_outside_the_steps_ends_the_process_of_a_launched_job_quietly(tmp_path, monkeypatch, capsys):
+    """Issue 35 item 7: in a process that --num-processes started, a Ctrl-C while it loaded the data or
+    built the nets escaped run() as a KeyboardInterrupt, whose traceback the process printed; now it
+    ends with 130 and, where the parent reports the interrupt, says nothing."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "build", interrupted)
+    args = train.parse_args(["--devices", "2", "--checkpoint", str(tmp_path / "c.safetensors")])
+    args.report_interrupt = False  # as for a process of --num-processes
+    assert train.run(args) == 130
+    assert capsys.readouterr().err == ""
+    del args.report_interrupt  # a process that reports it (alone, or rank 0 under the launcher)
+    assert train.run(args) == 130
+    assert capsys.readouterr().err == "\ninterrupted; no epoch finished, so nothing was saved\n"
 
 
 # ---- refusals at start ------------------------------------------------------------------------------
@@ -195,6 +250,79 @@ def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
         assert not any("Traceback" in line or "inputs:" in line for line in err)
 
 
+# ---- every value checked as it is parsed, in one line, before torch loads (issue 35 items 6 and 9) ------
+
+
+def _command(module: str, argv: list[str], cwd: Path, import_times: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module argv` in `cwd` (with -X importtime: stderr also lists every module imported)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    flags = ["-X", "importtime"] if import_times else []
+    return subprocess.run([sys.executable, *flags, "-m", module, *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _without_import_times(err: str) -> tuple[list[str], bool]:
+    """(stderr's own lines, whether torch was imported)."""
+    times = [line for line in err.splitlines() if line.startswith("import time:")]
+    return ([line for line in err.splitlines() if not line.startswith("import time:")],
+            any(line.rstrip().endswith("| torch") for line in times))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--checkpoint", "/"], "argument --checkpoint: '/' is a directory: name a file in it"),
+    (["--checkpoint", ""], "argument --checkpoint: must be a file path, got ''"),
+    (["--checkpoint", "/dev/null/c.safetensors"], "argument --checkpoint: '/dev/null/c.safetensors': '/dev/null' "
+                                                  "is not a directory"),
+    (["--num-processes", "0"], "argument --num-processes: must be an integer >= 1, got '0'"),
+    (["--epochs"], "argument --epochs: expected one argument"),
+])
+def test_a_bad_main_job_option_is_one_line_before_torch_loads(tmp_path, argv, says):
+    done = _command("graphpar.examples.train", argv, tmp_path, import_times=True)
+    lines, torch_loaded = _without_import_times(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1 and not torch_loaded, done.stderr[-2000:]
+    assert lines[0].startswith("python -m graphpar.examples.train: error: ") and says in lines[0]
+    assert lines[0].endswith("(--help lists the options)") and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("module", ["graphpar.examples.train", "graphpar.examples.resnet50_trainer",
+                                    "graphpar.examples.dlrm"])
+def test_help_answers_before_torch_loads(tmp_path, module):
+    done = _command(module, ["--help"], tmp_path, import_times=True)
+    lines, torch_loaded = _without_import_times(done.stderr)
+    assert done.returncode == 0 and lines == [] and not torch_loaded
+    assert done.stdout.startswith(f"usage: python -m {module} ")
+    if module.endswith(".train"):  # what --no-finite-check does, said
+        assert "A NaN or inf loss still stops the run" in " ".join(done.stdout.split())
+
+
+@pytest.mark.slow
+def test_a_check_after_torch_loads_is_one_line_and_resume_suggests_more_epochs(tmp_path):
+    odd = _command("graphpar.examples.train", ["--devices", "2", "--batch-size", "7"], tmp_path)
+    assert odd.returncode == 2 and odd.stderr.count("\n") == 1
+    assert "error: --batch-size 7 must be a multiple of --devices 2" in odd.stderr
+    from graphpar import workspace
+
+    workspace.FeedBlob("optimizer_iteration", np.array([12 * (1437 // 64)], np.int64))  # after 12 epochs
+    checkpoint.save(tmp_path / "c.safetensors", ["optimizer_iteration"], metadata={"epoch": 12, "batch_size": 64})
+    done = _command("graphpar.examples.train", ["--resume", "--epochs", "5", "--checkpoint", "c.safetensors"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("nothing to do: c.safetensors is at epoch 12, and --epochs 5 asks for no more; to train longer, pass an "
+            "--epochs above 12 (e.g. --epochs 16)") in done.stdout
+
+
+@pytest.mark.slow
+def test_no_finite_check_stops_at_the_recorded_loss_in_one_line(tmp_path):
+    done = _command("graphpar.examples.train", ["--devices", "2", "--epochs", "1", "--lr", "1e6",
+                                                "--no-finite-check", "--checkpoint", "c.safetensors"], tmp_path)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match(r"error: FloatingPointError: loss 'loss' became nan at iteration \d+$",
+                                         errors[0]), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "c.safetensors").exists()
+
+
 # ---- --help -------------------------------------------------------------------------------------------
 
 
@@ -222,6 +350,9 @@ def test_launch_help_shows_the_command_and_the_defaults(capsys):
         launch.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: python -m graphpar.launch ") and "(default: auto)" in out and "(default: 1)" in out
+    for option in ("--max-restarts MAX_RESTARTS", "--rdzv-backend {static,c10d}", "--rdzv-endpoint RDZV_ENDPOINT",
+                   "--standalone", "when a process fails (default: 0)", "before they are killed (default: 30)"):
+        assert option in out, option  # torchrun's options (issue 33 item 1), with their defaults
 
 
 # ---- logging ------------------------------------------------------------------------------------------
@@ -249,25 +380,6 @@ def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
     assert re.search(r"^\[\d\d:\d\d:\d\d rank0\] epoch  1  loss \d\.\d{4}  test accuracy \d+\.\d\d%$", out, re.M)
     rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
     assert "loss" in rows[0] and "scaled_loss" not in rows[0]
-
-
-def test_launch_stops_a_process_that_ignores_the_interrupt_once_a_peer_has_stopped(monkeypatch):
-    """After Ctrl-C, a process blocked where SIGINT cannot reach it (C++ waiting on a peer that left) is
-    killed PEER_GRACE_SEC after the first process ended, not after the whole grace period."""
-    from graphpar import launch
-
-    code = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
-    stops = subprocess.Popen([sys.executable, "-c", code.format("pass")], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL)
-    stuck = subprocess.Popen([sys.executable, "-c", code.format("signal.signal(signal.SIGINT, signal.SIG_IGN)")],
-                             stdout=subprocess.PIPE)
-    for proc in (stops, stuck):
-        assert proc.stdout.readline().strip() == b"ready"
-    monkeypatch.setattr(launch, "PEER_GRACE_SEC", 0.5)
-    start = time.monotonic()
-    launch._stop([stops, stuck], grace_sec=30)
-    assert time.monotonic() - start < 10
-    assert stops.returncode != 0 and stuck.returncode == -signal.SIGKILL
 
 
 @pytest.mark.slow

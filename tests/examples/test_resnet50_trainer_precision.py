@@ -45,7 +45,8 @@ def test_precision_flags_train_two_iterations_on_logical_gpus(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, message", [(["--float16_compute"], "needs --dtype float16"),
-                                            (["--dtype", "float16", "--loss_scale", "0"], "--loss_scale needs"),
+                                            (["--dtype", "float16", "--loss_scale", "0"],
+                                             "argument --loss_scale: must be a finite number > 0, got '0'"),
                                             (["--loss_scale", "8"], "--loss_scale needs")])
 def test_precision_flag_misuse_is_refused(flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -32,15 +32,17 @@ def test_default_run_reaches_the_stated_accuracy(tmp_path, capsys):
     assert (tmp_path / "ckpt.safetensors").exists()
 
 
-def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
     common = ["--cpu", "--devices", "2", "--epochs", "3", "--lr-step-epochs", "2"]
     train.main([*common, "--checkpoint", str(tmp_path / "a.safetensors")])
     uninterrupted = _params()
     assert workspace.FetchBlob("optimizer_iteration")[0] == 3 * (1437 // 64)
 
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this-job")  # a job the launcher's agent runs
     train.main(["--cpu", "--devices", "2", "--epochs", "2", "--lr-step-epochs", "2",
                 "--checkpoint", str(tmp_path / "b.safetensors")])
     halfway = _params()
+    (tmp_path / "c.safetensors").write_bytes((tmp_path / "b.safetensors").read_bytes())
     train.main([*common, "--checkpoint", str(tmp_path / "b.safetensors"), "--resume"])
     assert "resumed from" in capsys.readouterr().out
     resumed = _params()
@@ -50,14 +52,25 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
     assert any(not np.array_equal(halfway[n], uninterrupted[n]) for n in uninterrupted)
 
+    # Issue 33 item 3: restarted by the agent, the same command (no --resume) continues this job's checkpoint
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert train.main([*common, "--checkpoint", str(tmp_path / "c.safetensors")]) == 0
+    assert "(restart 1 of this job)" in capsys.readouterr().out
+    for name, value in uninterrupted.items():
+        np.testing.assert_array_equal(_params()[name], value, err_msg=name)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # ... but not another job's: refused as at its start
+    with pytest.raises(SystemExit) as refused:
+        train.main([*common, "--checkpoint", str(tmp_path / "c.safetensors")])
+    assert refused.value.code == 2 and "continue it with --resume" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size must be between 1 and the 1437 training samples, got 0"),
-    (["--batch-size", "2000"], "--batch-size must be between 1 and the 1437 training samples, got 2000"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
+    (["--batch-size", "2000"], "argument --batch-size: must be at most the 1437 training samples, got 2000"),
     (["--batch-size", "66", "--devices", "4"], "--batch-size 66 must be a multiple of --devices 4"),
-    (["--devices", "0"], "--devices must be at least 1, got 0"),
-    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
-    (["--lr", "-1"], "--lr must be > 0"),
+    (["--devices", "0"], "argument --devices: must be an integer >= 1, got '0'"),
+    (["--epochs", "0"], "argument --epochs: must be an integer >= 1, got '0'"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got '-1'"),
     (["--resume"], "--resume: there is no checkpoint at"),
 ])
 def test_bad_options_are_refused_with_a_clear_message(tmp_path, capsys, argv, message):

@@ -42,7 +42,7 @@ def test_persistent_blobs_are_those_read_first_outputs_and_kept_ones():
 def test_dynamic_memory_management_frees_each_transient_after_its_last_use():
     layout = layout_frame(_net(dynamic_memory_management=1))
     names = layout.names
-    assert [[names[s] for s in step] for step in layout.frees] == [[], ["h"], ["g"], [], ["d"], []]
+    assert [[names[s] for s in step] for step in layout.frees_in(range(6))] == [[], ["h"], ["g"], [], ["d"], []]
     assert list(layout.store_names) == ["y", "w", "it"] and set(layout.drops) == {"h", "g", "d"}
     assert layout_frame(_net(dynamic_memory_management=1), keep_all=True).frees_memory is False
 
@@ -101,7 +101,7 @@ def test_each_version_of_a_reused_name_is_freed_after_its_own_users():
     ], external_outputs=["y"], args={"dynamic_memory_management": 1})
     layout = layout_frame(net)
     t, a = layout.slot["t"], layout.slot["a"]
-    assert layout.frees == ((), (t,), (), (), (a, t))
+    assert layout.frees_in(range(5)) == ((), (t,), (), (), (a, t))
     versions = list(zip(layout.version_slots, layout.version_users))
     assert versions == [(t, 2), (a, 3), (t, 2)]  # t v0 (ops 0, 1), a (1, 2, 4), t v2 (ops 3, 4)
     assert [list(r) for r in layout.releases] == [[0], [0, 1], [1], [2], [1, 2]]
@@ -121,7 +121,8 @@ def test_updates_run_last_and_values_are_freed_after_their_last_use_in_that_orde
     workspace.FeedBlob("m", np.zeros(3, np.float32))
     plan = workspace.get_workspace().create_net(net)
     assert plan.order == (0, 1, 3, 2) and plan.staged_from == 3
-    assert "lr" in [plan.frame.names[s] for s in plan.frame.frees[2]] and plan.frame.frees[3] == ()
+    frees = plan.frame.frees_in(plan.order)
+    assert "lr" in [plan.frame.names[s] for s in frees[2]] and frees[3] == ()
     workspace.RunNet("staged")
     np.testing.assert_array_equal(workspace.FetchBlob("w"), np.full(3, 0.5, np.float32))
     np.testing.assert_array_equal(workspace.FetchBlob("y"), [1.0])

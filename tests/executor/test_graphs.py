@@ -433,3 +433,21 @@ def test_a_replaced_captured_net_is_freed_with_its_graph() -> None:
         workspace.CreateNet(net, overwrite=True)
         gc.collect()
     assert plan() is None
+
+
+def test_the_replay_waits_for_the_state_check_so_a_changed_state_blob_changes_nothing():
+    """The captured steps replay at the last phase, after the state check of every run: a momentum
+    blob fed with another dtype after the capture makes RunNet raise before the replay, and the batch
+    norm running statistics (which a replay updates in place) and the params are unchanged."""
+    with _recording() as stand_in:
+        _, model = _train(_cnn, (3, 4, 4), [0], 4, cuda_graph=True)
+        assert len(stand_in.captures) == 1 and stand_in.replays == 2
+        names = ["gpu_0/bn_rm", "gpu_0/bn_riv", "gpu_0/conv_w", "gpu_0/pred_w"]
+        before = {name: workspace.FetchBlob(name).copy() for name in names}
+        momentum = workspace.FetchBlob("gpu_0/pred_w_momentum")
+        workspace.FeedBlob("gpu_0/pred_w_momentum", momentum.astype(np.float64))
+        with pytest.raises(OperatorError, match="pred_w_momentum.*float64"):
+            dpm.RunNet(model, 1)
+        assert stand_in.replays == 2
+    for name, value in before.items():
+        np.testing.assert_array_equal(workspace.FetchBlob(name), value, err_msg=name)

@@ -112,7 +112,7 @@ def test_invalid_net_is_rejected_before_anything_runs() -> None:
                                                                             args={"scael": 2.0})])
     with pytest.raises(TypeError, match="scael"):
         workspace.CreateNet(bad_arg)
-    with pytest.raises(ValueError, match="net type must be one of 'async_scheduling', 'cuda_graph', 'dag', 'simple', got 'async'"):
+    with pytest.raises(ValueError, match="net type must be one of 'async_scheduling', 'compiled', 'cuda_graph', 'dag', 'simple', got 'async'"):
         workspace.CreateNet(NetDef("bad_type", [], type="async"))
     assert workspace.Blobs() == ["x"]
 

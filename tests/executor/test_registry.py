@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,31 +13,93 @@ from graphpar import workspace
 from graphpar.core import Net, NetDef, OperatorDef
 from graphpar.executor import get_executor, net_types, register_executor
 from graphpar.executor import registry as executor_registry
-from graphpar.executor.frame import commit, open_frame
-from graphpar.executor.plan import CompiledNet
+from graphpar.executor.plan import CompiledNet, Phase
+from graphpar.executor.program import StepFailed, step_runs
+from graphpar.executor.run import run_plan
+from graphpar.executor.runtime import Runtime
 from graphpar.executor.simple import SimpleExecutor
 
 
 class ShuffledExecutor:
-    """Runs the steps in a random order that respects `plan.dependencies`: the freedom of a concurrent one."""
+    """The documented executor contract (docs/extending.md), in a random order that respects
+    `plan.dependencies`, phase by phase: the freedom of a concurrent executor. It runs through
+    `run_plan`, calls the steps' generated runs and frees what `FrameLayout.frees_in` lists for its order."""
+
+    op_by_op = "simple"
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.orders: list[list[int]] = []
 
+    def keeps_outputs(self, netdef: NetDef) -> bool:
+        return True
+
     def run(self, plan: CompiledNet, blobs: dict[str, torch.Tensor]) -> None:
-        frame = open_frame(plan, blobs)
-        done: set[int] = set()
+        run_plan(plan, blobs, self.start)
+
+    def start(self, plan: CompiledNet, runtime: Runtime, frame: list) -> _ShuffledLaunch:
         order: list[int] = []
-        pending = list(range(len(plan.steps)))
-        while pending:
-            j = self.rng.choice([j for j in pending if done.issuperset(plan.dependencies[j])])
-            plan.steps[j].run(frame)
-            done.add(j)
-            order.append(j)
-            pending.remove(j)
+        for phase in plan.phases:  # a random topological order of each phase, the phases in turn
+            done: set[int] = set(order)
+            pending = list(phase.steps)
+            while pending:
+                j = self.rng.choice([j for j in pending if done.issuperset(plan.dependencies[j])])
+                order.append(j)
+                done.add(j)
+                pending.remove(j)
         self.orders.append(order)
-        commit(plan, frame, blobs)
+        frees = plan.frame.frees_in(order) if plan.frame.frees_memory else None
+        return _ShuffledLaunch(plan, frame, order, frees)
+
+
+class _ShuffledLaunch:
+    def __init__(self, plan: CompiledNet, frame: list, order: list[int], frees: Any) -> None:
+        self.plan, self.frame, self.order, self.frees = plan, frame, order, frees
+
+    def __call__(self, phase: Phase) -> None:
+        runs, members = step_runs(self.plan), set(phase.steps)
+        for j in (j for j in self.order if j in members):
+            try:
+                runs[j](self.frame)
+            except Exception as exc:
+                raise StepFailed(j) from exc
+            for slot in self.frees[j] if self.frees is not None else ():
+                self.frame[slot] = None
+
+    def close(self) -> None:
+        return None
+
+
+def test_an_executor_that_runs_out_of_program_order_frees_by_the_documented_contract(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under dynamic memory management, values read by several ops (`h` by ops 1 and 3, `lr` by the
+    update and op 4) are freed after their last user in the order the executor chose; the results,
+    and what the workspace keeps, equal "simple"'s for every order."""
+    shuffled = ShuffledExecutor(seed=5)
+    monkeypatch.setitem(executor_registry._EXECUTORS, "shuffled", shuffled)
+    results = {}
+    for net_type in ("simple", "shuffled"):
+        workspace.ResetWorkspace()
+        workspace.FeedBlob("x", np.arange(6, dtype=np.float32) - 2.0)
+        workspace.FeedBlob("w", np.ones(6, np.float32))
+        workspace.FeedBlob("m", np.zeros(6, np.float32))
+        net = NetDef("freed", [
+            OperatorDef("Relu", ["x"], ["h"]),                                    # 0
+            OperatorDef("Scale", ["h"], ["a"], {"scale": 2.0}),                   # 1
+            OperatorDef("ConstantFill", [], ["lr"], {"shape": [1], "value": 0.5}),  # 2
+            OperatorDef("Sigmoid", ["h"], ["b"]),                                 # 3
+            OperatorDef("Scale", ["lr"], ["c"], {"scale": 3.0}),                  # 4
+            OperatorDef("Add", ["a", "b"], ["g"]),                                # 5
+            OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "w"], ["g", "m", "w"], {"momentum": 0.9}),  # 6
+        ], type=net_type, external_outputs=["c"], args={"dynamic_memory_management": True})
+        workspace.CreateNet(net)
+        for _ in range(6):
+            workspace.RunNet("freed")
+        results[net_type] = {name: workspace.FetchBlob(name) for name in workspace.Blobs()}
+    assert len({tuple(order) for order in shuffled.orders}) > 1
+    assert results["simple"].keys() == results["shuffled"].keys() == {"x", "w", "m", "c"}
+    for name, value in results["simple"].items():
+        np.testing.assert_array_equal(results["shuffled"][name], value, err_msg=name)
 
 
 def _random_net(net_type: str) -> NetDef:

@@ -189,3 +189,22 @@ def bn_group_stats(out: str, shard: int, num_shards: int, store: str, slices: li
         return
     np.savez(out, **saved)
 
+
+
+def sampler_indices(out: str, rank: int, world: int, store: str) -> None:
+    """Join a gloo default group of `world` on a FileStore in `store`, then save the first 2 epochs'
+    indices this rank's `TrainingSampler(12, seed=None)` yields, to `out`."""
+    import itertools
+    import os
+
+    import torch.distributed as dist
+
+    from graphpar.loaders import TrainingSampler
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store, "sampler"), world), rank=rank,
+                            world_size=world)
+    try:
+        indices = list(itertools.islice(iter(TrainingSampler(12, seed=None)), 2 * 12 // world))
+    finally:
+        dist.destroy_process_group()
+    np.save(out, np.array(indices))

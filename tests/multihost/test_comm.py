@@ -3,6 +3,7 @@ processes (Detectron2's comm tests, here over a FileStore rendezvous)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,27 @@ def test_batch_norm_synced_over_groups_of_shards(tmp_path: Path) -> None:
         for name in ("initial", "conv1_w", "pred_w"):
             np.testing.assert_array_equal(got[r][name], got[0][name], err_msg=f"shard {r} {name}")
     assert not np.allclose(got[0]["0/sm"], got[1]["0/sm"])
+
+
+def test_training_sampler_without_a_seed_shares_one_random_order_over_the_processes(tmp_path: Path) -> None:
+    """Issue 32 item 6: TrainingSampler(seed=None) drew each process's own random order, so the ranks'
+    indices overlapped and missed samples. As Detectron2, seed=None is one random seed the processes
+    share (comm.shared_random_seed): the ranks' indices are disjoint and cover each epoch (2 processes,
+    gloo on a FileStore)."""
+    codes = run_processes(comm_workers.sampler_indices, [(str(tmp_path / f"rank{r}.npy"), r, 2, str(tmp_path))
+                                                         for r in range(2)], limit=60)
+    assert codes == [0, 0]
+    ranks = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    for epoch in range(2):
+        indices = np.concatenate([r[epoch * 6:(epoch + 1) * 6] for r in ranks])
+        assert sorted(indices) == list(range(12))
+    assert list(ranks[0][:6]) != sorted(ranks[0][:6]) or list(ranks[1][:6]) != sorted(ranks[1][:6])  # shuffled
+
+
+def test_training_sampler_without_a_seed_needs_a_group_of_its_world() -> None:
+    from graphpar.loaders import TrainingSampler
+
+    with pytest.raises(ValueError, match="world=2 processes cannot agree on a random seed"):
+        TrainingSampler(12, seed=None, rank=0, world=2)
+    first = list(itertools.islice(iter(TrainingSampler(12, seed=None)), 12))
+    assert sorted(first) == list(range(12))  # one process: its own random order, every index once

@@ -4,11 +4,13 @@ timed out can be called again (real processes, gloo over loopback, hard time lim
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from graphpar import distributed, workspace
 from graphpar.core import CreateOperator
@@ -39,6 +41,30 @@ def test_tcp_store_handler_create_times_out(tmp_path: Path) -> None:
                                              is_master=True))
     store = distributed.get_store(int(workspace.FetchBlob("store")))
     assert store.timeout == datetime.timedelta(seconds=30)  # Caffe2's store timeout, not torch's 30 minutes
+
+
+def test_tcp_store_handler_create_waits_no_longer_than_its_timeout_in_all() -> None:
+    """Issue 32 item 15: torch's client tries once more after its timeout, so the op took about 1.75x
+    timeout_ms (52.7 s for 30 s). Now nothing listening fails after timeout_ms; a store served late,
+    within the timeout, is reached, and keeps timeout_ms for its operations."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"could not reach the TCPStore at 127.0.0.1:{port} within 2000 ms"):
+        workspace.RunOperatorOnce(CreateOperator("TCPStoreHandlerCreate", [], ["store"], host="127.0.0.1",
+                                                 port=port, timeout_ms=2000))
+    assert 2.0 <= time.monotonic() - start < 2.75
+    served = []
+    late = threading.Timer(0.3, lambda: served.append(torch.distributed.TCPStore(
+        "127.0.0.1", port, None, True, datetime.timedelta(seconds=5), False)))
+    late.start()
+    try:
+        workspace.RunOperatorOnce(CreateOperator("TCPStoreHandlerCreate", [], ["store"], host="127.0.0.1",
+                                                 port=port, timeout_ms=4000))
+    finally:
+        late.join()
+    store = distributed.get_store(int(workspace.FetchBlob("store")))
+    store.set("k", "v")
+    assert served[0].get("k") == b"v" and store.timeout == datetime.timedelta(seconds=4)
 
 
 @pytest.mark.slow

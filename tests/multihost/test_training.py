@@ -21,7 +21,8 @@ from tests.multihost.helpers import assert_identical, load, run_processes
 STEPS = 10
 RUNS = [{"kind": "mlp"}, {"kind": "mlp", "gradient_bucket_bytes": 64, "first_bucket_bytes": 64},
         {"kind": "cnn"}, {"kind": "cnn", "gradient_bucket_bytes": 1 << 20, "average_computed_params": True},
-        {"kind": "mlp", "bmuf": True}, {"kind": "cnn", "combine_spatial_bn": True}, {"kind": "dlrm"}]
+        {"kind": "mlp", "bmuf": True}, {"kind": "cnn", "combine_spatial_bn": True}, {"kind": "dlrm"},
+        {"kind": "mlp", "shard_optimizer_state": True}, {"kind": "cnn", "shard_gradients": True}]
 
 
 @pytest.mark.slow
@@ -29,8 +30,10 @@ def test_two_shards_of_two_devices_train_bit_identically_to_one_shard_of_four(tm
     """MLP and CNN with batch norm, with and without buckets (and averaged computed params), 10 momentum
     SGD steps, synchronised batch norm (combine_spatial_bn: statistics of all 4 replicas), DLRM (sparse embedding
     gradients, gathered across shards), and BMUF (10 blocks of 2 local steps, the global model averaged over every replica of
-    every shard); shard 1 is seeded differently and still starts from shard 0's params. Every replica
-    of every shard equals the 1 x 4 run's after init and after every step."""
+    every shard), sharded optimizer state (stage 1 on the MLP, stage 2 on the CNN: with two shards the
+    ring's reduce-scatter adds the two partial sums as the tree does); shard 1 is seeded differently and
+    still starts from shard 0's params. Every replica of every shard equals the 1 x 4 run's after init
+    and after every step."""
     single = tmp_path / "single"
     single.mkdir()
     ref_runs = [{**run, "shard": 0, "num_shards": 1, "devices": [0, 1, 2, 3], "store": str(single),
@@ -73,10 +76,14 @@ def test_one_shard_of_two_devices_and_two_shards_of_one_match_one_device(tmp_pat
 
 def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_path: Path) -> None:
     """reduce_order='tree' sums (g0 + g1) + (g2 + g3) on every shard, as one process's tree over 4
-    devices: bit for bit. gloo's ring all-reduce of 4 shards adds in another order: float tolerance."""
+    devices: bit for bit, with sharded state (ReduceScatter in tree order) too. gloo's ring all-reduce of
+    4 shards adds in another order: float tolerance; its ring reduce-scatter in yet another one: within
+    one float32 rounding per step of the ring all-reduce's run (the ulp of the largest param, per step)."""
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    runs = [{"kind": "mlp", "steps": 4, "reduce_order": "tree"}, {"kind": "mlp", "steps": 4}]
+    runs = [{"kind": "mlp", "steps": 4, "reduce_order": "tree"}, {"kind": "mlp", "steps": 4},
+            {"kind": "mlp", "steps": 4, "reduce_order": "tree", "shard_gradients": True},
+            {"kind": "mlp", "steps": 4, "shard_gradients": True}]
     codes = run_processes(workers.train_all, [(str(ref_dir / "four"), runs[:1])] + [
         (str(tmp_path / f"shard{r}"), runs) for r in range(4)],
         [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(ref_dir))] + [
@@ -85,34 +92,47 @@ def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_p
     four = load(ref_dir / "four_0.npz")
     for r in range(4):
         assert_identical(load(tmp_path / f"shard{r}_0.npz"), four)
+        assert_identical(load(tmp_path / f"shard{r}_2.npz"), four)
         ring = load(tmp_path / f"shard{r}_1.npz")
         for key, value in ring.items():
             np.testing.assert_allclose(value, four[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        for key, value in load(tmp_path / f"shard{r}_3.npz").items():
+            when = key.split("/")[0]
+            steps = 0 if when == "init" else int(when) + 1
+            assert np.abs(value - ring[key]).max() <= steps * np.spacing(np.abs(ring[key]).max()), key
     assert_identical(load(tmp_path / "shard3_1.npz"), load(tmp_path / "shard0_1.npz"))  # ranks agree
+    assert_identical(load(tmp_path / "shard3_3.npz"), load(tmp_path / "shard0_3.npz"))
 
 
 def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_exactly(tmp_path: Path) -> None:
-    """2 shards x 2 devices train 3 steps and save (shard 0 writes); 4 shards x 1 device (tree order)
-    and 1 process x 4 devices each load it, FinalizeAfterCheckpoint and train steps 3..5: both equal the
-    uninterrupted 1 x 4 run of 6 steps."""
-    ckpt = str(tmp_path / "two.safetensors")
+    """2 shards x 2 devices train 3 steps and save (shard 0 writes), once unsharded and once with
+    sharded state (shard_gradients: every shard gathers its parts for the save): the two files are
+    byte-identical. 4 shards x 1 device (tree order) and 1 process x 4 devices each load them,
+    FinalizeAfterCheckpoint (cutting the state into parts where sharded) and train steps 3..5, the
+    unsharded file unsharded and the sharded one the other way round: all equal the uninterrupted 1 x 4
+    run of 6 steps."""
+    ckpt, sharded = str(tmp_path / "two.safetensors"), str(tmp_path / "two_sharded.safetensors")
     for d in ("two", "four", "one"):
         (tmp_path / d).mkdir()
-    codes = run_processes(workers.train_all, [(str(tmp_path / "two" / f"shard{r}"), [{"kind": "mlp", "steps": 3}])
-                                              for r in range(2)] + [
+    saves = [{"kind": "mlp", "steps": 3, "save_to": ckpt},
+             {"kind": "mlp", "steps": 3, "save_to": sharded, "shard_gradients": True}]
+    codes = run_processes(workers.train_all, [(str(tmp_path / "two" / f"shard{r}"), saves) for r in range(2)] + [
         (str(tmp_path / "one" / "full"), [{"kind": "mlp", "steps": 6}])],
-        [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path / "two"), save_to=ckpt) for r in range(2)]
+        [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path / "two")) for r in range(2)]
         + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
     assert codes == [0, 0, 0] and not list(tmp_path.glob("*/*.error"))
+    assert Path(sharded).read_bytes() == Path(ckpt).read_bytes()
     resume = {"kind": "mlp", "steps": 6, "resume_from": ckpt}
-    codes = run_processes(workers.train_all, [(str(tmp_path / "four" / f"shard{r}"), [resume]) for r in range(4)] + [
-        (str(tmp_path / "one" / "resumed"), [resume])],
+    crosswise = [resume, {**resume, "resume_from": sharded, "shard_optimizer_state": True}]
+    codes = run_processes(workers.train_all, [(str(tmp_path / "four" / f"shard{r}"), crosswise) for r in range(4)] + [
+        (str(tmp_path / "one" / "resumed"), [{**resume, "shard_gradients": True}, {**resume, "resume_from": sharded}])],
         [dict(shard=r, num_shards=4, devices=[0], store=str(tmp_path / "four"), reduce_order="tree", seed=r)
          for r in range(4)] + [dict(shard=0, num_shards=1, devices=[0, 1, 2, 3], store=str(tmp_path / "one"))])
-    assert codes == [0] * 5, [p.read_text() for p in tmp_path.glob("*/*.error")]
+    errors = [p.read_text() for p in tmp_path.glob("*/*.error")]
+    assert codes == [0] * 5 and not errors, errors
     full = load(tmp_path / "one" / "full_0.npz")
-    for got in [load(tmp_path / "four" / f"shard{r}_0.npz") for r in range(4)] + [
-            load(tmp_path / "one" / "resumed_0.npz")]:
+    for got in [load(tmp_path / "four" / f"shard{r}_{k}.npz") for r in range(4) for k in range(2)] + [
+            load(tmp_path / "one" / f"resumed_{k}.npz") for k in range(2)]:
         steps = [key for key in got if key.split("/")[0] in ("3", "4", "5")]
         assert len(steps) >= 12
         assert_identical(got, full, steps)

@@ -8,6 +8,7 @@ so S shards x D devices compute what 1 shard x S*D devices computes.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -192,9 +193,13 @@ def _op(type_: str, inputs: list[str], outputs: list[str], **args: Any):  # noqa
     return core.CreateOperator(type_, inputs, outputs, **args)
 
 
+_SIGINT_BLOCKED_AT_IMPORT = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as a process starts
+
+
 def report_rank(directory: str) -> None:
-    """For graphpar.launch: write this process's rank, world size and local rank, after an all-reduce
-    over the default group that every rank must join."""
+    """For graphpar.launch: write this process's rank, world size, local rank, the default group's backend
+    and its threads, whether SIGINT was blocked when it imported this module and is now, after an
+    all-reduce over the default group that every rank must join."""
     import torch
     import torch.distributed as dist
 
@@ -203,7 +208,30 @@ def report_rank(directory: str) -> None:
     total = torch.ones(1)
     dist.all_reduce(total)
     with open(os.path.join(directory, f"rank{launch.get_rank()}"), "w") as f:
-        f.write(f"{launch.get_world_size()} {launch.get_local_rank()} {launch.is_main_process()} {int(total)}")
+        f.write(f"{launch.get_world_size()} {launch.get_local_rank()} {launch.is_main_process()} {int(total)} "
+                f"{dist.get_backend()} {torch.get_num_threads()} {_SIGINT_BLOCKED_AT_IMPORT} "
+                f"{signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
+
+
+def _gloo_named_otherwise(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """A backend that is gloo under another name: what a process's group reports shows which backend
+    `launch` asked for (only gloo runs on a CPU machine)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+TEST_BACKEND = "graphpar_test_gloo"
+
+
+def register_test_backend() -> None:
+    import torch.distributed as dist
+
+    if TEST_BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(TEST_BACKEND, _gloo_named_otherwise, devices=["cpu"])
+
+
+register_test_backend()  # in every process that unpickles a worker of this module
 
 
 def fail_on_rank_1(directory: str) -> None:

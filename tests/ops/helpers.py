@@ -46,10 +46,12 @@ def _context(op: OperatorDef, device: str, generator: torch.Generator | None) ->
 
 
 def run_op(op: OperatorDef, inputs: Sequence[torch.Tensor], generator: torch.Generator | None = None,
-           device: str = "cpu") -> tuple[torch.Tensor, ...]:
-    """Check `op` against its schema, build its kernel and run it; always returns a tuple."""
+           device: str = "cpu", reuse: bool = False) -> tuple[torch.Tensor, ...]:
+    """Check `op` against its schema, build its kernel (with `reuse`, the one that may overwrite an
+    input, `OpSchema.reuse`) and run it; always returns a tuple."""
     schema = check_operator(op)
-    fn = schema.kernel(parse_args(schema, op.args), _context(op, device, generator))
+    factory = schema.reuse.kernel if reuse and schema.reuse is not None else schema.kernel
+    fn = factory(parse_args(schema, op.args), _context(op, device, generator))
     out = fn(*inputs)
     return out if isinstance(out, tuple) else (out,)
 

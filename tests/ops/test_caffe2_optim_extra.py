@@ -46,6 +46,20 @@ def test_storm_dense() -> None:
     _close(got, _storm_dense_ref(p, m, gss, g, lr, 7.0, 0.5))
 
 
+@pytest.mark.parametrize("op_type", ["Storm", "SparseStorm"])
+def test_storm_with_beta_0_and_only_zero_gradients_so_far_makes_no_step(op_type: str) -> None:
+    """Issue 32 item 11: beta=0, grad_sq_init=0 and an all-zero gradient gave nlr = lr * 0^(-1/3) = inf and
+    NaN params (inf * 0). Nothing has been seen yet: nothing moves; the next nonzero gradient steps as
+    Caffe2's formula says."""
+    p, m, gss, lr = _arr(3, 2), np.zeros((3, 2)), np.array([0.0]), np.array([-0.3])
+    extra = [torch.tensor([0, 1, 2])] if op_type == "SparseStorm" else []
+    got = run_kernel(op_type, _t(p, m, gss, np.zeros((3, 2))) + extra + _t(lr), 3, momentum=7.0, beta=0.0)
+    _close(got, (p, m, gss))
+    g = _arr(3, 2)
+    got = run_kernel(op_type, _t(p, m, gss, g) + extra + _t(lr), 3, momentum=7.0, beta=0.0)
+    _close(got, _storm_dense_ref(p, m, gss, g, lr, 7.0, 0.0))
+
+
 def test_sparse_storm_updates_the_rows_of_the_slice() -> None:
     p, m, gss, lr = _arr(6, 2), _arr(6, 2), np.array([0.2]), np.array([-0.5])
     indices, rows = np.array([4, 0, 2]), _arr(3, 2)

@@ -116,6 +116,7 @@ CASES: dict[str, tuple[list[torch.Tensor], Callable, dict]] = {
                         {"grad_outputs": (1,)}),
     "SpatialBN": ([_x(4, 3, 2, 2), _positive(3, seed=1), _x(3, seed=2), _x(3, seed=3), _positive(3, seed=4)],
                   _bn_reference, {"wrt": (0, 1, 2), "n_outputs": 5}),
+    "Slice": ([_x(4, 5)], lambda x: x[1:3, 2:], {"starts": [1, 2], "ends": [3, -1]}),
     "Split": ([_x(5, 3)], lambda x: tuple(torch.split(x, [2, 3])), {"n_outputs": 2, "grad_outputs": (0, 1),
                                                                      "axis": 0, "split": [2, 3]}),
     "Sqr": ([_x(3, 4)], lambda x: x * x, {}),

@@ -183,6 +183,19 @@ def test_momentum_sgd_outputs_and_in_place_rule() -> None:
         check_operator(OperatorDef("MomentumSGDUpdate", ["g", "m", "lr", "p"], ["g", "m", "p2"]))
 
 
+@pytest.mark.parametrize("op_type", ["MomentumSGDUpdate", "MultiTensorMomentumSGDUpdate"])
+@pytest.mark.parametrize("nesterov", [0, 1])
+def test_momentum_sgd_with_a_malformed_lr_changes_nothing(op_type: str, nesterov: int) -> None:
+    """Issue 32 item 7: the kernel scaled the momentum in place (m.mul_(mu)) before it read the lr, so a
+    malformed lr (an lr_injection of two values) failed the run after the momentum had changed."""
+    g, m, p = randn((3,), seed=1), randn((3,), seed=2), randn((3,), seed=3)
+    mom, param, lr = m.clone(), p.clone(), torch.tensor([0.5, 1.0])
+    inputs = [g.clone(), mom, lr, param] if op_type == "MomentumSGDUpdate" else [g.clone(), mom, param, lr]
+    with pytest.raises(RuntimeError, match="invalid for input of size 2"):
+        run_kernel(op_type, inputs, n_outputs=3, momentum=0.9, nesterov=nesterov)
+    assert torch.equal(mom, m) and torch.equal(param, p)
+
+
 @settings(max_examples=10)
 @given(shape=SHAPES, dtype=DTYPES, seed=st.integers(0, 2**16), betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9)]),
        eps=st.sampled_from([1e-8, 1e-3]))

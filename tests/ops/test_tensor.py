@@ -299,6 +299,21 @@ def test_split_defaults_and_errors() -> None:
         run_kernel("Split", [x], n_outputs=2, axis=0, split=[1, 2])
 
 
+def test_slice_takes_caffe2_bounds_and_its_gradient_matches_autograd() -> None:
+    x = randn((4, 6))
+    (y,) = run_kernel("Slice", [x], starts=[1, 2], ends=[3, -1])
+    assert torch.equal(y, x[1:3, 2:])
+    (y,) = run_kernel("Slice", [x], starts=[-3], ends=[-1])  # dim + 1 + bound: rows 2..3
+    assert torch.equal(y, x[2:])
+    (y,) = run_kernel("Slice", [x.reshape(-1)], starts=[7], ends=[7])
+    assert y.shape == (0,)
+    check_gradient("Slice", [x.double()], lambda v: v[1:3, 2:], starts=[1, 2], ends=[3, -1])
+    for starts, ends, message in (([1], [2, 3], "one bound per dim"), ([0, 0, 0], [1, 1, 1], "at most 2"),
+                                  ([3], [2], r"no slice \[3, 2\)"), ([0], [5], r"no slice \[0, 5\)")):
+        with pytest.raises(ValueError, match=message):
+            run_kernel("Slice", [x], starts=starts, ends=ends)
+
+
 def test_split_gradient_fills_missing_output_grads_with_zeros() -> None:
     op = make_op("Split", 1, 3, axis=0)
     grad_ops, _ = gradient_ops(op, [None, "Y1_grad", None])

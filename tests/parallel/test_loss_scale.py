@@ -164,6 +164,22 @@ def test_the_scale_round_trips_through_a_checkpoint_with_the_masters(tmp_path):
         np.testing.assert_array_equal(workspace.FetchBlob(f"cpu_{d}/conv1_w"), saved["cpu_0/conv1_w"])
 
 
+def test_the_scale_grows_only_while_it_stays_finite():
+    """Issue 32 item 10: a scale that growth makes non-finite (growth_factor=inf was accepted) skipped
+    every later step. As torch._amp_update_scale_, a growth that would leave float32's range is not
+    applied (the good-step count restarts), so the scale stays finite and training goes on."""
+    from tests.ops.helpers import run_kernel
+
+    scale, good = torch.tensor(2.0 ** 120), torch.tensor(1, dtype=torch.int64)
+    grown, count = run_kernel("UpdateLossScale", [scale, good], growth_factor=2.0 ** 10, growth_interval=2)
+    assert grown.item() == 2.0 ** 120 and count.item() == 0
+    grown, count = run_kernel("UpdateLossScale", [torch.tensor(8.0), good], growth_factor=4.0, growth_interval=2)
+    assert grown.item() == 32.0 and count.item() == 0
+    reference, tracker = torch.tensor([2.0 ** 120]), torch.tensor([1], dtype=torch.int32)  # GradScaler's update
+    torch._amp_update_scale_(reference, tracker, torch.zeros(1), 2.0 ** 10, 0.5, 2)
+    assert reference.item() == 2.0 ** 120 and tracker.item() == 0
+
+
 @pytest.mark.parametrize("value, expected", [
     (None, None), (2.0 ** 10, LossScale(1024.0, dynamic=False)), ("dynamic", LossScale()),
     ({"init_scale": 4.0}, LossScale(4.0))])
@@ -172,7 +188,9 @@ def test_loss_scale_values(value, expected):
 
 
 @pytest.mark.parametrize("value, error", [(0.0, ValueError), ({"init": 2.0}, TypeError), ("auto", TypeError),
-                                          ({"backoff_factor": 2.0}, ValueError), (True, TypeError)])
+                                          ({"backoff_factor": 2.0}, ValueError), (True, TypeError),
+                                          ({"growth_factor": float("inf")}, ValueError),
+                                          ({"growth_factor": float("nan")}, ValueError)])
 def test_bad_loss_scales_raise_before_the_model_changes(value, error):
     model = model_helper.ModelHelper(name="bad_loss_scale")
     with pytest.raises((error, ParallelizeError)):
@@ -224,3 +242,68 @@ def test_the_trainer_records_nothing_for_a_skipped_step():
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 3
     assert [it for it, _ in trainer.storage.history["scaled_loss"]] == [1, 2, 3]
     assert len(trainer.storage.history["lr"]) == 3
+
+
+def test_a_float16_all_reduce_that_overflows_stops_the_step_or_skips_it_with_a_loss_scale(caplog):
+    """Issue 32 item 4: allreduce_dtype="float16" cast finite fp32 gradients above 65504 to inf and the
+    update turned the params into inf, silently. Without a loss scale the step now stops (nothing
+    changed, the error says what to use instead); with a dynamic loss scale it is skipped and the scale
+    backs off. fp32 all-reduce: the same batch gives finite params (the gradients were finite)."""
+    from graphpar.errors import OperatorError
+
+    devices = (0, 1)
+    for options in ({}, {"allreduce_dtype": "float16"}, {"allreduce_dtype": "float16", "loss_scale": "dynamic"}):
+        workspace.ResetWorkspace()
+        model = _build(devices, **options)
+        _feed(devices, 0)
+        dpm.RunInitNet(model)
+        dpm.RunNet(model, 1)  # a good step
+        before = _state(model, devices)
+        rng = np.random.default_rng(1)
+        for d in devices:  # finite fp32 gradients far beyond float16's 65504
+            workspace.FeedBlob(f"cpu_{d}/data", rng.standard_normal((2, 1, 16, 16), dtype=np.float32) * 1e7)
+            workspace.FeedBlob(f"cpu_{d}/label", np.array([1, 2], dtype=np.int32))
+        grads = None
+        if "allreduce_dtype" not in options:
+            dpm.RunNet(model, 1)
+            grads = [workspace.FetchBlob(f"cpu_0/{p}_grad") for p in ("conv1_w", "pred_w")]
+            assert all(np.isfinite(g).all() for g in grads) and max(np.abs(g).max() for g in grads) > 65504
+            assert all(np.isfinite(v).all() for v in _state(model, devices).values())
+            continue
+        if "loss_scale" in options:
+            with caplog.at_level(logging.WARNING, logger="graphpar.data_parallel_model"):
+                dpm.RunNet(model, 1)
+            assert "step skipped" in caplog.text and workspace.FetchBlob("cpu_0/_loss_scale") == np.float32(2.0 ** 15)
+        else:
+            with pytest.raises(OperatorError, match=r"\(CheckFinite\).*not finite.*float16 all-reduce .*bfloat16"):
+                dpm.RunNet(model, 1)
+        for name, value in _state(model, devices).items():
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_the_start_up_back_off_is_logged_once_and_a_scale_that_never_fits_is_warned_about(caplog, monkeypatch):
+    """Issue 32 item 16: every step of the dynamic scale's start-up back-off logged a warning (GradScaler
+    skips them silently). Now one INFO line when it starts and one when the scale settles; a warning
+    only when STARTUP_SKIPS_WARNED steps were skipped and none trained."""
+    devices = (0, 1)
+
+    def run(init_scale: float, steps: int) -> list[logging.LogRecord]:
+        workspace.ResetWorkspace()
+        model = _build(devices, compute_dtype="float16", loss_scale={"init_scale": init_scale})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=dpm.__name__):
+            for step in range(steps):
+                _feed(devices, step)
+                if step == 0:
+                    dpm.RunInitNet(model)
+                dpm.RunNet(model, 1)
+        assert 0 < dpm.skipped_steps(model) < steps or init_scale > 2.0 ** 60
+        return [r for r in caplog.records if r.name == dpm.__name__ and "RunInitNet" not in r.message]
+
+    records = run(2.0 ** 24, 12)
+    assert [r.levelname for r in records] == ["INFO", "INFO"], [r.message for r in records]
+    assert "backs off" in records[0].message and "settled after" in records[1].message
+    monkeypatch.setattr(dpm, "STARTUP_SKIPS_WARNED", 4)  # 32 by default
+    records = run(2.0 ** 120, dpm.STARTUP_SKIPS_WARNED + 1)  # far beyond fp16: every step overflows
+    assert [r.levelname for r in records] == ["INFO", "WARNING"]
+    assert f"{dpm.STARTUP_SKIPS_WARNED} steps in a row skipped and none trained yet" in records[1].message

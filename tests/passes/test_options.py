@@ -119,10 +119,13 @@ BAD_VALUES = {
     "accumulate_gradients": (0, ParallelizeError, "accumulate_gradients must be an int >= 1"),
     "cpu_update_once": ("yes", *_FLAG),
     "cuda_graph": ("yes", *_FLAG),
+    "compile": ("fastest", ParallelizeError, "Parallelize: compile: mode must be one of default, reduce-overhead"),
     "compute_dtype": ("int8", ParallelizeError, "Parallelize: compute_dtype='int8'"),
     "loss_scale": (-1.0, ParallelizeError, "loss_scale: .* needs 0 < init_scale"),
     "channels_last": ("yes", *_FLAG),
     "allreduce_dtype": ("int8", ParallelizeError, "Parallelize: allreduce_dtype='int8'"),
+    "shard_optimizer_state": ("yes", *_FLAG),
+    "shard_gradients": (None, TypeError, "shard_gradients must be True or False, got None"),
 }
 
 

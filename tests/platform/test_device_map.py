@@ -76,6 +76,10 @@ def test_the_map_comes_from_the_environment_or_the_context(monkeypatch):
 
 @pytest.mark.parametrize(("text", "error", "match"), [
     ("0,a", ValueError, "expected comma-separated physical GPU ids.*GRAPHPAR_DEVICE_MAP=0,0,0,0"),
+    ("0_1", ValueError, "expected comma-separated physical GPU ids"),  # issue 32 item 12: int() read it as 1
+    ("+1", ValueError, "expected comma-separated physical GPU ids"),
+    ("0,\u0661", ValueError, "expected comma-separated physical GPU ids"),  # an Arabic-Indic digit one
+    ("1.0", ValueError, "expected comma-separated physical GPU ids"),
     ("0,-1", ValueError, r"one physical GPU id >= 0 per logical device, got \[0, -1\]"),
 ])
 def test_a_bad_map_is_refused_naming_the_fix(monkeypatch, text, error, match):
@@ -85,6 +89,11 @@ def test_a_bad_map_is_refused_naming_the_fix(monkeypatch, text, error, match):
     for bad in ([True, 0], [0.0], "0,0", 0):
         with pytest.raises(TypeError, match="a list of int physical GPU ids"), devices.device_map(bad):
             pass
+
+
+def test_a_map_of_digits_and_commas_is_read_with_spaces_around_ids(monkeypatch):
+    monkeypatch.setenv("GRAPHPAR_DEVICE_MAP", " 0, 1 ,1")
+    assert devices.current_device_map() == (0, 1, 1)
 
 
 def test_a_map_onto_a_missing_gpu_is_refused_where_the_device_is_placed(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -235,6 +236,44 @@ def test_state_dict_and_resume_restore_iteration_scheduler_and_hooks(tmp_path) -
     assert third.iter == third.start_iter == 5 and third.hooks[0].steps == 4 and third.scheduler.last_iter == 3
 
 
+class Crash(HookBase):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def after_step(self) -> None:
+        if self.trainer.iter == self.at:
+            raise RuntimeError("the process dies")
+
+
+def test_a_restarted_default_trainer_continues_its_job_with_its_state(tmp_path, monkeypatch) -> None:
+    """Issue 33 item 3: restarted by the launcher's agent, `resume_or_load(resume=False)` (how the job
+    began) continues from the job's last checkpoint in OUTPUT_DIR, scheduler and hooks included (the
+    data, as Detectron2's infinite loader, starts its sampler over)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    first = DefaultTrainer(_cfg(tmp_path))  # the attempt that dies in iteration 5, after its checkpoint at 3
+    first.register_hooks([Counter(), Crash(at=4)])
+    first.resume_or_load(resume=False)
+    with pytest.raises(RuntimeError, match="the process dies"):
+        first.train()
+    workspace.ResetWorkspace()
+    DefaultTrainer(_cfg(tmp_path)).resume_or_load(resume=True)  # the params of that checkpoint
+    saved = _params()
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    workspace.ResetWorkspace()
+    workspace.SetSeed(0)
+    again = DefaultTrainer(_cfg(tmp_path))
+    counter = Counter()
+    again.register_hooks([counter])
+    assert again.resume_or_load(resume=False) == 3 and counter.steps == 2 and again.scheduler.last_iter == 2
+    for name, value in saved.items():
+        np.testing.assert_array_equal(_params()[name], value, err_msg=name)
+    again.train()
+    assert [it for it, _ in again.storage.history["lr"]] == [3, 4, 5]
+
+
 def test_evaluators_combine_and_classification_counts_top_k() -> None:
     evaluator = ClassificationEvaluator(topk=(1, 2))
     scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3], [0.2, 0.3, 0.5]])
@@ -339,6 +378,22 @@ def test_amp_on_cuda_devices_is_float16_with_a_dynamic_loss_scale() -> None:
     assert DefaultTrainer.precision_options(cfg, cpu=True) == {"compute_dtype": "bfloat16"}
 
 
+def test_cuda_asked_without_a_gpu_raises_with_the_fix_or_runs_on_logical_gpus(monkeypatch) -> None:
+    """torch's DataParallel falls back to the CPU silently; graphpar says what to do, and
+    GRAPHPAR_CUDA_ON_CPU=1 is the opt-in fallback (the same program on logical CUDA devices)."""
+    from graphpar.devices import cuda_on_cpu
+    from graphpar.training.defaults import devices_of
+    from tests.fake_gpus import fake_gpus
+
+    fake_gpus(monkeypatch, 0)
+    cfg = get_cfg()
+    cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.NUM_DEVICES", "2"])
+    with pytest.raises(ValueError, match="no GPU is visible .* MODEL.DEVICE to 'cpu' .* GRAPHPAR_CUDA_ON_CPU=1"):
+        devices_of(cfg)
+    with cuda_on_cpu():
+        assert devices_of(cfg) == ([0, 1], False)
+
+
 if "defaults_test17" not in DatasetCatalog:
     DatasetCatalog.register("defaults_test17", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[31:], Y[31:])])
     DatasetCatalog.register("defaults_test10", lambda: [{"image": x, "label": int(y)} for x, y in zip(X[:10], Y[:10])])
@@ -386,3 +441,59 @@ def test_inference_on_dataset_gives_the_evaluator_each_sample_once_whatever_the_
     np.testing.assert_array_equal(np.concatenate(recorder.labels), Y[:10])
     expected = torch.softmax(torch.from_numpy(_scores(slice(0, 10))), dim=1).numpy()
     np.testing.assert_allclose(np.concatenate(recorder.scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_config_refuses_merges_and_a_failed_merge_changes_nothing(tmp_path) -> None:
+    """Issue 32 item 9: merge_from_list / merge_from_file changed a frozen config (DefaultTrainer's)
+    without error, and a merge that raised kept the entries applied before the bad one."""
+    good = tmp_path / "good.yaml"
+    good.write_text("SOLVER:\n  BASE_LR: 0.5\n")
+    frozen = get_cfg()
+    frozen.freeze()
+    for merge in (lambda c: c.merge_from_list(["SOLVER.BASE_LR", "0.5"]), lambda c: c.merge_from_file(str(good))):
+        with pytest.raises(AttributeError, match="the config is frozen"):
+            merge(frozen)
+        assert frozen.SOLVER.BASE_LR == 0.01
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("SOLVER:\n  BASE_LR: 0.5\n  MAX_ITER: many\n")
+    cfg = get_cfg()
+    with pytest.raises(ValueError, match="Type mismatch"):
+        cfg.merge_from_list(["SOLVER.BASE_LR", "0.5", "SOLVER.MAX_ITER", "'many'"])
+    with pytest.raises(ValueError, match="Type mismatch"):
+        cfg.merge_from_file(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("SOLVER:\n  BASE_LR: 0.5\n  BASE_LRR: 1.0\n")
+    with pytest.raises(KeyError, match="Non-existent config key"):
+        cfg.merge_from_file(str(typo))
+    assert cfg == get_cfg()  # nothing of the failed merges was kept
+    cfg.merge_from_file(str(good))
+    assert cfg.SOLVER.BASE_LR == 0.5
+
+
+def test_a_yaml_config_whose_top_level_is_not_a_mapping_is_refused_naming_the_file(tmp_path) -> None:
+    """Issue 32 item 14: a YAML list at the top level failed with yacs' internal AttributeError."""
+    path = tmp_path / "list.yaml"
+    path.write_text("- SOLVER.BASE_LR\n- 0.5\n")
+    cfg = get_cfg()
+    with pytest.raises(ValueError, match=r"list.yaml'.*top level must be a mapping of keys .*got a list"):
+        cfg.merge_from_file(str(path))
+    (tmp_path / "empty.yaml").write_text("")
+    cfg.merge_from_file(str(tmp_path / "empty.yaml"))
+    assert cfg == get_cfg()
+
+
+def test_training_prints_a_line_every_20_iterations_with_the_total_loss(tmp_path, capsys) -> None:
+    """Detectron2's CommonMetricPrinter (issue 35 item 8): iteration, ETA, the loss under Detectron2's
+    name `total_loss` (the model's one loss is `scaled_loss`, a blob name: not shown twice), time, lr."""
+    trainer = DefaultTrainer(_cfg(tmp_path, "SOLVER.MAX_ITER", "40", "TEST.EVAL_PERIOD", "0"))
+    trainer.resume_or_load(resume=False)
+    capsys.readouterr()
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    assert [line.split()[1] for line in lines[:2]] == ["20/40", "40/40"]  # then the evaluation's, at the end
+    assert re.fullmatch(r"iter 20/40  eta \d+:\d\d:\d\d  total_loss [0-9.]+  (lr|time) [0-9.e-]+  (lr|time) [0-9.e-]+",
+                        lines[0]) and " time " in lines[0] and " lr " in lines[0]
+    assert "scaled_loss" not in lines[1] and " total_loss " in lines[1]
+    history = trainer.storage.history
+    assert history["total_loss"] == history["scaled_loss"] and len(history["total_loss"]) == 40
+    assert float(lines[1].split("total_loss ")[1].split()[0]) == pytest.approx(history["total_loss"][-1][1], rel=1e-3)

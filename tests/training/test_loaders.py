@@ -47,9 +47,23 @@ def test_map_dataset_replaces_a_failed_sample_and_gives_up_after_max_retries(cap
     got = [dataset[1] for _ in range(20)]  # an odd index fails: another (even) sample replaces it
     assert all(v % 20 == 0 and v < 100 for v in got) and len(set(got)) > 1
     never = MapDataset(DatasetFromList(list(range(4))), lambda x: None, max_retries=7)
-    with pytest.raises(RuntimeError, match="7 samples in a row mapped to None"):
-        never[0]
+    with pytest.raises(RuntimeError, match=r"every sample of the dataset mapped to None \(4 tried in a row"):
+        never[0]  # all 4 failed before max_retries (the message said 7)
     assert "samples in a row failed to map" in caplog.text
+    failing = MapDataset(DatasetFromList(list(range(40))), lambda x: None, max_retries=5)
+    with pytest.raises(RuntimeError, match=r"5 samples in a row mapped to None \(starting at index 3; max_retries=5"):
+        failing[3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_map_dataset_and_aspect_ratio_grouping_refuse_bad_counts(bad) -> None:
+    """Issue 32 item 13: MapDataset(max_retries=0) raised on every sample with a false message ("0
+    samples in a row mapped to None"); AspectRatioGroupedDataset(batch_size=0) yielded no batch (an
+    endless loop over an endless sampler)."""
+    with pytest.raises(ValueError, match="max_retries must be an int >= 1"):
+        MapDataset(DatasetFromList([1, 2]), lambda x: x, max_retries=bad)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        AspectRatioGroupedDataset([{"width": 1, "height": 2}], bad)
 
 
 def test_training_sampler_shards_one_seeded_order_over_the_processes() -> None:

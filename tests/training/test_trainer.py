@@ -108,6 +108,33 @@ def test_resumed_from_a_periodic_checkpoint_equals_the_uninterrupted_run(tmp_pat
     assert int(workspace.FetchBlob("optimizer_iteration")[0]) == 7
 
 
+@pytest.mark.parametrize("calls_resume_or_load", [True, False])
+def test_a_restarted_process_continues_from_the_last_checkpoint_its_job_wrote(tmp_path, monkeypatch,
+                                                                              calls_resume_or_load):
+    """Issue 33 item 3: a process the launcher's agent restarts (TORCHELASTIC_RESTART_COUNT > 0) runs the
+    same script, resume=False included; it continues where its job's checkpoints are, not from scratch,
+    and not from a checkpoint another job left further along in the same directory."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+    full = _train(tmp_path / "full", 7, resume=False)
+    expected, lrs = _params(full.model), full.storage.history["lr"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this-job")
+    _train(tmp_path / "cut", 5, resume=False)  # the attempt that died after its checkpoint at 5
+    foreign = tmp_path / "cut" / "ckpt" / "model_0000006.safetensors"
+    foreign.write_bytes((tmp_path / "full" / "ckpt" / "model_0000006.safetensors").read_bytes())
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    workspace.ResetWorkspace()
+    workspace.SetSeed(1)
+    hooks = [LRScheduler(), PeriodicCheckpointer(tmp_path / "cut" / "ckpt", 2, keep=None)]
+    restarted = Trainer(_model(), _batches(), hooks, max_iter=7)
+    if calls_resume_or_load:
+        assert restarted.resume_or_load(resume=False) == 5
+    restarted.train()
+    assert restarted.start_iter == 5 and restarted.storage.history["lr"] == lrs[5:]
+    for name, value in _params(restarted.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
 def test_a_finished_run_resumed_says_there_is_nothing_to_do(tmp_path, capsys):
     _train(tmp_path, 3, resume=False)
     trainer = _train(tmp_path, 3, resume=True)
@@ -147,11 +174,12 @@ def test_hooks_run_in_order_and_writers_write(tmp_path, capsys):
     assert evaluations == [2, 3]  # every 2 iterations and at the end
     lines = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
     assert [line["iteration"] for line in lines] == [1, 2, 2]  # every 2 iterations, the end, the final eval
-    assert set(lines[0]) == {"iteration", "scaled_loss", "lr", "time", "accuracy"} and lines[2] == {
+    assert set(lines[0]) == {"iteration", "scaled_loss", "total_loss", "lr", "time", "accuracy"} and lines[2] == {
         "iteration": 2, "accuracy": 0.5}
     assert len(trainer.storage.history["time"]) == 2  # after one warmup step
     out = capsys.readouterr().out
     assert "iter 2/3" in out and "iter 3/3" in out and "accuracy 0.5" in out
+    assert " total_loss " in out and "scaled_loss" not in out  # one loss: shown once, as Detectron2's total_loss
 
 
 def test_trainer_refuses_a_forward_only_model_empty_data_and_a_diverging_loss():
@@ -285,7 +313,8 @@ def test_periodic_writer_sends_scalars_to_tensorboard_when_installed(tmp_path, m
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
     workspace.ResetWorkspace()
     Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, period=2, console=False)], max_iter=3).train()
-    assert events == [("open", str(tmp_path)), ("scaled_loss", 1), ("scaled_loss", 2), ("close",)]
+    assert events == [("open", str(tmp_path)), ("scaled_loss", 1), ("total_loss", 1), ("scaled_loss", 2),
+                      ("total_loss", 2), ("close",)]
     with pytest.raises(ImportError):  # asked for explicitly, but not installed
         monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
         Trainer(_model(), _batches(), [PeriodicWriter(tmp_path, tensorboard=True)], max_iter=1).train()
@@ -497,3 +526,23 @@ def test_train_again_after_a_hook_error_following_skipped_steps_repeats_nothing(
     assert hook.steps == list(range(8))
     for name, value in _params(trainer.model).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_several_losses_are_recorded_with_their_total_and_each_shown(capsys):
+    """total_loss is the sum of the losses the builder returned (Detectron2's scalar, issue 35 item 8)."""
+    def two_losses(model, loss_scale):
+        scaled = _mlp(model, loss_scale)[0]
+        return [scaled, model.net.Scale(scaled, "half_loss", scale=0.5)]
+
+    workspace.ResetWorkspace()
+    model = ModelHelper(name=f"trainer_{next(_names)}")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=two_losses,
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.1), devices=[0, 1], cpu_device=True)
+    trainer = Trainer(model, _batches(), [PeriodicWriter(period=2, console=True)], max_iter=2)
+    trainer.train()
+    assert trainer.loss_names == ["scaled_loss", "half_loss", "total_loss"]
+    history = trainer.storage.history
+    for (_, total), (_, loss), (_, half) in zip(history["total_loss"], history["scaled_loss"], history["half_loss"]):
+        assert total == pytest.approx(loss + half) and half == pytest.approx(loss / 2)
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter 2/2")][0]
+    assert line.split()[2:7:2] == ["total_loss", "scaled_loss", "half_loss"]

@@ -11,7 +11,7 @@ protobuf (`graphpar[caffe2]`).
 
 The parameters are read from the workspace by name; an unscoped name the workspace lacks (the names
 `data_parallel_model.ExtractPredictorNet` gives a trained model's params) from the first replica's blob
-(`conv1_w` from `gpu_0/conv1_w`), as `checkpoint.save` does. docs/caffe2_export.md walks through it.
+(`conv1_w` from `gpu_0/conv1_w`), as `checkpoint.save` does. docs/inference.md walks through it.
 """
 
 from __future__ import annotations
