@@ -242,19 +242,29 @@ def _state_checks(netdef: NetDef, flow: Dataflow, updates: frozenset[int], frame
 def check_inputs_exist(netdef: NetDef, defined: set[str], workspace_name: str, before: str = "CreateNet") -> None:
     """Raise MissingBlobError for the first input that is neither in `defined` nor written by an earlier
     op; `defined` gains every blob the net writes (so callers can check a sequence of nets)."""
+    flow = dataflow(netdef)
+    if not flow.read_first <= defined:
+        _missing_input(netdef, flow, defined, workspace_name, before)
+    defined.update(flow.first_write)
+
+
+def _missing_input(netdef: NetDef, flow: Dataflow, defined: set[str], workspace_name: str, before: str) -> None:
+    """Raise MissingBlobError for the first input of `netdef` that is neither in `defined` nor written
+    by an earlier op (one of `flow.read_first`)."""
+    known = set(defined)
     for index, op in enumerate(netdef.ops):
         for what, names in (("input", op.inputs), ("control input", op.control_inputs)):
             for k, blob in enumerate(names):
-                if blob not in defined:
-                    read = {b for other in netdef.ops for b in other.inputs}  # a misspelt feed: read by no op
-                    close = difflib.get_close_matches(blob, sorted(b for b in defined if b not in read), n=3)
+                if blob not in known:
+                    unread = sorted(b for b in known if b not in flow.readers)  # a misspelt feed: read by no op
+                    close = difflib.get_close_matches(blob, unread, n=3)
                     hint = f" Did you mean {', '.join(map(repr, close))} (fed under another name)?" if close else ""
                     raise MissingBlobError(
                         f"{op_location(netdef, index)}: {what} {k} {blob!r} does not exist in workspace "
                         f"{workspace_name!r} and no earlier op of the net produces it.{hint} Feed it (FeedBlob) "
                         f"or run the net that creates it (e.g. the param_init_net) before {before}"
                         f"{recorded_at(op)}.")
-        defined.update(op.outputs)
+        known.update(op.outputs)
 
 
 def checked_torch_device(option: DeviceOption, where: str) -> torch.device:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
 from graphpar.core.schema import Precision, Trait, has_trait, precision_rule
 from graphpar.passes.common import make_op
@@ -62,4 +63,4 @@ def rewrite_channels_last(net: NetDef, taken: set[str] | None = None) -> NetDef:
 def keep_channels_last(state: ParallelState) -> None:
     """Parallelize's pass: `rewrite_channels_last` on the train net (before the gradient ops exist)."""
     init = state.model.param_init_net.Proto()
-    rewrite_channels_last(state.model.net.Proto(), {b for op in init.ops for b in op.outputs})
+    rewrite_channels_last(state.model.net.Proto(), set(dataflow(init).first_write))

@@ -129,7 +129,7 @@ def _analyze(init: NetDef, net: NetDef, flow: Dataflow, others: Collection[NetDe
     loaded = flow.loads
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
-    unstable = {b for other in others for op in other.ops for b in op.outputs}
+    unstable = {b for other in others for b in dataflow(other).writers}
     start = {blob: after_init[blob] for blob in loaded if blob in after_init and blob not in unstable}
     while True:
         numbering.table.clear()

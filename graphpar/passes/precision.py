@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.core.naming import cast_name
 from graphpar.core.schema import Precision, PrecisionRule, precision_rule
@@ -187,7 +188,7 @@ def convert_model(model: ModelView, compute_dtype: str) -> None:
 
 def _rewrite_model(model: ModelView, compute_dtype: str | None) -> None:
     init = model.param_init_net.Proto()
-    casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), {b for op in init.ops for b in op.outputs})
+    casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), set(dataflow(init).first_write))
     model.add_input_casts(casts)
 
 
