@@ -31,9 +31,10 @@ inductor caches what it built on disk, so the next process compiles faster.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,12 +146,34 @@ class _Region:
         # (its identity: the workspace, references to it and state checks see it, as after an eager update)
         position = {slot: k for k, slot in enumerate(region.inputs)}
         self.was = tuple(position.get(slot, -1) for slot in region.outputs)
+        self.net_name, self.names = plan.name, plan.frame.names
+        self.compiles = 0  # graphs the backend compiled for this region (a new input shape compiles another)
+        self.shapes: dict[str, tuple] = {}  # the input shapes of the last compile
         if region.compiled:
             self.program = functional(plan, region.steps, region.inputs, region.outputs, label)
-            self.compiled = torch.compile(self.program, fullgraph=True, dynamic=False, **options)
+            self.compiled = torch.compile(self.program, backend=self._backend(options), fullgraph=True,
+                                          dynamic=False)
         else:
             self.eager = straight_line(plan, region.steps, frees, label)
         self.seconds: float | None = None  # how long the first call (the compile) took
+
+    def _backend(self, options: dict[str, Any]) -> Callable[..., Any]:
+        """torch.compile's backend for this region, counting the graphs it compiles (no cost per run)."""
+        name, mode = options["backend"], options.get("mode")
+        if name == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = list_mode_options(mode) if mode else None
+            compile_graph: Callable[..., Any] = functools.partial(compile_fx, config_patches=patches)
+        else:
+            compile_graph = torch._dynamo.lookup_backend(name)
+
+        def counted(graph: Any, example_inputs: Sequence[Any]) -> Any:
+            self.compiles += 1
+            return compile_graph(graph, example_inputs)
+
+        return counted
 
     def run(self, plan: CompiledNet, frame: list) -> None:
         region = self.region
@@ -158,7 +181,7 @@ class _Region:
             self.eager(frame)
             return
         args = [frame[slot] for slot in region.inputs]
-        began = time.perf_counter() if self.seconds is None else 0.0
+        began, compiles = time.perf_counter() if self.seconds is None else 0.0, self.compiles
         try:
             values = self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 - a failure to compile (or retrace) or to run: found below
@@ -167,12 +190,29 @@ class _Region:
             raise error from error.__cause__
         if self.seconds is None:
             self.seconds = time.perf_counter() - began
+        if self.compiles != compiles:
+            self._compiled_for(args)
         for slot, value, was in zip(region.outputs, values, self.was):
             # an input updated in place comes back as a new view of itself: keep the input's tensor
             frame[slot] = args[was] if was >= 0 and _same_tensor(value, args[was]) else value
         del args
         for slot in region.clears:
             frame[slot] = None
+
+
+    def _compiled_for(self, args: Sequence[Any]) -> None:
+        """Note the input shapes a compile was for; from the second compile on, say which changed."""
+        shapes = {self.names[slot]: tuple(value.shape) for slot, value in zip(self.region.inputs, args)
+                  if isinstance(value, torch.Tensor)}
+        if self.shapes:
+            changed = {name: (self.shapes.get(name), shape) for name, shape in shapes.items()
+                       if self.shapes.get(name) != shape}
+            (log.warning if self.compiles == 2 else log.info)(
+                "net %r %s: compiled again (compile %d) for new input shapes: %s. Each new shape compiles "
+                "once more; a shape that changes every run compiles every run: feed fixed shapes (a loader's "
+                "drop_last), or run the net as 'dag'", self.net_name, self.label, self.compiles,
+                ", ".join(f"{name} {list(old or ())} -> {list(new)}" for name, (old, new) in changed.items()))
+        self.shapes = shapes
 
 
 def _same_tensor(value: Any, old: Any) -> bool:
@@ -187,6 +227,14 @@ def _diagnose(plan: CompiledNet, region: Region, frame: list, exc: Exception) ->
     tracing each alone first. A kernel that fails gives StepFailed (its op's error, as "simple" gives);
     a kernel that does not trace gives StepFailed from a CompileError naming it; else the compiler's
     own failure, naming the region."""
+    if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
+        error = RuntimeError(
+            f"net {plan.name!r}: the inputs of {len(region.steps)} compiled steps (from "
+            f"{op_location(plan.netdef, region.steps[0])}) took a new shape at {torch._dynamo.config.recompile_limit} "
+            f"runs, each compiled anew, and torch.compile compiles no more: feed fixed shapes (a loader's drop_last), "
+            f"or run the net as 'dag'; nothing was changed")
+        error.__cause__ = exc.with_traceback(None)
+        return error
     scratch = list(frame)  # the failing step's inputs go back to `frame`, for its error message
     for slot in region.inputs:
         value = scratch[slot]

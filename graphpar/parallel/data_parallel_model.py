@@ -653,7 +653,8 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
 
     Each run that fails leaves the persistent blobs as after the last run that succeeded (with one
     net and one iteration: as before the call). With `num_iterations` 0 nothing runs (BMUF's global
-    update, too, needs at least one local step).
+    update, too, needs at least one local step). With sharded optimizer state, the whole copies a
+    `GetCheckpointParams` call gathered are removed first: the run updates the parts only.
 
     Raises:
         ParallelizeError: the model was not parallelized.
@@ -678,6 +679,7 @@ def RunNet(model: ModelHelper, num_iterations: int) -> None:  # noqa: N802
                                  state.param_names)
     runs.feeds.check(ws.blobs, f"RunNet({model.name!r})")
     runs.feeds.check_rows(ws.blobs, f"RunNet({model.name!r})")
+    _drop_gathered(model)  # the run updates the parts: a whole copy GetCheckpointParams left would go stale
     for net, count in entries:
         if state.options.loss_scale is None and getattr(state.optimizer, "loss_scale", 1.0) == 1.0:
             workspace.RunNet(net, count)
@@ -765,7 +767,9 @@ def GetCheckpointParams(model: ModelHelper) -> set[str]:  # noqa: N802
     state blob whole under the first device's name (`cpu_0/fc_w_momentum`). Once `RunInitNet` has
     run in the current workspace, this call gathers every replica's part into those blobs (across
     shards a collective: call it on every shard), so the checkpoint has one format for sharded and
-    unsharded runs; the gathered blobs stay in the workspace (`save_checkpoint` drops them).
+    unsharded runs. The gathered blobs stay in the workspace for the caller to save (the train net
+    never reads them) until `save_checkpoint` or the next `RunNet` drops them: after a step only the
+    parts hold the current state.
 
     Raises:
         ParallelizeError: the model was not parallelized.

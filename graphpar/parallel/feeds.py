@@ -27,10 +27,10 @@ class FeedTracker:
 
     def __init__(self, layout: DeviceLayout, net: NetDef, init_nets: list[NetDef], params: list[str]) -> None:
         created = {b for init in init_nets for b in dataflow(init).first_write}
-        written = dataflow(net).first_write
+        flow = dataflow(net)
         groups: dict[str, list[str]] = {}
-        for blob in net.external_inputs:
-            if layout.replica_of(blob) is None or blob in created or blob in written:
+        for blob in flow.loads:  # what a run reads, not what the net declares (a declared input may be unread)
+            if layout.replica_of(blob) is None or blob in created or blob in flow.first_write:
                 continue
             name = stripBlobName(blob)
             if name not in params:

@@ -45,8 +45,8 @@ def shard_updates(state: ParallelState) -> None:
     Input: `build_updates` recorded the updates after `state.updates_start`; the gradients are
     all-reduced (stage 1) or reduce-scattered (stage 2, `state.sharding.grads`). Guarantees: every
     element-wise update of a param runs on parts; every sharded optimizer state blob exists only as
-    its parts (`state.sharding.state` names them); each updated param is whole again on every replica
-    at the end of the train net.
+    its parts (`state.sharding.state` names them; the train net neither reads nor declares it whole);
+    each updated param is whole again on every replica at the end of the train net.
 
     Raises:
         ParallelizeError: an update that sharding cannot split (see the module docstring).
@@ -60,6 +60,9 @@ def shard_updates(state: ParallelState) -> None:
     updates = [rewrite.op(op) for op in net.ops[start:]]
     rewrite.check_done([*net.ops[:start], *updates], init)
     net.ops[start:] = [*rewrite.cuts(), *updates, *rewrite.gathers()]
+    # the Net builder declared each state blob an input of the net when the optimizer recorded its update;
+    # no op reads it whole now, and a declared input a run does not read would look like fed data
+    net.external_inputs = [b for b in net.external_inputs if b not in rewrite.state_fills]
     rewrite.fill_parts(init)
 
 

@@ -359,3 +359,25 @@ def test_inductors_cuda_graphs_make_the_trainer_copy_what_it_reads_later():
     assert not executor.keeps_outputs(graphs.net.Proto()) and executor.keeps_outputs(default.net.Proto())
     assert _overwritten(graphs) and not _overwritten(default)
     assert executor.op_by_op == "simple"
+
+
+def test_a_new_input_shape_compiles_again_and_says_so_and_every_run_a_new_one_is_refused(caplog, monkeypatch):
+    """A short last batch compiles the step once more (a warning names the blob and both shapes); a
+    shape that changes at every run stops at torch.compile's limit with an error that says why, nothing
+    changed."""
+    caplog.set_level(logging.INFO, logger="graphpar.executor.compiled")
+    model = _model(_mlp, "momentum", 1, FAST)
+    trainer = Trainer(model, _batches(_mlp, 2, 8) + _batches(_mlp, 1, 5), max_iter=3)
+    trainer.train()
+    again = [r for r in caplog.records if "compiled again" in r.getMessage()]
+    assert len(again) == 1 and again[0].levelno == logging.WARNING
+    assert "cpu_0/data [8, 6] -> [5, 6]" in again[0].getMessage()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)  # torch's default is 8
+    with pytest.raises(RuntimeError, match="took a new shape at 3 runs"):
+        for rows in range(9, 30):
+            batch = _batches(_mlp, 1, rows)[0]
+            for name, value in batch.items():
+                workspace.FeedBlob(f"cpu_0/{name}", value)
+            before = workspace.FetchBlob("cpu_0/fc1_w")
+            workspace.RunNet(model.net)
+    np.testing.assert_array_equal(workspace.FetchBlob("cpu_0/fc1_w"), before)

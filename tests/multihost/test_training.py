@@ -106,7 +106,8 @@ def test_four_shards_of_one_device_match_one_of_four_exactly_in_tree_order(tmp_p
 
 def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_exactly(tmp_path: Path) -> None:
     """2 shards x 2 devices train 3 steps and save (shard 0 writes), once unsharded and once with
-    sharded state (shard_gradients: every shard gathers its parts for the save): the two files are
+    sharded state (shard_gradients: every shard gathers its parts for the save, as a PeriodicCheckpointer
+    does, and then trains 3 steps more, as if it had not saved): the two files are
     byte-identical. 4 shards x 1 device (tree order) and 1 process x 4 devices each load them,
     FinalizeAfterCheckpoint (cutting the state into parts where sharded) and train steps 3..5, the
     unsharded file unsharded and the sharded one the other way round: all equal the uninterrupted 1 x 4
@@ -115,7 +116,7 @@ def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_ex
     for d in ("two", "four", "one"):
         (tmp_path / d).mkdir()
     saves = [{"kind": "mlp", "steps": 3, "save_to": ckpt},
-             {"kind": "mlp", "steps": 3, "save_to": sharded, "shard_gradients": True}]
+             {"kind": "mlp", "steps": 6, "save_to": sharded, "save_after": 3, "shard_gradients": True}]
     codes = run_processes(workers.train_all, [(str(tmp_path / "two" / f"shard{r}"), saves) for r in range(2)] + [
         (str(tmp_path / "one" / "full"), [{"kind": "mlp", "steps": 6}])],
         [dict(shard=r, num_shards=2, devices=[0, 1], store=str(tmp_path / "two")) for r in range(2)]
@@ -132,7 +133,8 @@ def test_a_checkpoint_of_two_shards_resumes_on_four_shards_and_on_one_process_ex
     assert codes == [0] * 5 and not errors, errors
     full = load(tmp_path / "one" / "full_0.npz")
     for got in [load(tmp_path / "four" / f"shard{r}_{k}.npz") for r in range(4) for k in range(2)] + [
-            load(tmp_path / "one" / f"resumed_{k}.npz") for k in range(2)]:
+            load(tmp_path / "one" / f"resumed_{k}.npz") for k in range(2)] + [
+            load(tmp_path / "two" / f"shard{r}_1.npz") for r in range(2)]:
         steps = [key for key in got if key.split("/")[0] in ("3", "4", "5")]
         assert len(steps) >= 12
         assert_identical(got, full, steps)

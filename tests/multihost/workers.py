@@ -108,13 +108,15 @@ def state(model) -> dict[str, np.ndarray]:  # noqa: ANN001
 
 def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
           seed: int = 0, die_at: int | None = None, hang_at: int | None = None, timeout_sec: float = 20,
-          bmuf: bool = False, reduce_order: str = "ring", save_to: str | None = None,
+          bmuf: bool = False, reduce_order: str = "ring", save_to: str | None = None, save_after: int | None = None,
           resume_from: str | None = None, nan_at: tuple[int, int] | None = None, **options: Any) -> None:
     """Train `steps` steps; save every replica's state after init and after each step to `out`
     (`<when>/cpu_<d>/<blob>`), or the error raised to `out + ".error"`. Shard processes reach each
     other through a FileStore in directory `store`; `die_at` kills this process before that step,
     `hang_at` makes it sleep there for three timeouts, then exit. `save_to` writes a checkpoint after
-    the last step (shard 0 only); `resume_from` loads one after init and continues from its step.
+    the last step (shard 0 only), or with `save_after`, after that many steps as a PeriodicCheckpointer
+    saves (GetCheckpointParams on every shard, checkpoint.save on shard 0) and training goes on;
+    `resume_from` loads one after init and continues from its step.
     `nan_at=(step, replica)`: global replica `replica` gets a NaN in its batch at `step`; the error that
     step raises (on any shard) goes to `out + ".step<step>"` and training goes on."""
     import torch
@@ -160,7 +162,13 @@ def train(out: str, kind: str, shard: int, num_shards: int, devices: list[int], 
                 with open(f"{out}.step{step}", "w") as f:
                     f.write(f"{type(exc).__name__}: {exc}")
             saved.update({f"{step}/{k}": v for k, v in state(model).items()})
-        if save_to is not None:
+            if save_to is not None and step + 1 == save_after:
+                from graphpar import checkpoint
+
+                names = dpm.GetCheckpointParams(model)  # every shard: a collective with sharded state
+                if shard == 0:
+                    checkpoint.save(save_to, names)
+        if save_to is not None and save_after is None:
             dpm.save_checkpoint(model, save_to)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         with open(out + ".error", "w") as f:

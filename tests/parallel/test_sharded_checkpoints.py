@@ -1,5 +1,5 @@
 """Checkpoints of sharded optimizer state keep one format: they move between sharded and unsharded runs
-and between device counts exactly (multi-process counts: tests/multihost/test_sharded.py).
+and between device counts exactly (multi-process counts: tests/multihost/test_training.py).
 
 A checkpoint file is deterministic (identical blobs and metadata, identical bytes), so "exactly" is
 checked on the files themselves: the same training saved sharded or not gives the same bytes, and a
@@ -16,6 +16,7 @@ import pytest
 
 from graphpar import checkpoint, model_helper, workspace
 from graphpar import data_parallel_model as dpm
+from graphpar.engine import PeriodicCheckpointer, Trainer
 from graphpar.errors import CheckpointError
 from tests.parallel.test_sharded_training import BATCH, OPTIMIZERS, batch, mlp
 
@@ -95,3 +96,50 @@ def test_checkpoint_params_of_an_uninitialised_model_are_names_only():
     assert {"cpu_0/fc1_w", "cpu_0/fc1_w_first_moment", "cpu_0/pred_b_second_moment", "optimizer_iteration"} <= names
     assert not [n for n in names if "shard" in n or n.startswith("cpu_1/")]
     assert not workspace.Blobs()
+
+
+def _trainer(hooks: list, max_iter: int) -> Trainer:
+    """A Trainer of the MLP with sharded Adam on 2 devices, each replica updating its own part."""
+    workspace.ResetWorkspace()
+    model = model_helper.ModelHelper(name="trained")
+    dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=mlp, optimizer_builder_fun=ADAM,
+                    devices=[0, 1], cpu_device=True, cpu_update_once=False, shard_optimizer_state=True)
+    data = [dict(zip(("data", "label"), batch(step))) for step in range(4)]
+    return Trainer(model, data, hooks, max_iter=max_iter)
+
+
+def _trained(trainer: Trainer) -> dict[str, np.ndarray]:
+    """The checkpoint's blobs (the state gathered whole) and the losses recorded, after training."""
+    blobs = {name: workspace.FetchBlob(name) for name in sorted(dpm.GetCheckpointParams(trainer.model))}
+    return {**blobs, "losses": np.array([v for _, v in trainer.storage.history["total_loss"]])}
+
+
+def test_training_goes_on_exactly_after_a_checkpoint_gathered_the_state(tmp_path):
+    """GetCheckpointParams leaves the whole state on the first device only: the train net neither reads
+    nor declares it, and the next step drops it (it would go stale), so training goes on as if no
+    checkpoint had been taken; a run resumed from the mid-run file ends the same too."""
+    trainer = _trainer([], 6)
+    trainer.train()
+    want = _trained(trainer)
+    trainer = _trainer([], 3)  # the brief's repro: checkpoint params taken, then more steps
+    trainer.train()
+    dpm.GetCheckpointParams(trainer.model)
+    trainer.max_iter = 6
+    trainer.train()
+    assert not workspace.HasBlob("cpu_0/fc1_w_first_moment")  # the next step dropped the gathered copy
+    got = _trained(trainer)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+    trainer = _trainer([PeriodicCheckpointer(tmp_path, period=3)], 6)  # a checkpoint mid-run, then on
+    trainer.train()
+    got = _trained(trainer)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    resumed = _trainer([], 6)
+    assert resumed.resume_or_load(path=tmp_path / "model_0000003.safetensors") == 3
+    resumed.train()
+    got = _trained(resumed)
+    np.testing.assert_array_equal(got.pop("losses"), want["losses"][3:])
+    for key in got:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
