@@ -20,12 +20,14 @@ import pytest
 import torch
 
 
-def _key(device: Any) -> str:
+def _key(device: Any, gpus: int | None = None) -> str:
+    """The name of `device`; with `gpus`, a CUDA device id outside the machine raises as torch does."""
     if device is None:
         return "cuda"
-    if isinstance(device, int):
-        return f"cuda:{device}"
-    return str(device)
+    index = device if isinstance(device, int) else torch.device(device).index
+    if gpus is not None and index is not None and not 0 <= index < gpus:
+        raise AssertionError(f"Invalid device id {index} (fake machine with {gpus} GPUs)")
+    return f"cuda:{device}" if isinstance(device, int) else str(device)
 
 
 class FakeEvent:
@@ -92,7 +94,9 @@ class FakeGraph:
 class FakeCuda:
     """The stand-in (see the module docstring); `install(monkeypatch)` puts it in torch.cuda."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: int | None = None) -> None:
+        """`gpus`: the machine's GPU count, against which device ids are checked (None: not checked)."""
+        self.gpus = gpus
         self.log: list[tuple] = []
         self.names = itertools.count(1)
         self.pools = itertools.count(1)
@@ -113,20 +117,20 @@ class FakeCuda:
         return self
 
     def Stream(self, device: Any = None, priority: int = 0) -> FakeStream:  # noqa: N802 - torch's name
-        return FakeStream(self, f"s{next(self.names)}", _key(device))
+        return FakeStream(self, f"s{next(self.names)}", _key(device, self.gpus))
 
     def Event(self, *args: Any, **kwargs: Any) -> FakeEvent:  # noqa: N802 - torch's name
         return FakeEvent(self, f"e{next(self.names)}")
 
     def default_stream(self, device: Any = None) -> FakeStream:
-        key = _key(device)
+        key = _key(device, self.gpus)
         if key not in self._default:
             self._default[key] = FakeStream(self, f"default@{key}", key)
         return self._default[key]
 
     def current_stream(self, device: Any = None) -> FakeStream:
         current = getattr(self._current, "streams", {})
-        return current.get(_key(device)) or current.get("cuda") or self.default_stream(device)
+        return current.get(_key(device, self.gpus)) or current.get("cuda") or self.default_stream(device)
 
     @contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:

@@ -6,7 +6,11 @@ A block whose first line starts with `# In a fresh process` starts a new interpr
 directory, so it sees the files earlier blocks wrote, not their namespace or workspace).
 A block whose first line is `# needs: N processes` runs on its own, as a script, under
 `python -m graphpar.launch --nproc-per-node N`; `# needs: a GPU` runs on its own when CUDA is
-available; any other `# needs: ...` is skipped with that reason.
+available; `# needs: package yacs` (or several, comma-separated: `package a, b`) runs on its own where
+those optional packages are installed and is skipped, naming them, elsewhere; any other
+`# needs: ...` is skipped with that reason. A document whose every block needs optional packages says
+so in a line `<!-- needs: package a, b -->`: its plain blocks are skipped, naming them, where one is
+missing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=inden
 NEEDS = re.compile(r"#\s*needs:\s*(?P<what>.+?)\s*$")
 FRESH = re.compile(r"#\s*in a fresh process\b", re.I)
 PROCESSES = re.compile(r"(?P<n>\d+) processes")
+PACKAGES = re.compile(r"package (?P<modules>[\w.]+(?:, *[\w.]+)*)")
+DOC_NEEDS = re.compile(r"^<!-- needs: (?P<what>.+?) -->$", re.M)
 TIMEOUT = 600
 
 
@@ -116,6 +122,9 @@ def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
     first = docs_blocks[0]
     script = tmp_path / "blocks.py"
     if first.needs is None:
+        missing = doc_missing_packages(first.path)
+        if missing:
+            pytest.skip(f"{first.doc} needs {', '.join(missing)} (not installed)")
         for group in _processes(docs_blocks):
             script.write_text(_script(group))
             _run([sys.executable, str(script)], tmp_path, f"{first.doc} (from line {group[0].line})")
@@ -127,8 +136,46 @@ def run_blocks(docs_blocks: list[Block], tmp_path: Path) -> None:
              tmp_path, f"{first.where} under the launcher")
     elif first.needs == "a GPU" and _cuda():
         _run([sys.executable, str(script)], tmp_path, first.where)
+    elif PACKAGES.fullmatch(first.needs):
+        missing = missing_packages(first)
+        if missing:
+            pytest.skip(f"{first.where} needs {', '.join(missing)} (not installed)")
+        _run([sys.executable, str(script)], tmp_path, first.where)
     else:
         pytest.skip(f"{first.where} needs {first.needs}")
+
+
+def missing_packages(block: Block) -> list[str]:
+    """The optional packages a `# needs: package ...` block names that are not installed."""
+    return _missing(block.needs or "")
+
+
+def doc_missing_packages(path: Path) -> list[str]:
+    """The optional packages a document's `<!-- needs: package ... -->` line names that are not installed."""
+    named = DOC_NEEDS.search(path.read_text())
+    return _missing(named.group("what")) if named else []
+
+
+def _missing(needs: str) -> list[str]:
+    from tests.optional import installed
+
+    named = PACKAGES.fullmatch(needs)
+    return [m.strip() for m in named.group("modules").split(",") if not installed(m.strip())] if named else []
+
+
+def test_a_block_that_needs_a_package_runs_where_it_is_installed(tmp_path: Path) -> None:
+    doc = tmp_path / "pkg.md"
+    doc.write_text("```python\n# needs: package json, email.mime\nimport json\nprint(json.dumps(1))\n```\n"
+                   "```python\n# needs: package json, no_such_package_here\nraise SystemExit(1)\n```\n")
+    runs, absent = blocks(doc)
+    assert missing_packages(runs) == [] and missing_packages(absent) == ["no_such_package_here"]
+    run_blocks([runs], tmp_path)
+    with pytest.raises(pytest.skip.Exception, match="pkg.md:6 needs no_such_package_here"):
+        run_blocks([absent], tmp_path)
+    doc.write_text("<!-- needs: package json, no_such_package_here -->\n```python\nraise SystemExit(1)\n```\n")
+    assert doc_missing_packages(doc) == ["no_such_package_here"]
+    with pytest.raises(pytest.skip.Exception, match="pkg.md needs no_such_package_here"):
+        run_blocks(blocks(doc), tmp_path)
 
 
 def test_no_block_imports_the_repositorys_tests() -> None:

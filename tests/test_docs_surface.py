@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from graphpar import workspace
+from tests.optional import needs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +24,7 @@ def _blocks(doc: str, heading: str) -> list[str]:
 
 
 @pytest.mark.slow
+@needs("yacs", "graphpar.config")
 def test_the_default_trainer_section_runs(tmp_path, monkeypatch, capsys) -> None:
     blocks = _blocks("feeding.md", "## Detectron2's DefaultTrainer")
     assert len(blocks) == 2

@@ -63,11 +63,15 @@ def make_parser() -> cli.ArgumentParser:
                              "--checkpoint (needs matplotlib: pip install 'graphpar[examples]')")
     parser.add_argument("--seed", type=cli.integer(0), default=0,
                         help="seed of the init, the split and the batch order")
-    parser.add_argument("--no-finite-check", action="store_true",
-                        help="do not check each step's loss before its update (Parallelize's check_finite_loss: "
-                             "one host sync per device and step). A NaN or inf loss still stops the run, when "
-                             "the trainer records the loss: after that step's update (the checkpoint of the last "
-                             "finished epoch is kept)")
+    finite = parser.add_mutually_exclusive_group()
+    finite.add_argument("--finite-check", dest="finite_check", action="store_const", const=True, default=None,
+                        help="check each step's loss before its update (Parallelize's check_finite_loss): the "
+                             "default on CPU devices; on CUDA devices it costs a host sync per device and step "
+                             "and rules out CUDA graphs")
+    finite.add_argument("--no-finite-check", dest="finite_check", action="store_const", const=False,
+                        help="do not check each step's loss before its update. A NaN or inf loss still stops "
+                             "the run, when the trainer records the loss: after that step's update (the "
+                             "checkpoint of the last finished epoch is kept)")
     parser.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                         metavar="MODE", help="compile the train step with torch.compile (inductor; the first "
                         "epoch pays the compile time); MODE: one of " + ", ".join(COMPILE_MODES))
@@ -124,13 +128,15 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
     return [model.net.Scale(xent, "loss", scale=loss_scale)]
 
 
-def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool = True,
+def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool | None = None,
           rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: dict | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
-    updates anything (RunNet raises, naming the loss). `compute_dtype="bfloat16"` trains and tests in
-    mixed precision (docs/precision.md). `compile_` compiles the train step (Parallelize's `compile`)."""
+    updates anything (RunNet raises, naming the loss); None: Parallelize's default (on for CPU
+    replicas; off on CUDA, where it costs a host read per device and step and rules out CUDA graphs).
+    `compute_dtype="bfloat16"` trains and tests in mixed precision (docs/precision.md). `compile_`
+    compiles the train step (Parallelize's `compile`)."""
     train = model_helper.ModelHelper(name="digits_train")
     dpm.Parallelize(
         train, input_builder_fun=lambda m: None, forward_pass_builder_fun=add_cnn,
@@ -345,7 +351,7 @@ def _run(args: argparse.Namespace) -> int:
     workspace.ResetWorkspace()
     workspace.SetSeed(args.seed)
     train, test = build(devices, args.cpu, args.lr, args.lr_step_epochs * steps_per_epoch,
-                        not args.no_finite_check, launch.rendezvous(), args.dtype, compile_options(args))
+                        args.finite_check, launch.rendezvous(), args.dtype, compile_options(args))
     where = f"{shards} processes x {args.devices}" if shards > 1 else f"{args.devices}"
     if say:
         log.info("training a CNN on %d digits over %s %s devices (%d samples each per step)", len(y_train), where,

@@ -130,14 +130,24 @@ def _constant_plan(a: SimpleNamespace, ctx: KernelContext) -> tuple[Callable, Ca
 
 
 def _constant_fill(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., torch.Tensor]:
+    """A fill shaped like its input on the input's device takes the input's layout (a channels-last
+    param's momentum is channels-last, as eager optimizers' `zeros_like`)."""
     (shape_of, dtype_of), device = _constant_plan(a, ctx), ctx.device
-    return lambda *x: torch.full(shape_of(*x), a.value, dtype=dtype_of(*x), device=device)
+
+    def fill(*x: Any) -> torch.Tensor:
+        shape = shape_of(*x)
+        if x and x[0].shape == shape and x[0].device == device:
+            return torch.full_like(x[0], a.value, dtype=dtype_of(*x))
+        return torch.full(shape, a.value, dtype=dtype_of(*x), device=device)
+
+    return fill
 
 
 _register_fill(
     "ConstantFill", kernel=_constant_fill, plan=_constant_plan, random=False, value=Arg("any", 0.0),
     doc="Y filled with `value`. Shape from `shape`, or from the optional input (its shape, or its values "
-        "with input_as_shape), plus `extra_shape`. Without `dtype`, an int `value` gives int64 and a bool "
+        "with input_as_shape), plus `extra_shape`; shaped like its input, it takes the input's memory format "
+        "(channels-last stays channels-last). Without `dtype`, an int `value` gives int64 and a bool "
         "`value` bool (Caffe2's rule); a float `value` gives the input's dtype when the input is "
         "floating point (so autodiff seeds match the loss), else float32.")
 

@@ -18,6 +18,6 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
 
 
 register_op("ChannelsLast", kernel=lambda _a, _ctx: _channels_last, gradient=one_input_gradient("ChannelsLast"),
-            precision=PrecisionRule(Precision.FOLLOW),
+            precision=PrecisionRule(Precision.FOLLOW), inplace={(0, 0)},
             doc="Y = X (same values and NCHW shape) stored in torch.channels_last memory format when 4-D. "
-                "Gradient: ChannelsLast(dY).")
+                "In place (Y named X) it rebinds the blob to the converted tensor. Gradient: ChannelsLast(dY).")

@@ -6,8 +6,11 @@ variance is updated with the unbiased batch variance (as PyTorch; Caffe2 of 2018
 normalisation uses the biased one.
 
 On CUDA, training SpatialBN and its gradient run cuDNN's batch norm wherever PyTorch's own
-`F.batch_norm` would (`_uses_cudnn`); elsewhere (CPU, 2-d inputs, bfloat16, cudnn disabled, ...)
-PyTorch's native kernels. Inter-device batch norm keeps its own exact statistics path.
+`F.batch_norm` would (`_uses_cudnn`), on X made contiguous in its suggested memory format first (a
+view from Split or Slice is copied, a channels-last X stays channels-last), as torch does; elsewhere
+(CPU, 2-d inputs, bfloat16, cudnn disabled, ...) PyTorch's native kernels. A torch without the
+binding that tells (`torch._C._select_batch_norm_backend`) runs the native kernels on CUDA too, and
+says so in a warning. Inter-device batch norm keeps its own exact statistics path.
 
 Inter-device batch norm (SPEC §7.7, `num_batches` = N devices): every device's SpatialBN receives the
 per-channel Σx and Σx² summed over all devices (ChannelStats + Sum) and normalises with the statistics
@@ -21,12 +24,14 @@ divided by num_batches, because the gradient all-reduce that follows sums the pe
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
 
 from graphpar.core.capture import capturing
 from graphpar.core.ir import OperatorDef
@@ -45,6 +50,7 @@ from graphpar.errors import GradientError
 from graphpar.ops.common import op_label, register_gradient
 from graphpar.ops.nn import nhwc_capable, require_nchw
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _CUDNN_RESERVE = "_graphpar_cudnn_reserve"  # attribute of a saved mean made by cuDNN: its reserve space
 
@@ -100,31 +106,45 @@ def _uses_cudnn(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: to
     if torch.compiler.is_compiling():
         return False
     select = getattr(torch._C, "_select_batch_norm_backend", None)
-    backends = getattr(torch._C, "_BatchNormBackend", None)
-    return select is not None and backends is not None and select(x, scale, bias, rm, rv, True, epsilon) == \
-        backends.Cudnn
+    if select is None:
+        if x.is_cuda and torch.backends.cudnn.enabled:
+            _warn_no_backend_choice()
+        return False
+    return bool(select(x, scale, bias, rm, rv, True, epsilon) == torch._C._BatchNormBackend.Cudnn)  # type: ignore[attr-defined]  # torch's stub misnames it
+
+
+@functools.cache
+def _warn_no_backend_choice() -> None:
+    log.warning("this torch (%s) lacks torch._C._select_batch_norm_backend: SpatialBN runs PyTorch's native "
+                "batch norm on CUDA, not cuDNN's", torch.__version__)
 
 
 def _cudnn_forward(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor,
                    factor: float, epsilon: float) -> tuple[torch.Tensor, ...]:
     """cuDNN's training forward: Y, saved mean, saved inverse std, the reserve space its backward
-    needs; updates rm and rv in place by `factor` (the weight of the new value)."""
+    needs; updates rm and rv in place by `factor` (the weight of the new value). Takes X contiguous in
+    its suggested memory format and the rest contiguous (`_cudnn_inputs`), as `torch.batch_norm`
+    passes them: cuDNN's kernel checks that layout."""
     return aten.cudnn_batch_norm(x, scale, bias, rm, rv, True, factor, epsilon)
 
 
 def _cudnn_backward(x: torch.Tensor, dy: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
                     inv_std: torch.Tensor, epsilon: float, reserve: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """cuDNN's training backward: dX, dscale, dbias (dY in X's memory format, as torch passes it)."""
-    dy = dy.contiguous(memory_format=_memory_format(x))
+    """cuDNN's training backward: dX, dscale, dbias (X as the forward got it, dY in X's layout:
+    `_cudnn_inputs`)."""
     return aten.cudnn_batch_norm_backward(x, dy, scale, None, None, mean, inv_std, epsilon, reserve)
 
 
+def _cudnn_inputs(x: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """X contiguous in its suggested memory format, and the others (dY) in the same layout."""
+    layout = _memory_format(x)
+    return tuple(t.contiguous(memory_format=layout) for t in (x, *others))
+
+
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    """X's layout: channels-last when it is laid out so (and not plainly contiguous), else contiguous."""
-    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if last is not None and not x.is_contiguous() and x.is_contiguous(memory_format=last):
-        return last
-    return torch.contiguous_format
+    """X's suggested memory format (torch's `suggest_memory_format`): channels-last when its strides
+    are ordered so, else contiguous."""
+    return suggest_memory_format(x)
 
 
 def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
@@ -149,7 +169,9 @@ def _bn_local(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
         if not capturing():  # both kernels update the running stats in place
             rm, rv = rm.clone(), rv.clone()
         if _uses_cudnn(x, scale, bias, rm, rv, a.epsilon):
-            y, mean, inv_std, reserve = _cudnn_forward(x, scale, bias, rm, rv, 1.0 - a.momentum, a.epsilon)
+            (x,) = _cudnn_inputs(x)
+            y, mean, inv_std, reserve = _cudnn_forward(x, scale.contiguous(), bias.contiguous(), rm, rv,
+                                                       1.0 - a.momentum, a.epsilon)
             setattr(mean, _CUDNN_RESERVE, reserve)
             return y, rm, rv, mean, inv_std
         y, mean, inv_std = torch.native_batch_norm(x, scale, bias, rm, rv, True, 1.0 - a.momentum, a.epsilon)
@@ -298,7 +320,8 @@ def _bn_grad_local(epsilon: float, x: torch.Tensor, scale: torch.Tensor, dy: tor
     reserve space), else the native one (also right for cuDNN's saved mean and inverse std)."""
     reserve = getattr(mean, _CUDNN_RESERVE, None)
     if reserve is not None:
-        return _cudnn_backward(x, dy, scale, mean, inv_std, epsilon, reserve)
+        x, dy = _cudnn_inputs(x, dy)
+        return _cudnn_backward(x, dy, scale.contiguous(), mean, inv_std, epsilon, reserve)
     return aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inv_std, True, epsilon, (True,) * 3)
 
 

@@ -7,7 +7,8 @@ dtype, bfloat16 included.)
 Loss scaling (`Parallelize(loss_scale=...)`, see `graphpar.passes.loss_scale`): the loss gradients are
 seeded with the scale S, so low-precision gradients keep their small values; after the all-reduce,
 `UnscaleGradients` divides every gradient by S and raises `GradientOverflowError` if any is not finite
-(the run then changes nothing: the step is skipped; `CheckGradients` does the check alone, for Caffe2's
+(a few multi-tensor kernels whatever the number of gradients, and one flag read on the host, as
+`torch.amp.GradScaler`'s unscale; the run then changes nothing: the step is skipped; `CheckGradients` does the check alone, for Caffe2's
 static scale of `build_multi_precision_sgd`); `UpdateLossScale` grows S after `growth_interval`
 good steps; `BackoffLossScale` shrinks it after a skipped step.
 """
@@ -43,7 +44,13 @@ def _check_finite(names: list[str], grads: tuple[torch.Tensor, ...], scale: floa
     """Raise GradientOverflowError naming the gradients holding an inf or a NaN (one host sync)."""
     if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
         return
-    bad = [name for name, g in zip(names, grads) if not bool(torch.isfinite(g).all())]
+    _overflow(names, grads, scale)
+
+
+def _overflow(names: list[str], grads: tuple[torch.Tensor, ...], scale: float | torch.Tensor) -> None:
+    """Raise GradientOverflowError naming the non-finite gradients (their flags read at once)."""
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
+    bad = [name for name, ok in zip(names, finite) if not ok]
     scale = scale.item() if isinstance(scale, torch.Tensor) else scale
     raise GradientOverflowError(
         f"gradients {bad[:4]}{' ...' if len(bad) > 4 else ''} are inf or NaN at loss scale {scale:g}: the step "
@@ -54,10 +61,17 @@ def _unscale(_a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
     names = ctx.op.inputs[:-1]
 
     def run(*inputs: torch.Tensor) -> tuple:
+        """New tensors G_i / S (multi-tensor kernels, in fp32 for low-precision G_i) and one finite flag
+        over all of them, read once (GradScaler's `_amp_foreach_non_finite_check_and_unscale_`)."""
         grads, scale = inputs[:-1], inputs[-1]
+        if not grads:
+            return ()
         inv = torch.reciprocal(scale.to(torch.float32))
-        out = tuple((g.to(torch.float32) * inv).to(g.dtype) for g in grads)
-        _check_finite(names, out, scale)  # one host sync per device and step, as torch.amp.GradScaler.step
+        out = tuple(torch._foreach_mul(grads, inv))
+        found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(out, found, torch.ones_like(inv))
+        if found.item():  # one host sync per device and step, as torch.amp.GradScaler.step
+            _overflow(names, out, scale)
         return out
 
     return run

@@ -7,14 +7,17 @@ index (Caffe2's convention). Rows looked up twice appear twice; the sparse updat
 users who want a dense gradient.
 
 Segments (`LENGTHS`) are consecutive: segment s takes the next `LENGTHS[s]` indices, and the lengths
-must sum to the number of indices, checked before any kernel runs (a ValueError naming the op on CPU
-devices, an asynchronous device assert elsewhere). Segment ids are built with the number of indices as the
+must sum to the number of indices, checked before any kernel runs (`check_on_host`: a ValueError
+naming the op on CPU devices, and on GPUs with `GRAPHPAR_HOST_INDEX_CHECKS=1`; else on a GPU an
+asynchronous device assert, which costs no host sync but leaves the CUDA context unusable: the run
+is not failure-atomic there, docs/errors.md). Segment ids are built with the number of indices as the
 known output size, so no kernel but `LengthsToSegmentIds` and a `SparseToDense` without its third input
 reads values on the host. Index tensors are int32 or int64, as in Caffe2.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -41,15 +44,27 @@ def _rows(data: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return data.index_select(0, flat).reshape(*indices.shape, *data.shape[1:])
 
 
+HOST_CHECKS = "GRAPHPAR_HOST_INDEX_CHECKS"  # "1": check indices and lengths on the host on GPUs too
+
+
+def check_on_host(tensor: torch.Tensor) -> bool:
+    """Whether a check of `tensor`'s values (indices, lengths) reads them on the host: always on the
+    CPU; on a GPU only with GRAPHPAR_HOST_INDEX_CHECKS=1, at the cost of a host sync per op. Otherwise a
+    GPU check is `torch._assert_async`: a device-side assert, which makes every later CUDA call of the
+    process fail (restart it; the last checkpoint is intact) instead of a ValueError with nothing
+    changed."""
+    return tensor.device.type == "cpu" or os.environ.get(HOST_CHECKS) == "1"
+
+
 def check_lengths(lengths: torch.Tensor, count: int, where: str) -> None:
     """Raise ValueError naming the op (`where`) unless `lengths` are non-negative and sum to `count`.
 
     Runs before any kernel reads them: torch's `repeat_interleave(output_size=...)` aborts the process
-    on a negative length. On the CPU the check reads the lengths; on other devices it is an
+    on a negative length. Reads the lengths on the host where `check_on_host` says so; else an
     asynchronous device assert, so nothing waits on the host.
     """
     flat = lengths.reshape(-1).long()
-    if flat.device.type != "cpu":
+    if not check_on_host(flat):
         ok = (flat >= 0).all() & (flat.sum() == count)
         torch._assert_async(ok, f"{where}: LENGTHS must be non-negative and sum to the {count} INDICES")
         return

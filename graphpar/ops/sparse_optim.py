@@ -35,6 +35,7 @@ from graphpar.core.schema import (
 )
 from graphpar.ops.common import op_label
 from graphpar.ops.optim import counter_at
+from graphpar.ops.sparse import check_on_host
 
 _HOST = DeviceOption()
 _UPDATE = (Trait.INPLACE_UPDATE,)
@@ -116,11 +117,11 @@ register_op(
 def _check_rows(flat: torch.Tensor, count: int, where: str) -> None:
     """Every index in [0, count) before anything is written (index_copy_ writes the rows before a bad one).
 
-    Reads the indices on the CPU; an asynchronous device assert elsewhere.
+    Reads the indices on the host where `sparse.check_on_host` says so; else an asynchronous device assert.
     """
     if not flat.numel():
         return
-    if flat.device.type != "cpu":
+    if not check_on_host(flat):
         torch._assert_async((flat >= 0).all() & (flat < count).all(), f"{where}: an index is out of range")
         return
     low, high = int(flat.min()), int(flat.max())

@@ -8,9 +8,12 @@ it as an ordinary input and keep their data dependencies.
 
 A communicator is a gloo (CPU tensors) or NCCL (CUDA tensors) process group of its own, built
 directly on a prefix of the store, so several communicators let several collectives run at once
-(`max_concurrent_distributed_ops`) and none needs torch.distributed's default group. Every collective
-waits at most the communicator's timeout; a peer that died or hangs makes it raise an error naming
-the shard, the communicator and the collective, never hang.
+(`max_concurrent_distributed_ops`) and none needs torch.distributed's default group. A gloo
+collective blocks the host at most the communicator's timeout; a peer that died or hangs makes it
+raise an error naming the shard, the communicator and the collective, never hang. An NCCL collective
+does not block the host: the current CUDA stream waits for it (`work.wait()` without a timeout; with
+one, torch blocks the host until the all-reduce ends), and the group's own timeout and watchdog,
+set to the same `timeout_sec`, end a hung one.
 """
 
 from __future__ import annotations
@@ -227,12 +230,14 @@ def get_world(handle: int) -> Communicator:
 
 class Communicator:
     """One process group over the shards; its collectives wait at most `timeout_sec` and name the
-    shard, the communicator and the collective when they fail."""
+    shard, the communicator and the collective when they fail (see the module docstring for NCCL)."""
 
-    def __init__(self, name: str, rank: int, size: int, timeout_sec: float, group: Any, store: Any = None) -> None:
+    def __init__(self, name: str, rank: int, size: int, timeout_sec: float, group: Any, store: Any = None,
+                 engine: str = "GLOO") -> None:
         self.name, self.rank, self.size, self.timeout_sec = name, rank, size, timeout_sec
         self.group = group  # None for a single shard
         self.store = store  # the group's own (prefixed) store
+        self.engine = engine
         self.count = 0  # collectives run so far (in this process)
 
     def allreduce(self, tensor: torch.Tensor) -> None:
@@ -283,7 +288,9 @@ class Communicator:
         timeout = datetime.timedelta(seconds=self.timeout_sec)
         try:
             work = start()
-            if not work.wait(timeout):
+            if self.engine == "NCCL":
+                work.wait()  # the current stream waits; the group's timeout and watchdog catch a hang
+            elif not work.wait(timeout):
                 raise RuntimeError(f"timed out after {self.timeout_sec:g} s")
         except (RuntimeError, ValueError) as exc:
             raise RuntimeError(f"shard {self.rank} of {self.size}: collective {what} #{self.count} on "
@@ -325,7 +332,7 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
             raise RuntimeError(f"shard {rank} of {size}: could not create communicator {name!r} with "
                                f"{engine} within {timeout_sec:g} s (are all {size} shards running the same "
                                f"model with the same rendezvous?): {exc}") from None
-    return register_world(Communicator(name, rank, size, timeout_sec, group, prefixed))
+    return register_world(Communicator(name, rank, size, timeout_sec, group, prefixed, engine))
 
 
 @contextlib.contextmanager

@@ -42,8 +42,10 @@ from graphpar.errors import CheckpointError
 from graphpar.executor import get_executor
 from graphpar.parallel import data_parallel_model as dpm
 from graphpar.parallel import elastic
+from graphpar.platform.devices import cuda_is_simulated
 from graphpar.runtime import checkpoint, workspace
-from graphpar.training.data import Fed, feed
+from graphpar.training.data import Fed, Prepared, feed
+from graphpar.training.feeder import CudaCopier, DeviceFeeder, prepare_copied
 
 __all__ = ["ITERATIONS_DONE", "Config", "EvalHook", "EventStorage", "HookBase", "IterationTimer", "LRScheduler",
            "PeriodicCheckpointer", "PeriodicWriter", "Trainer", "auto_scale_workers", "checkpoint_iteration"]
@@ -371,6 +373,10 @@ class Trainer:
             devices each step. Default: 1 on CPU replicas, `RECORD_PERIOD` (20, a PeriodicWriter's
             period) on CUDA ones. The values recorded do not depend on it; a non-finite loss raises
             FloatingPointError naming its iteration when it is read.
+        copier: how batches that are not prepared already (by a `DeviceFeeder`) reach the devices.
+            Default: on real CUDA replicas a `CudaCopier` (through pinned host memory, asynchronously on
+            a side stream per device, which the step's stream waits for: no host sync per blob, as a
+            plain copy of pageable memory makes); None elsewhere (`feed` copies).
 
     Raises:
         ValueError: max_iter < 0; a model without losses (forward only); data that yields no batch.
@@ -378,7 +384,7 @@ class Trainer:
 
     def __init__(self, model: Any, data: Iterable[Any], hooks: Sequence[HookBase] = (),
                  max_iter: int | None = None, lean_memory: bool | None = None,
-                 record_period: int | None = None) -> None:
+                 record_period: int | None = None, copier: Any = None) -> None:
         if not getattr(getattr(model, "_parallel", None), "training", False):
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
@@ -395,6 +401,9 @@ class Trainer:
         if isinstance(record_period, bool) or not isinstance(record_period, int) or record_period < 1:
             raise ValueError(f"Trainer: record_period must be an int >= 1, got {record_period!r}")
         self.model, self.data, self.max_iter, self.record_period = model, data, max_iter, record_period
+        if copier is None and on_cuda and not cuda_is_simulated() and not isinstance(data, DeviceFeeder):
+            copier = CudaCopier()
+        self.copier = copier
         self.lean_memory = on_cuda if lean_memory is None else bool(lean_memory)
         self.iter = 0
         self.start_iter = 0
@@ -447,6 +456,12 @@ class Trainer:
             self._in_epoch += 1
             return batch
 
+    def _staged(self, batch: Any) -> Any:
+        """`batch` copied to the devices through the copier (when there is one and it is not prepared yet)."""
+        if self.copier is None or isinstance(batch, Prepared):
+            return batch
+        return prepare_copied(self.model, 0, self.copier, batch)
+
     def _drop_iterator(self) -> None:
         close = getattr(self._iterator, "close", None)
         if callable(close):
@@ -457,7 +472,7 @@ class Trainer:
         """Feed the first batch and run the init net (once; `train` and `resume_or_load` call it)."""
         if self._initialized:
             return
-        self._pending = self._next_batch()
+        self._pending = self._staged(self._next_batch())  # the first step feeds it again
         feed(self.model, self._pending)
         if self.lean_memory:
             self._free_memory()
@@ -610,12 +625,12 @@ class Trainer:
         held: list[tuple[list[list[torch.Tensor]], list[int]]] = []
         try:
             for _ in range(state.options.accumulate_gradients - 1):
-                fed = feed(self.model, self._next_batch())
+                fed = feed(self.model, self._staged(self._next_batch()))
                 if micro.Proto().name not in workspace.get_workspace().nets:
                     workspace.CreateNet(micro)
                 workspace.RunNet(micro)
                 held.append((self._loss_tensors(), list(fed.sizes)))
-            fed = self.last_fed = feed(self.model, self._next_batch())
+            fed = self.last_fed = feed(self.model, self._staged(self._next_batch()))
             skipped = dpm.skipped_steps(self.model)
             dpm.RunNet(self.model, 1)
         except BaseException:

@@ -39,7 +39,7 @@ from graphpar.core.ir import CUDA, DeviceOption
 from graphpar.platform.devices import cuda_is_simulated, torch_device
 from graphpar.training.batches import Prepared, prepare
 
-__all__ = ["CudaCopier", "DeviceFeeder"]
+__all__ = ["CudaCopier", "DeviceFeeder", "prepare_copied"]
 
 
 class CudaCopier:
@@ -83,11 +83,11 @@ class CudaCopier:
         return event
 
     def wait(self, device: int, event: Any, values: Iterable[Any]) -> None:
-        """Make the device's current stream wait for `event`; mark the copies as used there
-        (`record_stream`), so the allocator does not reuse their memory early."""
+        """Make the current stream of the GPU that logical `device` runs on wait for `event`; mark the
+        copies as used there (`record_stream`), so the allocator does not reuse their memory early."""
         import torch
 
-        current = torch.cuda.current_stream(device)
+        current = torch.cuda.current_stream(_target(device))
         current.wait_event(event)
         for value in values:
             if isinstance(value, torch.Tensor) and value.is_cuda:
@@ -145,8 +145,9 @@ def _target(device: int) -> Any:
     return torch_device(DeviceOption(CUDA, device))
 
 
-def _prepare(model: Any, dim: int, copier: Any, batch: Any) -> Prepared:
-    """`data.prepare`, then (with a copier) each array copied to its device and an event per device."""
+def prepare_copied(model: Any, dim: int, copier: Any, batch: Any) -> Prepared:
+    """`data.prepare`, then (with a copier) each array copied to its device and an event per device;
+    `feed` makes each device's stream wait for its event."""
     prepared = prepare(model, batch, dim)
     if copier is not None:
         prepared.blobs = [{name: copier.copy(d, value) if _is_array(value) else value
@@ -210,7 +211,7 @@ class _Loader:
     def __init__(self, feeder: DeviceFeeder) -> None:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=feeder.depth)
         self.stop = threading.Event()
-        work = functools.partial(_prepare, feeder.model, feeder.dim, feeder.copier)
+        work = functools.partial(prepare_copied, feeder.model, feeder.dim, feeder.copier)
         self.thread = threading.Thread(target=_load, args=(feeder.iterable, work, self.queue, self.stop),
                                        name="graphpar-DeviceFeeder", daemon=True)
         self.thread.start()

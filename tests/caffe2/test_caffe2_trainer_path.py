@@ -25,7 +25,6 @@ from graphpar.models import resnet
 from graphpar.predictor import predictor_exporter as pred_exp
 from graphpar.predictor import predictor_py_utils as pred_utils
 from graphpar.predictor_constants import predictor_constants
-from graphpar.proto import caffe2_pb2
 
 
 def _input(model: model_helper.ModelHelper) -> None:
@@ -101,6 +100,8 @@ def _load(model: model_helper.ModelHelper, path: str) -> None:
     assert workspace.RunNetOnce(predict_init_net)
     assert workspace.RunNetOnce(init_net)
     itercnt = workspace.FetchBlob("optimizer_iteration")
+    from graphpar.proto import caffe2_pb2
+
     workspace.FeedBlob("optimizer_iteration", itercnt, device_option=core.DeviceOption(caffe2_pb2.CPU, 0))
     data_parallel_model.FinalizeAfterCheckpoint(model)
 
@@ -108,6 +109,7 @@ def _load(model: model_helper.ModelHelper, path: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("use_cpu", [False, True], ids=["2-logical-gpus", "use_cpu"])
 def test_the_trainers_calls_train_save_and_resume(tmp_path, monkeypatch, use_cpu: bool) -> None:  # noqa: ANN001
+    pytest.importorskip("google.protobuf", reason="the trainer's resume uses Caffe2's protos (the protobuf package)")
     monkeypatch.chdir(tmp_path)
     workspace.ResetWorkspace()
     with cuda_on_cpu(not use_cpu):

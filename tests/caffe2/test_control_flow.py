@@ -9,7 +9,6 @@ import pytest
 from graphpar import brew, core, workspace
 from graphpar.errors import OperatorError
 from graphpar.model_helper import ModelHelper
-from graphpar.proto.convert import from_proto, to_proto
 
 RNG = np.random.default_rng(0)
 
@@ -95,13 +94,14 @@ def test_brew_loop_runs_the_condition_net_before_each_iteration(limit: int) -> N
 
 
 def test_if_with_nets_as_op_arguments_survives_the_proto_round_trip() -> None:
+    convert = pytest.importorskip("graphpar.proto.convert", reason="Caffe2's protos need the protobuf package")
     then_net = core.Net("then")
     then_net.Relu("x", "y")
     else_net = core.Net("else")
     else_net.Scale("x", "y", scale=-1.0)
     net = core.Net("outer")
     net.If(["c", "x"], ["y"], then_net=then_net, else_net=else_net.Proto())  # a Net or a NetDef
-    restored = from_proto(to_proto(net.Proto()))
+    restored = convert.from_proto(convert.to_proto(net.Proto()))
     x = RNG.standard_normal((2, 3)).astype(np.float32)
     for flag, want in ((True, np.maximum(x, 0)), (False, -x)):
         workspace.ResetWorkspace()

@@ -13,7 +13,7 @@ import pytest
 
 from graphpar import core, utils, workspace
 from graphpar.errors import ShapeInferenceError
-from graphpar.proto import caffe2_pb2
+from tests.optional import needs
 
 
 def test_print_logs_or_writes_a_blob_as_caffe2s_print(caplog, tmp_path, monkeypatch) -> None:
@@ -30,7 +30,10 @@ def test_print_logs_or_writes_a_blob_as_caffe2s_print(caplog, tmp_path, monkeypa
     assert (tmp_path / "x.log").read_text() == "Tensor x of type float32. Dims: (2,3): 0.0,1.0\n" * 2  # runs 1, 3
 
 
+@needs("google.protobuf", "Caffe2's TensorProto and Argument messages")
 def test_utils_names_that_scripts_and_optimizers_use() -> None:
+    from graphpar.proto import caffe2_pb2
+
     assert (utils.OPTIMIZER_ITERATION_NAME, utils.ITERATION_MUTEX_NAME) == ("optimizer_iteration", "iteration_mutex")
     for array in (np.arange(6, dtype=np.float32).reshape(2, 3), np.array([[1, -2]], np.int32),
                   np.array([3, 4], np.int64), np.array([0.5], np.float64), np.array([1, 0], np.uint8)):

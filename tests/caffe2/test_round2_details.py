@@ -13,7 +13,6 @@ from graphpar import brew, core, data_parallel_model, model_helper, optimizer, w
 from graphpar.devices import cuda_on_cpu
 from graphpar.errors import ParallelizeError, ShapeInferenceError
 from graphpar.model_helper import PseudoFP16Initializer
-from graphpar.proto import caffe2_pb2
 
 
 def test_softmax_with_loss_accepts_only_loss_and_computes_the_same() -> None:
@@ -104,7 +103,7 @@ def test_peer_access_pattern_describes_logical_gpus_on_the_cpu() -> None:
     workspace.ResetWorkspace()
     with cuda_on_cpu():
         net = core.Net("on_gpu_3")
-        with core.DeviceScope(core.DeviceOption(caffe2_pb2.CUDA, 3)):
+        with core.DeviceScope(core.DeviceOption(core.CUDA, 3)):
             net.ConstantFill([], "x", shape=[1], value=1.0)
         workspace.CreateNet(net)
         pattern = workspace.GetGpuPeerAccessPattern()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from tests.optional import needs
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "caffe2_tests.py"
 
 
@@ -15,6 +17,7 @@ def _tool():  # noqa: ANN202
     return module
 
 
+@needs("google.protobuf", "rewriting `from caffe2.proto import caffe2_pb2` (a name graphpar.proto has with protobuf)")
 def test_only_imports_are_rewritten_and_missing_names_dropped() -> None:
     source = (
         "from caffe2.python import core, workspace, \\\n    rnn_cell\n"

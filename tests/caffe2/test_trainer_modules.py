@@ -17,6 +17,7 @@ from graphpar.model_helper import ModelHelper
 from graphpar.predictor import predictor_exporter as pred_exp
 from graphpar.predictor import predictor_py_utils as pred_utils
 from graphpar.predictor_constants import predictor_constants
+from tests.optional import needs
 
 
 def test_model_trainer_log_writes_a_header_and_one_line_per_call(tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -49,6 +50,7 @@ def test_complete_in_time_passes_a_fast_block_and_kills_a_slow_one() -> None:
             pass
 
 
+@needs("google.protobuf", "serializing Caffe2's protos")
 def test_an_exported_predictor_loads_and_predicts_like_the_original(tmp_path) -> None:  # noqa: ANN001
     workspace.ResetWorkspace()
     model = ModelHelper("export")
@@ -77,6 +79,7 @@ def test_an_exported_predictor_loads_and_predicts_like_the_original(tmp_path) ->
         pred_utils.GetNet(meta_net_def, "nope")
 
 
+@needs("google.protobuf", "exporting a predictor (Caffe2's protos)")
 def test_a_trained_parallel_model_exports_and_a_fresh_workspace_predicts(tmp_path) -> None:  # noqa: ANN001
     """Caffe2's train-then-export flow (issue 35 item 2): ExtractPredictorNet's unscoped params are saved
     from the first replica, and prepare_prediction_net loads them and creates the predict net."""

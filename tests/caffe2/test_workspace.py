@@ -10,6 +10,7 @@ import torch
 
 from graphpar import brew, core, model_helper, workspace
 from graphpar.caffe2 import immediate
+from tests.optional import needs
 
 
 def _fill_net() -> core.Net:
@@ -118,6 +119,7 @@ def test_name_scope_stringify_and_repeated_runs() -> None:
     assert workspace.StringifyProto(op) == op.SerializeToString()  # Caffe2's wire format
 
 
+@needs("google.protobuf", "serializing Caffe2's protos")
 def test_predictor_runs_an_init_and_predict_pair_in_its_own_workspace() -> None:
     model = model_helper.ModelHelper(name="predictor_model")
     y = brew.fc(model, "data", "y", dim_in=4, dim_out=2, weight_init=("ConstantFill", {"value": 1.0}),

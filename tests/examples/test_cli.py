@@ -17,6 +17,7 @@ import pytest
 
 from graphpar import checkpoint
 from graphpar.examples import cli, dlrm, resnet50_trainer, train
+from tests.optional import DIGITS
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH_1 = ["--devices", "2", "--epochs", "1"]
@@ -76,6 +77,7 @@ def _check_one_clean_stop(code: int, err: str, where: str) -> None:
     assert len(lines) == 1, f"{where}: {lines}"
 
 
+@DIGITS
 @pytest.mark.slow
 @pytest.mark.parametrize("where, trigger, delay", POINTS, ids=[p[0] for p in POINTS])
 def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path, where, trigger, delay):
@@ -105,6 +107,7 @@ def test_ctrl_c_inside_an_exec_of_source_still_ends_with_130(tmp_path):
     _check_one_clean_stop(done.returncode, done.stderr, "exec")
 
 
+@DIGITS
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [
     [*TRAIN, "--num-processes", "2", "--devices", "1"],
@@ -126,6 +129,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+@DIGITS
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the processes through /proc")
 @pytest.mark.parametrize("delay", [0.0, 1.0])
@@ -152,6 +156,7 @@ def test_ctrl_c_while_the_processes_start_says_it_once(tmp_path, delay):
     assert "Fatal Python error" not in err and time.monotonic() - sent < 25
 
 
+@DIGITS
 def test_an_interrupt_outside_the_steps_ends_the_process_of_a_launched_job_quietly(tmp_path, monkeypatch, capsys):
     """Issue 35 item 7: in a process that --num-processes started, a Ctrl-C while it loaded the data or
     built the nets escaped run() as a KeyboardInterrupt, whose traceback the process printed; now it
@@ -181,6 +186,7 @@ def _refused(argv: list[str], capsys) -> str:
     return err
 
 
+@DIGITS
 @pytest.mark.slow
 def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -193,6 +199,7 @@ def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path, capsys):
     assert len((tmp_path / "metrics.json").read_text().splitlines()) == 1
 
 
+@DIGITS
 @pytest.mark.slow
 def test_resuming_with_another_batch_size_is_refused(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -212,6 +219,7 @@ def test_plot_without_matplotlib_is_refused_at_start(tmp_path, capsys, monkeypat
 # ---- errors at run time: one line, the traceback with --verbose --------------------------------------
 
 
+@DIGITS
 @pytest.mark.slow
 def test_a_runtime_error_is_one_line_and_verbose_shows_the_traceback(tmp_path, capsys):
     path = _fresh(tmp_path)
@@ -239,6 +247,7 @@ def test_one_line_of_an_error_here_and_in_another_process():
     assert cli.one_line(KeyError("x")) == "KeyError: 'x'"
 
 
+@DIGITS
 @pytest.mark.slow
 def test_a_nan_loss_is_one_line_also_from_two_processes(tmp_path, capsys):
     for more in ([], ["--num-processes", "2"]):
@@ -297,6 +306,7 @@ def test_help_answers_before_torch_loads(tmp_path, module):
         assert "A NaN or inf loss still stops the run" in " ".join(done.stdout.split())
 
 
+@DIGITS
 @pytest.mark.slow
 def test_a_check_after_torch_loads_is_one_line_and_resume_suggests_more_epochs(tmp_path):
     odd = _command("graphpar.examples.train", ["--devices", "2", "--batch-size", "7"], tmp_path)
@@ -312,6 +322,7 @@ def test_a_check_after_torch_loads_is_one_line_and_resume_suggests_more_epochs(t
             "--epochs above 12 (e.g. --epochs 16)") in done.stdout
 
 
+@DIGITS
 @pytest.mark.slow
 def test_no_finite_check_stops_at_the_recorded_loss_in_one_line(tmp_path):
     done = _command("graphpar.examples.train", ["--devices", "2", "--epochs", "1", "--lr", "1e6",
@@ -373,6 +384,7 @@ def test_log_lines_have_the_time_and_the_rank_and_other_ranks_only_warn(capsys):
     cli.setup_logger()
 
 
+@DIGITS
 @pytest.mark.slow
 def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
     _fresh(tmp_path)
@@ -382,6 +394,7 @@ def test_epoch_lines_are_logged_with_time_and_rank(tmp_path, capsys):
     assert "loss" in rows[0] and "scaled_loss" not in rows[0]
 
 
+@DIGITS
 @pytest.mark.slow
 def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
     from graphpar import data_parallel_model as dpm
@@ -399,3 +412,22 @@ def test_an_interrupt_before_the_first_epoch_ends_says_nothing_was_saved(tmp_pat
     assert train.main([*EPOCH_1, "--checkpoint", str(path), "--overwrite"]) == 130
     assert "interrupted at iteration 4; no epoch finished, so nothing was saved" in capsys.readouterr().err
     assert not path.exists() and not (tmp_path / "metrics.json").exists()
+
+
+# ---- the finite-loss check follows Parallelize's device-dependent default ---------------------------
+
+def test_the_finite_loss_check_is_parallelizes_default_unless_asked(tmp_path):
+    """On CUDA replicas the check is a host read per device and step and rules out CUDA graphs: off
+    unless --finite-check; on CPU replicas on unless --no-finite-check."""
+    from graphpar import workspace
+    from graphpar.devices import cuda_on_cpu
+
+    def checks(argv: list[str], cpu: bool) -> bool:
+        args = train.parse_args([*argv, "--checkpoint", str(tmp_path / "c")])
+        workspace.ResetWorkspace()
+        with cuda_on_cpu():
+            model, _ = train.build([0, 1], cpu, 0.05, 100, args.finite_check)
+        return any(op.type == "CheckFinite" for op in model.net.Proto().ops)
+
+    assert [checks([], cpu=False), checks(["--finite-check"], cpu=False)] == [False, True]
+    assert [checks([], cpu=True), checks(["--no-finite-check"], cpu=True)] == [True, False]

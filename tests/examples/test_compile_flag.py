@@ -10,6 +10,7 @@ import pytest
 from graphpar import workspace
 from graphpar.examples import resnet50_trainer, train
 from graphpar.runtime.workspace import get_workspace
+from tests.optional import DIGITS
 
 
 def _params() -> dict[str, np.ndarray]:
@@ -20,6 +21,7 @@ def _train_types() -> set[str]:
     return {plan.type for plan in get_workspace().nets.values()}
 
 
+@DIGITS
 def test_the_main_job_with_compile_trains_as_without(tmp_path, capsys):
     common = ["--cpu", "--devices", "2", "--epochs", "1", "--batch-size", "128"]
     assert train.main([*common, "--checkpoint", str(tmp_path / "a.safetensors")]) == 0

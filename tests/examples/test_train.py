@@ -11,8 +11,9 @@ import pytest
 from graphpar import checkpoint, workspace
 from graphpar import data_parallel_model as dpm
 from graphpar.examples import cli, train
+from tests.optional import DIGITS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, DIGITS]
 
 
 def _final_accuracy(output: str) -> float:

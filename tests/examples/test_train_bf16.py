@@ -10,8 +10,9 @@ import torch
 
 from graphpar import workspace
 from graphpar.examples import train
+from tests.optional import DIGITS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, DIGITS]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import DIGITS
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = DIGITS
 
 
 def _run(tmp_path: Path, name: str, *argv: str) -> tuple[str, list[dict]]:

@@ -12,6 +12,7 @@ import torch
 
 from tests.multihost import comm_workers, workers
 from tests.multihost.helpers import run_processes
+from tests.optional import needs
 
 STEPS = 4
 RUNS = [{}, {"accumulate_gradients": 2, "record_period": 3}]  # 3: one gather of 3 iterations, then 1
@@ -63,6 +64,7 @@ def test_local_process_groups_split_the_default_group_by_machine(tmp_path: Path)
 
 
 @pytest.mark.slow
+@needs("yacs", "graphpar.config")
 def test_default_trainer_over_two_processes_matches_one_process_of_two_devices(tmp_path: Path) -> None:
     """Detectron2's layout, one device per process: 2 processes x 1 device train as 1 x 2 devices (the
     same global batches; float tolerance, the rows reach the devices in another order), record the

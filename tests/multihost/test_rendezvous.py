@@ -81,3 +81,42 @@ def test_a_rendezvous_that_timed_out_can_be_called_again(tmp_path: Path) -> None
     assert all("within 4 s" in str(f) or "timeout 4 s" in str(f) for f in first["failures"]), first["failures"]
     for name in ("cpu_0/fc1_w", "cpu_0/pred_w"):
         np.testing.assert_array_equal(first[name], second[name])
+
+
+class _Work:
+    def __init__(self, waits: list) -> None:
+        self.waits = waits
+
+    def wait(self, *timeout: datetime.timedelta) -> bool:
+        self.waits.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize("engine,wait_args", [("NCCL", ()), ("GLOO", (datetime.timedelta(seconds=7),))])
+def test_an_nccl_collective_does_not_block_the_host_and_a_gloo_one_waits_at_most_the_timeout(
+        monkeypatch: pytest.MonkeyPatch, engine: str, wait_args: tuple) -> None:
+    """NCCL's `work.wait(timeout)` blocks the host until the all-reduce ends (a stream wait is
+    `work.wait()`); its group gets the timeout instead. Stand-ins for both process groups."""
+    import torch.distributed as dist
+
+    waits: list = []
+    made: list = []
+
+    class Group:
+        def __init__(self, store, rank, size, options_or_timeout) -> None:  # noqa: ANN001
+            made.append(options_or_timeout)
+
+        def allreduce(self, tensors: list) -> _Work:
+            return _Work(waits)
+
+    class NcclOptions:
+        _timeout = None
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Group, raising=False)
+    monkeypatch.setattr(dist.ProcessGroupNCCL, "Options", NcclOptions, raising=False)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", Group)
+    handle = distributed.create_world(f"world_{engine}", None, dist.HashStore(), 0, 2, engine, 7.0)
+    distributed.get_world(handle).allreduce(torch.zeros(1))
+    assert waits == [wait_args]
+    timeout = made[0]._timeout if engine == "NCCL" else made[0]
+    assert timeout == datetime.timedelta(seconds=7)

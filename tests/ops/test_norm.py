@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._prims_common import suggest_memory_format
 
 from graphpar.core.ir import OperatorDef
 from graphpar.core.schema import NOT_DIFFERENTIABLE, check_operator, get_schema
@@ -305,13 +310,22 @@ class _CudnnStandIn:
 
     def __init__(self) -> None:
         self.reserves: list = []
+        self.layouts: list = []
+
+    def check_layout(self, x, *others):  # noqa: ANN001, ANN201
+        """What cuDNN's kernels check: X contiguous in its suggested memory format, dY like it."""
+        layout = suggest_memory_format(x)
+        assert all(t.is_contiguous(memory_format=layout) for t in (x, *others)), "cuDNN needs X contiguous"
+        self.layouts.append(layout)
 
     def forward(self, x, scale, bias, rm, rv, factor, eps):  # noqa: ANN001, ANN201
+        self.check_layout(x)
         reserve = torch.arange(3, dtype=torch.uint8)
         self.reserves.append(("forward", reserve))
         return (*torch.native_batch_norm(x, scale, bias, rm, rv, True, factor, eps), reserve)
 
     def backward(self, x, dy, scale, mean, inv_std, eps, reserve):  # noqa: ANN001, ANN201
+        self.check_layout(x, dy)
         self.reserves.append(("backward", reserve))
         return torch.ops.aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inv_std, True, eps,
                                                          (True,) * 3)
@@ -337,6 +351,40 @@ def test_training_uses_cudnn_where_torch_would_and_hands_its_reserve_to_the_grad
         assert used is made
     else:
         assert cudnn.reserves == []
+
+
+@pytest.mark.parametrize("layout", ["a channel slice", "channels_last"])
+def test_cudnn_gets_x_contiguous_in_its_suggested_memory_format(monkeypatch: pytest.MonkeyPatch,
+                                                                  layout: str) -> None:
+    """A view from Split or Slice is copied before cuDNN's kernels, as torch.batch_norm does; a
+    channels-last X stays channels-last. Results equal torch's batch norm and autograd."""
+    from graphpar.ops import norm
+
+    cudnn = _CudnnStandIn()
+    monkeypatch.setattr(norm, "_uses_cudnn", lambda *args: True)
+    monkeypatch.setattr(norm, "_cudnn_forward", cudnn.forward)
+    monkeypatch.setattr(norm, "_cudnn_backward", cudnn.backward)
+    whole = _randn(4, 4, 5, 2, 3) * 3 - 1
+    x = whole[:, 1:4] if layout == "a channel slice" else whole[:, :3].contiguous().to(memory_format=torch.channels_last)
+    assert not x.is_contiguous()
+    check_gradient("SpatialBN", [x, *_params(3)], _reference_train, wrt=(0, 1, 2), n_outputs=5)
+    want = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert cudnn.layouts and set(cudnn.layouts) == {want}
+
+
+def test_without_torchs_backend_choice_cuda_runs_native_batch_norm_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from graphpar.ops import norm
+
+    monkeypatch.delattr(torch._C, "_select_batch_norm_backend")
+    monkeypatch.setattr(norm, "_warn_no_backend_choice", functools.cache(norm._warn_no_backend_choice.__wrapped__))
+    x, params = _randn(0, 4, 3, 2, 2), _params(3)
+    assert not norm._uses_cudnn(x, *params, EPS) and caplog.text == ""  # the CPU: nothing to say
+    cuda_like = SimpleNamespace(is_cuda=True)
+    with caplog.at_level(logging.WARNING, logger="graphpar.ops.norm"):
+        assert not norm._uses_cudnn(cuda_like, *params, EPS)
+        assert not norm._uses_cudnn(cuda_like, *params, EPS)
+    assert caplog.text.count("native batch norm on CUDA, not cuDNN's") == 1
 
 
 def test_inter_device_bn_keeps_its_exact_statistics_path(monkeypatch: pytest.MonkeyPatch) -> None:

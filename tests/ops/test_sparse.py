@@ -133,3 +133,24 @@ def test_weighted_sum_refuses_one_weight_broadcast_over_the_indices(op_type):
     op = make_op(op_type, len(inputs))
     with pytest.raises(ValueError, match=r"WEIGHTS has shape \[1\] but INDICES \[2\]; feed one weight per index"):
         run_op(op, inputs)
+
+
+def test_on_a_gpu_indices_are_checked_by_a_device_assert_unless_host_checks_are_asked_for(monkeypatch):
+    """A device-side assert (`torch._assert_async`) costs no host sync but leaves the CUDA context
+    unusable; GRAPHPAR_HOST_INDEX_CHECKS=1 reads indices and lengths on the host on GPUs too (a
+    failure-atomic ValueError, a sync per op). The meta device stands in for a GPU here."""
+    from graphpar.ops import sparse, sparse_optim
+
+    asserted = []
+    monkeypatch.setattr(torch, "_assert_async", lambda ok, message: asserted.append(message))
+    on_gpu = torch.tensor([1, 1], device="meta")
+    assert sparse.check_on_host(torch.tensor([1, 1])) and not sparse.check_on_host(on_gpu)
+    sparse.check_lengths(on_gpu, 2, "SparseLengthsSum(x)")
+    sparse_optim._check_rows(on_gpu, 6, "ScatterAssign(x)")
+    assert asserted == ["SparseLengthsSum(x): LENGTHS must be non-negative and sum to the 2 INDICES",
+                        "ScatterAssign(x): an index is out of range"]
+    monkeypatch.setenv(sparse.HOST_CHECKS, "1")
+    assert sparse.check_on_host(on_gpu)
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):  # the host path was taken
+        sparse.check_lengths(on_gpu, 2, "SparseLengthsSum(x)")
+    assert len(asserted) == 2

@@ -135,3 +135,22 @@ def test_an_nhwc_model_trains_data_parallel_like_the_nchw_model(compute_dtype):
         got = results["NHWC"][name]
         np.testing.assert_array_equal(got.transpose(0, 3, 1, 2) if got.ndim == 4 else got, value, err_msg=name)
         assert not np.array_equal(value, start[name]) or name == "bn_b"
+
+
+@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
+def test_conv_filters_and_their_momentum_are_channels_last_from_init_on(compute_dtype):
+    """As eager's `module.to(memory_format=torch.channels_last)`: every 4-D filter (read through a
+    cast in bf16) and its momentum is channels-last after the init net and stays so through the
+    updates, so no Conv converts it and the update sees one layout; other params are as before."""
+    model = _train([0, 1], steps=2, compute_dtype=compute_dtype, channels_last=True)
+    filters = [p for p in map(str, model.GetParams()) if workspace.FetchTensor(p).dim() == 4]
+    assert len(filters) >= 2 * 8  # ResNet-18's convs (and its shortcut convs) on both replicas
+    for name in filters:
+        for blob in (name, f"{name}_momentum"):
+            tensor = workspace.FetchTensor(blob)
+            assert tensor.is_contiguous(memory_format=torch.channels_last), blob
+            assert tensor.shape[2] * tensor.shape[3] == 1 or not tensor.is_contiguous(), blob  # 1x1: both
+    init = model.param_init_net.Proto()
+    assert sorted(op.inputs[0] for op in init.ops if op.type == "ChannelsLast") == sorted(filters)
+    assert all(workspace.FetchTensor(str(p)).is_contiguous() for p in model.GetParams()
+               if workspace.FetchTensor(str(p)).dim() != 4)

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from graphpar import workspace
-from graphpar.config import CfgNode, get_cfg
-from graphpar.defaults import DefaultTrainer, LRMultiplier, default_argument_parser
-from graphpar.engine import HookBase, auto_scale_workers
-from graphpar.evaluation import ClassificationEvaluator, DatasetEvaluators, flatten_results_dict
-from graphpar.loaders import DatasetCatalog, TrainingSampler
+pytest.importorskip("yacs", reason="graphpar.config is yacs' CfgNode (the yacs package)")
+
+from graphpar import workspace  # noqa: E402
+from graphpar.config import CfgNode, get_cfg  # noqa: E402
+from graphpar.defaults import DefaultTrainer, LRMultiplier, default_argument_parser  # noqa: E402
+from graphpar.engine import HookBase, auto_scale_workers  # noqa: E402
+from graphpar.evaluation import ClassificationEvaluator, DatasetEvaluators, flatten_results_dict  # noqa: E402
+from graphpar.loaders import DatasetCatalog, TrainingSampler  # noqa: E402
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(48, 16)).astype(np.float32)

@@ -204,6 +204,73 @@ def test_a_batch_already_on_its_device_is_used_as_it_is(monkeypatch):
         assert ws.blobs["cpu_0/x"]._base is None
 
 
+class _HostCopier(CudaCopier):
+    """CudaCopier with its copies left on the CPU: its streams, events and waits are torch.cuda's."""
+
+    def copy(self, device, value):
+        self._stream(device)
+        return torch.as_tensor(value).clone()
+
+
+def test_under_a_device_map_the_feeder_waits_on_the_gpu_each_replica_runs_on(monkeypatch):
+    """Four replicas on GPU 0 of a (fake) 1-GPU machine: each waits for its copies on the current
+    stream of GPU 0. (It asked for the current stream of logical device 3: "Invalid device id".)"""
+    import graphpar.feeder
+    from graphpar import devices
+    from tests.fake_cuda import FakeCuda
+    from tests.fake_gpus import fake_gpus
+
+    fake_gpus(monkeypatch, 1)
+    fake = FakeCuda(gpus=1).install(monkeypatch)
+    monkeypatch.setattr(graphpar.feeder, "torch_device", devices.placement)  # where it runs on the GPUs
+    with devices.device_map([0, 0, 0, 0]), cuda_on_cpu():
+        model = _relu_model(devices=(0, 1, 2, 3), gpu=True)
+        with DeviceFeeder(_numbered(1, rows=8), model, copier=_HostCopier()) as feeder:
+            (batch,) = list(feeder)
+        fake.log.clear()
+        feed(model, batch)
+        np.testing.assert_array_equal(workspace.FetchBlob("gpu_3/x"), np.zeros((2, 2)))
+    waits = [entry for entry in fake.log if entry[0] == "wait"]
+    assert [stream for _, stream, _ in waits] == ["default@cuda:0"] * 4
+    assert [event for _, _, event in waits] == [str(event) for event in batch.ready]
+
+
+def _gpu_mlp(name: str) -> ModelHelper:
+    model = ModelHelper(name=name)
+    dpm.Parallelize(model, input_builder_fun=lambda m: None,
+                    forward_pass_builder_fun=lambda m, scale: [m.net.Scale(m.net.SoftmaxWithLoss(
+                        [brew.fc(m, "data", "pred", dim_in=4, dim_out=3), "label"], ["softmax", "xent"])[1],
+                        "loss", scale=scale)],
+                    optimizer_builder_fun=lambda m: optimizer.build_sgd(m, 0.2, momentum=0.9), devices=[0, 1])
+    return model
+
+
+def test_a_trainer_on_cuda_replicas_copies_numpy_batches_through_the_side_stream_copier():
+    """A Trainer fed numpy batches on real CUDA replicas stages them as a DeviceFeeder does (pinned
+    memory, a side stream per device, the step's stream waiting for an event): no blocking copy per
+    blob. The copier here records; the run equals the plain one."""
+    data = _batches()
+    with cuda_on_cpu():
+        workspace.ResetWorkspace()
+        workspace.SetSeed(1)
+        plain = _gpu_mlp("copier_plain")
+        Trainer(plain, data, max_iter=5).train()
+        expected = _params(plain)
+        workspace.ResetWorkspace()
+        workspace.SetSeed(1)
+        model, copier = _gpu_mlp("copier_staged"), _RecordingCopier()
+        trainer = Trainer(model, data, max_iter=5, copier=copier)
+        trainer.train()
+        for name, value in _params(model).items():
+            np.testing.assert_array_equal(value, expected[name], err_msg=name)
+        assert Trainer(model, data).copier is None  # CUDA replicas placed on the CPU: feed copies
+    kinds = [call[0] for call in copier.calls]
+    assert kinds.count("copy") == 2 * 2 * 5 and kinds.count("wait") == 2 * 6  # data+label per device; init too
+    assert isinstance(Trainer(model, data).copier, CudaCopier)  # real CUDA replicas (outside the simulation)
+    assert Trainer(model, DeviceFeeder(data, model)).copier is None  # the feeder stages them already
+    assert Trainer(_model(), data).copier is None  # CPU replicas
+
+
 @pytest.mark.cuda
 def test_a_loader_of_cuda_tensors_feeds_them_as_they_are():
     model = _relu_model(devices=(0,), gpu=True)
