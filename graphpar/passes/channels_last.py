@@ -69,12 +69,12 @@ def rewrite_channels_last(net: NetDef, taken: set[str] | None = None) -> NetDef:
 
 
 def conv_filters(net: NetDef) -> list[str]:
-    """The blobs whose values the NCHW Convs of `net` read as their filter: input 1, or what a chain of
+    """The blobs whose values the NCHW convolutions of `net` read as their filter: input 1, or what a chain of
     layout-keeping ops (casts, FOLLOW/CONVERT precision rules) made it from."""
     made = {out: op for op in net.ops for out in op.outputs[:1]}
     found: dict[str, None] = {}
     for op in net.ops:
-        if op.type != "Conv" or op.args.get("order", "NCHW") != "NCHW" or len(op.inputs) < 2:
+        if not has_trait(op, Trait.CONVOLUTION) or op.args.get("order", "NCHW") != "NCHW" or len(op.inputs) < 2:
             continue
         blob, seen = op.inputs[1], set()
         while blob in made and blob not in seen and precision_rule(made[blob].type).compute in _KEEPS_LAYOUT \
