@@ -13,9 +13,11 @@ adds what graphpar promises on top of it:
   own handler would; a second one other than Ctrl-C's kills the processes at once (a second Ctrl-C is
   ignored while they finish their step), where the agent's handler would have broken off its own
   shutdown; the caller's handlers come back afterwards (`launch.launch` runs inside a user's process);
-- processes of a Python function start with SIGINT blocked and unblock it in their entry point, so a
-  Ctrl-C during their start-up (their interpreter, their imports) reaches them once they can stop
-  cleanly instead of printing a traceback from the middle of an import;
+- processes that take Ctrl-C themselves once they can stop cleanly (those of a Python function, whose
+  entry point does it, and graphpar's command-line tools) start with SIGINT blocked, so a Ctrl-C during
+  their start-up (their interpreter, their imports) waits for that instead of printing a traceback from
+  the middle of an import;
+- whether the processes got the signal (`Signalled.told`): before they started, no one else reports it;
 - torch's elastic logs kept quiet (graphpar says what happened) unless LOGLEVEL asks for them, as
   torchrun's are, and the agent's error files in a temporary directory removed at the end.
 """
@@ -43,9 +45,10 @@ from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
+from graphpar.parallel.early_exit import SIGNALS
+
 __all__ = ["SIGNALS", "LaunchConfig", "RendezvousError", "Signalled", "first_failure", "run", "threads_per_process"]
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PEER_GRACE_SEC = 5.0  # once one process has ended after a signal, how long the others get
 _TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals torch's process context takes over
 _SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": a new store for the processes of each attempt
@@ -53,11 +56,12 @@ _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "to
 
 
 class Signalled(Exception):
-    """The launcher got signal `signum`; every process of the group has ended."""
+    """The launcher got signal `signum`; every process of the group has ended. `told`: running processes
+    got it too (False: it came before any had started, or after they had all ended)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, told: bool = False) -> None:
         super().__init__(f"got {signal.Signals(signum).name}")
-        self.signum = int(signum)
+        self.signum, self.told = int(signum), told
 
 
 def threads_per_process(processes: int) -> str:
@@ -74,7 +78,8 @@ def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequen
     """Run `entrypoint(*args)` (a function, or a program and its arguments) as `config` says, on torch's
     agent, until the group succeeds or fails for good. `command` names what runs in the line
     `report(line, final)` gets for each failure (`final`: no restart follows). `block_sigint`: the
-    processes start with SIGINT blocked (processes of a function, whose entry point unblocks it).
+    processes start with SIGINT blocked (their entry point unblocks it once it can stop cleanly). From
+    the call on, SIGNALS stop the run (a signal ignored on entry stays ignored).
     `shutdown_timeout`: seconds the processes get to exit after a signal (default: torch's,
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).
 
@@ -83,35 +88,39 @@ def run(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequen
         RuntimeError: the rendezvous was closed by another agent.
         torch's RendezvousError: the rendezvous failed (timeout, endpoint unreachable).
     """
-    run_id = config.run_id or str(uuid.uuid4())
-    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=run_id,
-                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                                  local_addr=config.local_addr, **config.rdzv_configs)
-    addr, port = (None, None)
-    if config.rdzv_backend == "static":  # the processes meet at node 0's store, as torchrun's static rendezvous
-        addr, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
-    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-                      args=tuple(args), rdzv_handler=rendezvous_registry.get_rendezvous_handler(params),
-                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
-                      master_addr=addr, master_port=port, local_addr=config.local_addr)
-    logs = tempfile.mkdtemp(prefix="graphpar_launch_")
     signals = _Signals()
-    grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) if shutdown_timeout is None else shutdown_timeout
-    agent = _Agent(spec, DefaultLogsSpecs(log_dir=logs), config.start_method, grace, command, report, signals)
-    signals.agent = agent
+    spec: WorkerSpec | None = None
+    logs: str | None = None
     closed = True  # the rendezvous is closed at the end, unless a signal stopped this agent (as torchrun)
     try:
-        with _quiet_torch_logs(), _environment(config), signals, \
-                _sigint_blocked() if block_sigint else contextlib.nullcontext():
+        with signals, _quiet_torch_logs(), _environment(config):  # a signal from here on stops the run
+            run_id = config.run_id or str(uuid.uuid4())
+            params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=run_id,
+                                          min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                          local_addr=config.local_addr, **config.rdzv_configs)
+            addr, port = (None, None)
+            if config.rdzv_backend == "static":  # the processes meet at node 0's store, as torchrun's static one
+                addr, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+            spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                              args=tuple(args), rdzv_handler=rendezvous_registry.get_rendezvous_handler(params),
+                              max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                              master_addr=addr, master_port=port, local_addr=config.local_addr)
+            logs = tempfile.mkdtemp(prefix="graphpar_launch_")
+            grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) if shutdown_timeout is None \
+                else shutdown_timeout
+            agent = _Agent(spec, DefaultLogsSpecs(log_dir=logs), config.start_method, grace, command, report,
+                           signals, block_sigint)
+            signals.agent = agent
             result = agent.run()
     except SignalException as exc:
         closed = False
-        raise Signalled(exc.sigval) from None
+        raise Signalled(exc.sigval, signals.told) from None
     finally:
-        if closed:
+        if closed and spec is not None:
             with contextlib.suppress(Exception):
                 spec.rdzv_handler.shutdown()
-        shutil.rmtree(logs, ignore_errors=True)
+        if logs is not None:
+            shutil.rmtree(logs, ignore_errors=True)
     if result is None:  # the agent left a rendezvous another agent closed
         raise RuntimeError("the rendezvous was closed by another node's launcher before this one's processes ran")
     return result
@@ -142,16 +151,18 @@ class _Agent(LocalElasticAgent):
     processes with a grace for peers left waiting on one that ended, and able to kill them at once."""
 
     def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, start_method: str, shutdown_timeout: float,
-                 command: str, report: Callable[[str, bool], None], signals: _Signals) -> None:
+                 command: str, report: Callable[[str, bool], None], signals: _Signals, block_sigint: bool) -> None:
         super().__init__(spec, logs, start_method)
         self._command, self._report, self._signals = command, report, signals
-        self._grace = shutdown_timeout
+        self._grace, self._block_sigint = shutdown_timeout, block_sigint
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        with self._signals.deferred():  # a stop half-way through starting them would leave some behind
+        # a stop half-way through starting them would leave some behind; they inherit the blocked SIGINT
+        with self._signals.deferred(), _sigint_blocked() if self._block_sigint else contextlib.nullcontext():
             return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._signals.check()  # a stop that torch's code caught on its way (it is an Exception) comes again
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             rank, failure = first_failure(result.failures)
@@ -170,6 +181,8 @@ class _Agent(LocalElasticAgent):
         if finished is not None:
             finished.set()
         pids = list(context.pids().values()) if context is not None else []
+        if self._signals.received is not None and not all(_ended(pid) for pid in pids):
+            self._signals.told = True
         for pid in pids:
             _send(pid, death_sig)
         deadline = time.monotonic() + self._grace
@@ -199,14 +212,14 @@ class _Signals:
     def __init__(self) -> None:
         self.agent: _Agent | None = None
         self.received: int | None = None  # the first signal
-        self.raised = False  # ... and whether it stopped the agent yet
+        self.told = False  # ... and whether the agent sent it to running processes
         self.starting = False
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.getsignal(s) for s in SIGNALS}
-            for signum in SIGNALS:
+            self.previous = {s: signal.getsignal(s) for s in SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+            for signum in self.previous:
                 signal.signal(signum, self._handle)
         return self
 
@@ -222,21 +235,21 @@ class _Signals:
             yield
         finally:
             self.starting = False
-        self._stop()
+        self.check()
+
+    def check(self) -> None:
+        """Stop the agent if a signal came: raise torch's SignalException, which its `run` takes for one."""
+        if self.received is not None:
+            signum = signal.Signals(self.received)
+            raise SignalException(f"graphpar.launch got {signum.name}", signum)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is None:
             self.received = signum  # the agent sends it to every process, kills the ones left after its timeout
             if not self.starting:
-                self._stop()
+                self.check()
         elif signum != signal.SIGINT and self.agent is not None:
             self.agent.kill_now()
-
-    def _stop(self) -> None:
-        if self.received is not None and not self.raised:
-            self.raised = True
-            signum = signal.Signals(self.received)
-            raise SignalException(f"graphpar.launch got {signum.name}", signum)
 
 
 def _send(pid: int, signum: int) -> None:
@@ -266,22 +279,13 @@ def _ended(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this (main) thread, so the processes it starts inherit the block, and received
-    meanwhile by a helper thread: Python still runs the handler here, at most one monitoring interval
-    later."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stop = threading.Event()
-    receiver = threading.Thread(target=stop.wait, name="graphpar-launch-signals", daemon=True)
-    receiver.start()  # before the block: its mask keeps SIGINT open
+    """SIGINT blocked in this thread, so the processes it starts inherit the block; one that came
+    meanwhile is handled on leaving."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        stop.set()
-        receiver.join()
 
 
 @contextlib.contextmanager

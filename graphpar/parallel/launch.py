@@ -28,27 +28,35 @@ stopped). No process outlives it.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import logging
-import os
-import shlex
-import signal
-import socket
-import sys
-import time
-import traceback
-import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
-from urllib.parse import urlparse
+from graphpar.parallel import early_exit
 
-from graphpar.parallel.elastic import restart_count
+if __name__ == "__main__":  # `python -m graphpar.launch`: from now on a signal before the processes start ends it
+    early_exit.exit_on_signals()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
+
+from graphpar.parallel.elastic import restart_count  # noqa: E402
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _STATIC_RESTARTS = ("torch's static rendezvous keeps one store for every attempt, where a restarted group meets the "
                     "keys of the processes it replaces and cannot start; for restarts across machines use "
                     "--rdzv-backend c10d --rdzv-endpoint HOST:PORT (one machine: leave --dist-url at auto)")
+_TOOLS = "graphpar.examples"  # graphpar's command-line tools: each takes Ctrl-C first thing
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT", "default_backend", "get_local_rank", "get_rank", "get_world_size",
@@ -337,8 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     program_args = ["-u", *(["-m"] if options.module else []), options.script, *options.script_args]
     try:
         result = agent.run(config, program, program_args, shlex.join([program, *program_args]),
-                           lambda line, final: _say(line), shutdown_timeout=options.shutdown_timeout)
+                           lambda line, final: _say(line), block_sigint=_takes_sigint_itself(options),
+                           shutdown_timeout=options.shutdown_timeout)
     except agent.Signalled as signalled:
+        if signalled.signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while this one ends says nothing more
+            if not signalled.told:  # no process of the job heard it, so none says it
+                _say("\ninterrupted")
         return 128 + signalled.signum
     except (agent.RendezvousError, RuntimeError) as exc:  # one line, as for a process that failed
         _say(f"graphpar.launch: the rendezvous failed: {type(exc).__name__}: {exc}")
@@ -347,6 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     _, failure = agent.first_failure(result.failures)
     return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def _takes_sigint_itself(options: argparse.Namespace) -> bool:
+    """Whether the program is one of graphpar's command-line tools (`-m graphpar.examples.train`, or its
+    file), which unblock SIGINT as soon as their own Ctrl-C handler is in place
+    (`graphpar.examples.interrupt`); their processes then start with it blocked. Any other program starts
+    as under torchrun, SIGINT open: a Ctrl-C during its start-up is Python's KeyboardInterrupt."""
+    if options.module:
+        return options.script.startswith(_TOOLS + ".")
+    tools = importlib.util.find_spec(_TOOLS)  # not __file__: `-m graphpar.launch` runs this module without one
+    if tools is None or tools.origin is None:
+        return False
+    return Path(options.script).resolve().parent == Path(tools.origin).resolve().parent
 
 
 def _rendezvous_options(options: argparse.Namespace) -> tuple[str, str, str]:

@@ -4,6 +4,7 @@ exception, every signal to the launcher reaching every process, and two agents m
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -217,6 +218,33 @@ def test_every_signal_to_the_launcher_reaches_every_process_and_none_outlives_it
     assert code == 128 + signum and seconds < 10
     assert [(tmp_path / f"signal{rank}").read_text() for rank in (0, 1)] == [str(int(signum))] * 2
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_only_graphpars_tools_start_with_sigint_blocked(tmp_path: Path) -> None:
+    """graphpar's command-line tools take Ctrl-C first thing, so their processes start with it blocked;
+    any other program starts as under torchrun."""
+    from graphpar.parallel.launch import _takes_sigint_itself
+
+    train = ROOT / "graphpar" / "examples" / "train.py"
+    for module, script, blocked in ((False, str(train), True), (True, "graphpar.examples.train", True),
+                                    (False, str(tmp_path / "train.py"), False), (True, "train", False)):
+        assert _takes_sigint_itself(argparse.Namespace(module=module, script=script)) is blocked
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.8])
+def test_a_ctrl_c_while_the_launcher_loads_torch_ends_it_with_one_line(tmp_path: Path, delay: float) -> None:
+    """Before the processes start (the launcher imports torch's agent for seconds), a Ctrl-C printed a
+    KeyboardInterrupt traceback from inside an import and ended the launcher by SIGINT (status -2)."""
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    launcher = subprocess.Popen(_command("--nproc-per-node", "2", str(script)), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=LIMIT)
+    assert launcher.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err and err.strip().splitlines() == ["interrupted"], err
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.slow
