@@ -79,7 +79,11 @@ class _Alias(importlib.abc.Loader):
 
     def get_code(self, fullname: str) -> object:
         """The new module's code, so `python -m <old name>` keeps working."""
-        return importlib.util.find_spec(self.target).loader.get_code(self.target)
+        spec = importlib.util.find_spec(self.target)
+        loader = None if spec is None else spec.loader
+        if not isinstance(loader, importlib.abc.InspectLoader):
+            raise ImportError(f"{self.target} has no code to run")
+        return loader.get_code(self.target)
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):

@@ -4,6 +4,9 @@ here: graphpar tests each kernel against torch.autograd instead (tests/ops)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
@@ -24,10 +27,12 @@ def dims(min_value: int = 1, max_value: int = 5) -> st.SearchStrategy[int]:
     return st.integers(min_value=min_value, max_value=max_value)
 
 
-def elements_of_type(dtype: type = np.float32, filter_: object = None) -> st.SearchStrategy:
+def elements_of_type(dtype: type = np.float32, filter_: Callable[[Any], Any] | None = None) -> st.SearchStrategy:
     """Finite values of `dtype` (floats in [-1, 1], as Caffe2's)."""
+    elems: st.SearchStrategy
     if np.issubdtype(dtype, np.floating):
-        elems = st.floats(min_value=-1.0, max_value=1.0, width=np.dtype(dtype).itemsize * 8)
+        width: Any = np.dtype(dtype).itemsize * 8  # 16, 32 or 64
+        elems = st.floats(min_value=-1.0, max_value=1.0, width=width)
     elif dtype is bool or dtype is np.bool_:
         elems = st.booleans()
     else:
@@ -35,10 +40,10 @@ def elements_of_type(dtype: type = np.float32, filter_: object = None) -> st.Sea
     return elems if filter_ is None else elems.filter(filter_)
 
 
-def arrays(shape: list[int], dtype: type = np.float32, elements: st.SearchStrategy | None = None,
+def arrays(shape: list[int] | tuple[int, ...], dtype: Any = np.float32, elements: st.SearchStrategy | None = None,
            unique: bool = False) -> st.SearchStrategy[np.ndarray]:
     """Arrays of `shape` and `dtype`."""
-    return hnp.arrays(dtype, shape, elements=elements or elements_of_type(dtype), unique=unique)
+    return hnp.arrays(dtype, tuple(shape), elements=elements or elements_of_type(dtype), unique=unique)
 
 
 def tensor(min_dim: int = 1, max_dim: int = 4, dtype: type = np.float32, elements: st.SearchStrategy | None = None,

@@ -37,8 +37,11 @@ def CompleteInTimeOrDie(timeout_secs: float) -> Iterator[None]:  # noqa: N802 - 
     if isinstance(timeout_secs, bool) or not isinstance(timeout_secs, (int, float)) or not timeout_secs > 0:
         raise ValueError(f"CompleteInTimeOrDie: timeout_secs must be a positive number, got {timeout_secs!r}")
     done = threading.Event()
-    watcher = threading.Thread(target=lambda: done.wait(timeout_secs) or _die(timeout_secs), daemon=True,
-                               name="CompleteInTimeOrDie")
+    def watch() -> None:
+        if not done.wait(timeout_secs):
+            _die(timeout_secs)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="CompleteInTimeOrDie")
     watcher.start()
     try:
         yield

@@ -368,6 +368,8 @@ class _BackwardPass:
         if all(g is None for g in grad_outputs):
             return []
         maker = self._maker(index, grad_outputs)
+        grad_ops: list[OperatorDef]
+        grad_inputs: list[Gradient]
         if maker is NO_GRADIENT:
             grad_ops, grad_inputs = [], [None] * len(op.inputs)
         else:
@@ -469,7 +471,7 @@ class _BackwardPass:
         op = self.ops[index]
         gradient_names = {b for g in grad_outputs if g is not None for b in _parts(g)}
         in_place = (set(op.inputs) & set(op.outputs)) - gradient_names
-        kinds = None
+        kinds: list[list[str]] = []
         if any(b in in_place for grad_op in grad_ops for b in grad_op.inputs):
             kinds = self._probe_kinds(index, maker, grad_ops, grad_outputs)
         local: set[str] = set()
@@ -603,7 +605,10 @@ class _BackwardPass:
 
     def _rename(self, generator: _Generator, p: int) -> None:
         """Give part p of a generator written by a gradient op a fresh autosplit name."""
-        writer, slot = generator.writers[p]
+        found = generator.writers[p]
+        if found is None:  # passed through: no gradient op wrote it under a name of its own
+            return
+        writer, slot = found
         old = writer.outputs[slot]
         if old not in self.fresh:
             _rename_in(generator.grad_ops, old, self._fresh_name(old))

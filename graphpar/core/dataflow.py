@@ -107,36 +107,53 @@ class Dataflow:
         """Whether an op before op `index` writes `blob` (else op `index` reads it as loaded)."""
         return self.first_write.get(blob, index) < index
 
-    @cached_property
-    def readers(self) -> Mapping[str, tuple[int, ...]]:
+    @property
+    def readers(self) -> Mapping[str, Sequence[int]]:
         """{blob: the ops reading it as a data input}, ascending, each op once."""
-        return self._positions(0)
+        return self._uses[0]
 
-    @cached_property
-    def writers(self) -> Mapping[str, tuple[int, ...]]:
+    @property
+    def writers(self) -> Mapping[str, Sequence[int]]:
         """{blob: the ops writing it}, ascending."""
-        return self._positions(1)
+        return self._uses[1]
+
+    @property
+    def waiters(self) -> Mapping[str, Sequence[int]]:
+        """{blob: the ops naming it as a control input}, ascending, each op once."""
+        return self._uses[2]
 
     @cached_property
-    def waiters(self) -> Mapping[str, tuple[int, ...]]:
-        """{blob: the ops naming it as a control input}, ascending, each op once."""
-        return self._positions(2)
-
-    def _positions(self, field: int) -> dict[str, tuple[int, ...]]:
-        found: dict[str, list[int]] = {}
-        for index, blobs in enumerate(op[field] for op in self.ops):
-            for blob in blobs:
-                at = found.setdefault(blob, [])
-                if not at or at[-1] != index:
+    def _uses(self) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
+        """(readers, writers, waiters), in one scan of the ops."""
+        readers: dict[str, list[int]] = {}
+        writers: dict[str, list[int]] = {}
+        waiters: dict[str, list[int]] = {}
+        for index, (inputs, outputs, controls) in enumerate(self.ops):
+            for blob in inputs:
+                at = readers.get(blob)
+                if at is None:
+                    readers[blob] = [index]
+                elif at[-1] != index:
                     at.append(index)
-        return {blob: tuple(at) for blob, at in found.items()}
+            for blob in outputs:  # an op names a blob once among its outputs
+                at = writers.get(blob)
+                if at is None:
+                    writers[blob] = [index]
+                else:
+                    at.append(index)
+            for blob in controls:
+                at = waiters.get(blob)
+                if at is None:
+                    waiters[blob] = [index]
+                elif at[-1] != index:
+                    at.append(index)
+        return readers, writers, waiters
 
-    def loaded_readers(self, blob: str) -> tuple[int, ...]:
+    def loaded_readers(self, blob: str) -> Sequence[int]:
         """The ops reading the value `blob` has when a run starts: its readers up to its first writer
         (included, when that op reads it too)."""
-        readers = self.readers.get(blob, ())
-        first = self.first_write.get(blob)
-        return readers if first is None else readers[:bisect_right(readers, first)]
+        readers, writers = self.readers.get(blob, ()), self.writers.get(blob)
+        return readers if not writers else readers[:bisect_right(readers, writers[0])]
 
     def last_write_before(self, blob: str, index: int) -> int | None:
         """The last op before op `index` writing `blob` (None: none does)."""

@@ -120,6 +120,7 @@ class BlobReference(str):
     """
 
     __slots__ = ("_net",)
+    _net: Any  # the Net it was recorded in, if any
 
     def __new__(cls, name: str, net: Any = None) -> BlobReference:
         if not isinstance(name, str):
@@ -227,7 +228,7 @@ class _MessageLike:
     the installed `proto_converter()`, which needs protobuf) and `HasField`."""
 
     _FIELDS: tuple[str, ...] = ()
-    __hash__ = None  # mutable and compared by value
+    __hash__ = None  # type: ignore[assignment]  # mutable and compared by value
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):

@@ -20,7 +20,8 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from types import FrameType
+from typing import Any, ClassVar, cast
 
 from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import (
@@ -60,7 +61,7 @@ def _library_file(filename: str) -> bool:
 def _call_site() -> tuple[str, str]:
     """('file:line', function name) of the first stack frame outside the graphpar library (the user's
     builder call)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and _library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return (f"{frame.f_code.co_filename}:{frame.f_lineno}", frame.f_code.co_name) if frame is not None else ("", "")
@@ -308,7 +309,7 @@ class Net:
         if outputs is None or (isinstance(outputs, int) and not isinstance(outputs, bool)):
             out_names, hint = self._auto_outputs(op_type, outputs, scope)
         else:
-            out_names = _names(outputs, "outputs", op_type, scope)
+            out_names = _names(cast(BlobNames, outputs), "outputs", op_type, scope)  # checked there
         op = _build_op(op_type, _names(inputs, "inputs", op_type, scope), out_names, name, device_option,
                        engine, _names(control_input, "control_input", op_type, scope), args, self._net.name)
         self._append_fresh(op)

@@ -54,6 +54,7 @@ import difflib
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -211,7 +212,7 @@ class TensorSpec(NamedTuple):
 
 
 # infer(args, ctx, inputs) -> one TensorSpec (or None: unknown) per output; see the module docstring.
-InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], list["TensorSpec | None"]]
+InferRule = Callable[[SimpleNamespace, "KernelContext", list[TensorSpec]], Sequence["TensorSpec | None"]]
 # check(args, op, inputs) -> None, raising ValueError/TypeError for inputs that break the op's promise;
 # `inputs` have `.shape` and `.dtype` (tensors at run, TensorSpecs at CreateNet).
 InputCheck = Callable[[SimpleNamespace, OperatorDef, Sequence[Any]], None]
@@ -298,9 +299,9 @@ class Effects:
     `elementwise`: the op works element by element on some of its inputs (see `Elementwise`).
     """
 
-    aliases: frozenset[tuple[int, int]] = frozenset()
-    same_value: frozenset[tuple[int, int]] = frozenset()
-    rebinds: frozenset[int] = frozenset()
+    aliases: AbstractSet[tuple[int, int]] = frozenset()  # any set given; frozensets after __post_init__
+    same_value: AbstractSet[tuple[int, int]] = frozenset()
+    rebinds: AbstractSet[int] = frozenset()
     momentum: int | None = None
     multi_tensor: MultiTensor | None = None
     cross_device: Callable[[OperatorDef], bool] | None = None
@@ -477,7 +478,7 @@ def _checked_kernel(factory: Callable[[SimpleNamespace, KernelContext], Callable
 def _checked_infer(rule: InferRule, check: InputCheck) -> InferRule:
     """The shape rule that runs `check` on the input specs first."""
 
-    def infer(args: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+    def infer(args: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> Sequence[TensorSpec | None]:
         check(args, ctx.op, inputs)
         return rule(args, ctx, inputs)
 

@@ -78,10 +78,11 @@ def infer_specs(netdef: NetDef, feeds: Feeds | None = None,
         if not op.outputs:
             continue
         device = op.device_option or net_device
-        if None in inputs:
+        specs = [spec for spec in inputs if spec is not None]
+        if len(specs) < len(inputs):
             known.update(dict.fromkeys(op.outputs))
         else:
-            known.update(zip(op.outputs, _infer_op(netdef, index, device, inputs, memo)))
+            known.update(zip(op.outputs, _infer_op(netdef, index, device, specs, memo)))
         placed.update(zip(op.outputs, output_devices(op, device)))
     return {name: None if spec is None else BlobSpec(spec.shape, spec.dtype, placed[name])
             for name, spec in known.items()}

@@ -13,7 +13,8 @@ def tree_levels(count: int) -> list[list[tuple[int, ...]]]:
     """
     if count not in (4, 8, 16):
         return [[tuple(range(count))]]
-    levels, stride = [], 1
+    levels: list[list[tuple[int, ...]]] = []
+    stride = 1
     while stride < count:
         levels.append([(i, i + stride) for i in range(0, count, 2 * stride)])
         stride *= 2

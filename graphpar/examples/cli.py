@@ -51,7 +51,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         text = action.help or ""
         if action.default is None or action.default is False or "default" in text:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -17,6 +17,7 @@ if __name__ == "__main__":
     interrupt.exit_on_interrupt()  # from now on a Ctrl-C exits at once, status 130
 
 import functools  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 from graphpar.examples import cli  # noqa: E402
 
@@ -70,12 +71,12 @@ def _accuracy(model: model_helper.ModelHelper, feeds: dict[str, np.ndarray]) -> 
     return float(((logits[:, 0] > 0) == (feeds["label"][:, 0] > 0.5)).mean())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     cli.setup_logger(args.verbose)

@@ -33,7 +33,9 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 from graphpar.core.naming import COMPILE_MODES  # noqa: E402
 from graphpar.examples import cli  # noqa: E402
@@ -122,7 +124,7 @@ from graphpar.training.data import feed_batch  # noqa: E402
 log = cli.log
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options, every one checked before anything runs: an error names the option (exit status 2).
     Sets `devices`, `cpu`, `epoch_iters` and `start_epoch` from them."""
     parser = make_parser()
@@ -205,7 +207,7 @@ def build(args: argparse.Namespace, devices: list[int], cpu: bool, epoch_iters: 
         optimizer.add_weight_decay(model, args.weight_decay)
         return (optimizer.build_multi_precision_sgd if fp16 else optimizer.build_sgd)(model, **schedule)
 
-    precision = {"float": {}, "bfloat16": {"compute_dtype": "bfloat16"},
+    precision: dict[str, Any] = {"float": {}, "bfloat16": {"compute_dtype": "bfloat16"},
                  "float16": {"compute_dtype": "float16", "loss_scale": args.loss_scale or "dynamic"}}[args.dtype]
     dpm.Parallelize(model, input_builder_fun=lambda m: None, forward_pass_builder_fun=forward,
                     optimizer_builder_fun=add_optimizer, devices=devices, cpu_device=cpu,
@@ -252,12 +254,12 @@ def prune(args: argparse.Namespace, epoch: int) -> None:
                 path.unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (1 after an error, said in one line; 130 after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     cli.setup_logger(args.verbose)
     devices, cpu = args.devices, args.cpu

@@ -30,7 +30,9 @@ import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 from graphpar.core.naming import COMPILE_MODES  # noqa: E402
 from graphpar.examples import cli  # noqa: E402
@@ -127,7 +129,7 @@ def add_cnn(model: model_helper.ModelHelper, loss_scale: float) -> list:
 
 
 def build(devices: list[int], cpu: bool, lr: float, lr_step: int, check_finite_loss: bool | None = None,
-          rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: object = None):
+          rendezvous: dict | None = None, compute_dtype: str | None = None, compile_: dict | None = None):
     """The training model (Nesterov SGD, LR x0.1 every `lr_step` steps; across processes with a
     `rendezvous`) and a forward-only test model that shares its params (any test-set size: chunks may
     differ by one row). With `check_finite_loss` a NaN or infinite loss stops the step before it
@@ -164,7 +166,7 @@ def evaluate(test: model_helper.ModelHelper, images: np.ndarray, labels: np.ndar
     return float((gather(test, "softmax").argmax(axis=1) == labels).mean())
 
 
-def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, train_size: int = int(0.8 * 1797)) -> argparse.Namespace:
     """The options, checked: each error names the option and what it accepts (exit status 2)."""
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -175,7 +177,7 @@ def parse_args(argv: list[str] | None, train_size: int = int(0.8 * 1797)) -> arg
     available = None if args.cpu else num_cuda_devices()
     per_machine = args.num_processes if launch.get_world_size() == 1 else comm.get_local_size()
     if args.devices is None:  # GPUs: this machine's shared out, one per process with --num-processes K on K
-        args.devices = 4 if args.cpu else max(1, available // per_machine)
+        args.devices = 4 if available is None else max(1, available // per_machine)  # None: on the CPU
     if available is not None:
         try:
             comm.local_devices(args.devices, 0, per_machine, available)
@@ -235,7 +237,7 @@ class EpochEnd(HookBase):
         self.batch_size = batch_size
         self.steps, self.epochs, self.progress = steps_per_epoch, epochs, progress
         self.accuracy = float("nan")
-        self._bar = None
+        self._bar: Any = None  # the epoch's progress bar (tqdm's, or a stand-in)
 
     def before_step(self) -> None:
         if self._bar is None:
@@ -292,13 +294,13 @@ class ShardOf:
             yield {name: value[self.shard * share:(self.shard + 1) * share] for name, value in batch.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (0; 1 after an error, said in one line; 2 for a bad option; 130
     after Ctrl-C)."""
     return cli.guard(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     if args.num_processes > 1 and launch.get_world_size() == 1:
         args.report_interrupt = False  # the processes stop quietly; this one says it, once

@@ -116,7 +116,7 @@ class _Run:
         self.waiting = 0  # collectives across processes running (Schedule.waits)
         self.backlog: list[int] = []  # a heap of ready steps waiting for a free slot, earliest first
         self.wait_backlog: list[int] = []  # the same for Schedule.waits
-        self.failure: tuple[int, Exception] | None = None
+        self.failure: tuple[int, BaseException] | None = None  # (-1, KeyboardInterrupt()): a Ctrl-C
         self.lock = threading.Lock()
 
     def start(self, schedule: Schedule) -> None:

@@ -34,7 +34,7 @@ def missing_at_run(plan: CompiledNet, name: str) -> MissingBlobError:
         f"before RunNet{recorded_at(op)}.")
 
 
-def op_failure(plan: CompiledNet, frame: list, index: int, exc: Exception) -> OperatorError:
+def op_failure(plan: CompiledNet, frame: list, index: int, exc: BaseException) -> OperatorError:
     """The error to raise for `exc`, raised by step `index` of `plan` while running on `frame`."""
     netdef = plan.netdef
     op = netdef.ops[index]

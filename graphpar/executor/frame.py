@@ -19,7 +19,7 @@ executor frees each transient slot right after its last use and the run keeps on
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -117,7 +117,7 @@ def layout_frame(netdef: NetDef, keep_all: bool = False) -> FrameLayout:
                        persistent)
 
 
-def open_frame(plan: CompiledNet, blobs: Mapping[str, torch.Tensor]) -> list:
+def open_frame(plan: CompiledNet, blobs: MutableMapping[str, torch.Tensor]) -> list:
     """A fresh frame for one run of `plan`, holding the blobs it reads from the workspace (whose stale
     transient blobs it removes).
 

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from graphpar.core.capture import capture
+from graphpar.core.dataflow import facts
 from graphpar.core.graph import blob_devices
 from graphpar.core.ir import CUDA, DeviceOption, OperatorDef
 from graphpar.core.schema import Trait, get_schema
@@ -234,7 +235,10 @@ def split(plan: CompiledNet) -> Split:
     if not captured:
         raise ValueError(f"net {netdef.name!r} (type 'cuda_graph') has no op on a CUDA device to capture in a "
                          f"CUDA graph; run it as 'simple' or 'dag'")
-    written: set[int] = set()
+    # what the captured steps read before they write it (in plan order): the graph's static inputs
+    read_first: dict[int, list[str]] = {}
+    for blob, load in facts([netdef.ops[j] for j in captured]).loads.items():
+        read_first.setdefault(captured[load.reader], []).append(blob)
     loads: dict[int, None] = {}
     from_prologue: dict[int, None] = {}
     prologue_out = {slot for j in prologue for slot in plan.steps[j].outputs}
@@ -245,18 +249,16 @@ def split(plan: CompiledNet) -> Split:
             _refuse(plan, j, "it draws random numbers from per-run seeds, which a graph would replay unchanged")
         if _reads_device_values(op):
             _refuse(plan, j, "it reads tensor values on the host (Trait.HOST_SYNC), which a capture cannot do")
-        for k, slot in enumerate(step.inputs):
-            if slot in written:
-                continue
-            if devices[op.inputs[k]].device_type != CUDA:
-                _refuse(plan, j, f"it reads host blob {op.inputs[k]!r}, whose value a graph would replay unchanged")
+        for blob in read_first.get(j, ()):
+            if devices[blob].device_type != CUDA:
+                _refuse(plan, j, f"it reads host blob {blob!r}, whose value a graph would replay unchanged")
+            slot = plan.frame.slot[blob]
             if slot in prologue_out:
                 from_prologue[slot] = None
             else:
                 loads[slot] = None
         if any(slot in prologue_out for slot in step.outputs):
             _refuse(plan, j, "it rewrites a blob the host prologue writes")
-        written.update(step.outputs)
     used = dict.fromkeys(plan.steps[j].device for j in captured)  # replicas mapped onto one GPU: one device
     return Split(tuple(prologue), captured, tuple(loads), tuple(from_prologue), tuple(used))
 

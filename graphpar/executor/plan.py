@@ -39,7 +39,7 @@ class Step(NamedTuple):
     """One op, ready to run (`executor.program` generates the code that runs it on a frame)."""
 
     kernel: Callable[..., Any]  # kernel(*inputs) -> the output, or a tuple of them
-    index: int
+    index: int  # type: ignore[assignment]  # the op's position (a field shadowing tuple.index)
     inputs: tuple[int, ...]  # frame slots read (data inputs)
     outputs: tuple[int, ...]  # frame slots written
     device: torch.device
@@ -60,7 +60,7 @@ class Phase(NamedTuple):
     """One phase of a plan (see `CompiledNet`): its steps in program order, whether it is the second one
     (it starts with the state check) and its CPU kernels' intra-op threads."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field shadowing tuple.index
     steps: tuple[int, ...]
     staged: bool
     threads: int
@@ -206,10 +206,13 @@ def _reused_inputs(netdef: NetDef, flow: Dataflow, specs: Mapping[str, BlobSpec 
     reused: list[int | None] = []
     for index, op in enumerate(netdef.ops):
         reuse = get_schema(op.type).reuse
-        blob = op.inputs[reuse.input] if reuse is not None and reuse.input < len(op.inputs) else None
+        if reuse is None or reuse.input >= len(op.inputs):
+            reused.append(None)
+            continue
+        blob = op.inputs[reuse.input]
         spec = specs.get(blob)
         small = spec is not None and spec.numel * spec.dtype.itemsize < REUSE_MIN_BYTES
-        rewritten = blob is not None and blob in op.outputs and op.inputs.count(blob) == 1 and not small
+        rewritten = blob in op.outputs and op.inputs.count(blob) == 1 and not small
         reused.append(int(not flow.written_before(blob, index)) if rewritten else None)
     return reused
 
@@ -239,19 +242,29 @@ def _state_checks(netdef: NetDef, flow: Dataflow, updates: frozenset[int], frame
 def check_inputs_exist(netdef: NetDef, defined: set[str], workspace_name: str, before: str = "CreateNet") -> None:
     """Raise MissingBlobError for the first input that is neither in `defined` nor written by an earlier
     op; `defined` gains every blob the net writes (so callers can check a sequence of nets)."""
+    flow = dataflow(netdef)
+    if not flow.read_first <= defined:
+        _missing_input(netdef, flow, defined, workspace_name, before)
+    defined.update(flow.first_write)
+
+
+def _missing_input(netdef: NetDef, flow: Dataflow, defined: set[str], workspace_name: str, before: str) -> None:
+    """Raise MissingBlobError for the first input of `netdef` that is neither in `defined` nor written
+    by an earlier op (one of `flow.read_first`)."""
+    known = set(defined)
     for index, op in enumerate(netdef.ops):
         for what, names in (("input", op.inputs), ("control input", op.control_inputs)):
             for k, blob in enumerate(names):
-                if blob not in defined:
-                    read = {b for other in netdef.ops for b in other.inputs}  # a misspelt feed: read by no op
-                    close = difflib.get_close_matches(blob, sorted(b for b in defined if b not in read), n=3)
+                if blob not in known:
+                    unread = sorted(b for b in known if b not in flow.readers)  # a misspelt feed: read by no op
+                    close = difflib.get_close_matches(blob, unread, n=3)
                     hint = f" Did you mean {', '.join(map(repr, close))} (fed under another name)?" if close else ""
                     raise MissingBlobError(
                         f"{op_location(netdef, index)}: {what} {k} {blob!r} does not exist in workspace "
                         f"{workspace_name!r} and no earlier op of the net produces it.{hint} Feed it (FeedBlob) "
                         f"or run the net that creates it (e.g. the param_init_net) before {before}"
                         f"{recorded_at(op)}.")
-        defined.update(op.outputs)
+        known.update(op.outputs)
 
 
 def checked_torch_device(option: DeviceOption, where: str) -> torch.device:
@@ -282,7 +295,7 @@ def _compile_op(netdef: NetDef, index: int, op: OperatorDef, slot: Mapping[str, 
     try:
         fn = schema.kernel(args, ctx)
         reuse = (Reuse(schema.reuse.kernel(args, ctx), schema.reuse.input, reused)
-                 if reused is not None and not claims else None)
+                 if reused is not None and schema.reuse is not None and not claims else None)
     except Exception as exc:
         raise OperatorError(f"{where}: the kernel could not be built: {exc}"
                             f"{recorded_at(op)}") from exc

@@ -57,7 +57,8 @@ def run_plan(plan: CompiledNet, blobs: dict[str, torch.Tensor], start: Start) ->
     except StateChanged as exc:
         raise op_failure(plan, frame, exc.step, exc) from exc
     except StepFailed as failed:
-        raise op_failure(plan, frame, failed.index, failed.__cause__) from failed.__cause__
+        cause = failed.__cause__ or failed  # every launch raises it from the kernel's error
+        raise op_failure(plan, frame, failed.index, cause) from cause
     finally:
         if torch.get_num_threads() != old_threads:
             torch.set_num_threads(old_threads)

@@ -136,7 +136,7 @@ def _kernel_args(kernel: int | Sequence[int]) -> tuple[tuple[int, int], dict[str
     def integer(k: Any) -> bool:
         return isinstance(k, numbers.Integral) and not isinstance(k, bool)
 
-    if integer(kernel):
+    if isinstance(kernel, numbers.Integral) and not isinstance(kernel, bool):
         return (int(kernel), int(kernel)), {"kernel": int(kernel)}
     if isinstance(kernel, (list, tuple)) and len(kernel) == 2 and all(integer(k) for k in kernel):
         kh, kw = int(kernel[0]), int(kernel[1])

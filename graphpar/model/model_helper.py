@@ -171,7 +171,7 @@ class ModelHelper:
         if param_model is not None and not isinstance(param_model, ModelHelper):
             raise TypeError(f"param_model must be a ModelHelper, got {type(param_model).__name__}")
         shared = param_model or self
-        self.param_init_net = Net(self.name + "_init") if param_model is None else param_model.param_init_net
+        self.param_init_net: Net = Net(self.name + "_init") if param_model is None else param_model.param_init_net
         self.params: list[BlobReference] = [] if param_model is None else shared.params
         self._computed_params: list[BlobReference] = [] if param_model is None else shared._computed_params
         self.weights: list[BlobReference] = [] if param_model is None else shared.weights
@@ -182,6 +182,7 @@ class ModelHelper:
         self.gradient_ops_added = False
         self._input_casts: set[str] = set()  # casts of fed inputs (passes.precision): no gradient either
         self._parallel: ParallelState | None = None  # set by data_parallel_model.Parallelize
+        self._parallel_runs: Any = None  # data_parallel_model.RunState: what runs of the parallel model count
         self._checkpoint_net: Net | None = None  # data_parallel_model.FinalizeAfterCheckpoint's, once built
         self._arg_scope: dict[str, Any] = {"order": "NCHW", **(arg_scope or {})}
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, namedtuple
 from itertools import groupby
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -216,11 +216,12 @@ class Optimizer:
                  device: DeviceOption) -> BlobReference:
         """`lr` times Caffe2's LARS factor `<param>_lars` (Lars with offset=lars, trust 1, weight decay 0,
         no upper bound), when the optimizer has `lars`; dense gradients only, as in Caffe2."""
-        if getattr(self, "lars", None) is None:
+        lars = getattr(self, "lars", None)
+        if lars is None:
             return lr
         wd, trust, lr_max = (self._internal_constant(init_net, name, value, device) for name, value in (
             ("lars_wd", 0.0), ("lars_trust", 1.0), ("lars_lr_max", float(np.finfo(np.float32).max))))
-        factor = net.Lars([param, grad, wd, trust, lr_max], BlobReference(f"{param}_lars"), offset=self.lars,
+        factor = net.Lars([param, grad, wd, trust, lr_max], BlobReference(f"{param}_lars"), offset=lars,
                           lr_min=0.0)
         return net.Mul([lr, factor], BlobReference(f"{param}_lars_scaled_lr"))
 
@@ -765,7 +766,7 @@ def _check_number(name: str, value: Any, low: float, below: float | None = None)
         raise ValueError(f"optimizer: {name} must be {bound}, got {value!r}")
 
 
-def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[BlobReference, str]]:
+def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[BlobReference, str | GradientSlice]]:
     """(param, grad) for every trainable param with a gradient, in creation order."""
     model.Validate()
     if model.params and not model.param_to_grad:
@@ -777,7 +778,7 @@ def _optimization_params(model: ModelHelper, weights_only: bool) -> list[tuple[B
     return params
 
 
-def _param_devices(model: ModelHelper, params: list[tuple[BlobReference, str]]) -> dict[str, DeviceOption]:
+def _param_devices(model: ModelHelper, params: list[tuple[BlobReference, str | GradientSlice]]) -> dict[str, DeviceOption]:
     """Each param's device: that of the first op using it, init net first (Caffe2's InferBlobDevices).
 
     Params are normally created in the init net, so the train net is scanned only if one is not.
@@ -810,7 +811,7 @@ def _norm_ratio(model: ModelHelper, grads: list[str | GradientSlice], device: De
         return net.Div([clip_norm, max_norm_blob], name("norm_ratio"))
 
 
-def _lr_multipliers(model: ModelHelper, params: list[tuple[BlobReference, str]], devices: dict[str, DeviceOption],
+def _lr_multipliers(model: ModelHelper, params: list[tuple[BlobReference, str | GradientSlice]], devices: dict[str, DeviceOption],
                     max_norm: float | None, allow_lr_injection: bool) -> dict[DeviceOption, BlobReference] | None:
     """{device: the blob every learning rate on it is multiplied by} (Caffe2's `lr_multiplier`):
     `norm_ratio` with `max_gradient_norm`, the CPU blob `lr_injection` with `allow_lr_injection`, and
@@ -821,7 +822,7 @@ def _lr_multipliers(model: ModelHelper, params: list[tuple[BlobReference, str]],
     for param, grad in params:
         by_device[devices[param]].append((param, grad))
     injection = _lr_injection(model) if allow_lr_injection else None
-    multipliers = {}
+    multipliers: dict[DeviceOption, BlobReference] = {}
     with NameScope(None, reset=True):
         for device, pairs in by_device.items():
             scope = _replica_scope(str(pairs[0][0]))
@@ -832,7 +833,9 @@ def _lr_multipliers(model: ModelHelper, params: list[tuple[BlobReference, str]],
                     on_device = model.net.CopyCPUToGPU([injection], BlobReference(
                         f"{scope}{LR_INJECTION}_gpu{device.device_id}"))
             if ratio is None or on_device is None:
-                multipliers[device] = ratio if on_device is None else on_device
+                only = ratio if on_device is None else on_device
+                if only is not None:  # one of them is asked for (else there are no multipliers)
+                    multipliers[device] = only
                 continue
             with DeviceScope(device):
                 multipliers[device] = model.net.Mul([on_device, ratio], BlobReference(f"{scope}lr_multiplier"))
@@ -864,8 +867,11 @@ def _lr_injection(model: ModelHelper) -> BlobReference:
     return _constant(model.param_init_net, LR_INJECTION, 1.0, DeviceOption(CPU))
 
 
-def _build(model: ModelHelper, optimizer: Optimizer, weights_only: bool = False,
-           max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> Optimizer:
+OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
+
+
+def _build(model: ModelHelper, optimizer: OptimizerT, weights_only: bool = False,
+           max_gradient_norm: float | None = None, allow_lr_injection: bool = False) -> OptimizerT:
     """Record `optimizer`'s update for each param with a gradient, on the param's device (Caffe2's _build)."""
     params = _optimization_params(model, weights_only)
     for param, grad in params:

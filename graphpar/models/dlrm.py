@@ -56,7 +56,7 @@ def synthetic_clicks(batch: int, num_dense: int = 4, table_rows: Sequence[int] =
     """A batch of `dlrm`'s inputs: normal dense features, 0..max_lookups Zipf-skewed lookups per
     example and table (popular rows repeat, as in click logs), and clicks from a hidden linear rule."""
     rng = np.random.default_rng(seed)
-    feeds = {"dense": rng.standard_normal((batch, num_dense)).astype(np.float32)}
+    feeds: dict[str, np.ndarray] = {"dense": rng.standard_normal((batch, num_dense)).astype(np.float32)}
     score = feeds["dense"][:, 0].copy()
     for k, rows in enumerate(table_rows):
         lengths = rng.integers(0, max_lookups + 1, batch).astype(np.int32)

@@ -268,7 +268,7 @@ _ADAM_ARGS = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
 register_op(
     "RAdam", inputs=6, outputs=3, inplace={(0, 0), (1, 1), (2, 2)}, args=_ADAM_ARGS, kernel=_radam,
     gradient=NOT_DIFFERENTIABLE, traits=(Trait.INPLACE_UPDATE, Trait.HOST_SYNC), check=counter_at(5),
-    infer=lambda a, _ctx, inputs: on_meta(lambda *xs: _radam_rows(a, *xs, 1), inputs[:5]),
+    infer=lambda a, _ctx, inputs: on_meta(lambda p, m1, m2, g, lr: _radam_rows(a, p, m1, m2, g, lr, 1), inputs[:5]),
     effects=Effects(elementwise=Elementwise((0, 1, 2, 3))),
     device_inference=lambda op, d: ([d] * 5 + [_HOST], [d] * 3),
     doc="[param, m1, m2, grad, lr, iter] -> [param, m1, m2]: rectified Adam, torch.optim.RAdam's update with "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ for _name, _fn, _symbol in _COMPARISONS:
 # ----------------------------------------------------------------------------------------- If / While
 
 
-def _netdef(net: object) -> NetDef:
+def _netdef(net: Any) -> NetDef:
     return net.Proto() if hasattr(net, "Proto") and not isinstance(net, NetDef) else net
 
 

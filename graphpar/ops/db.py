@@ -42,7 +42,8 @@ def checksum(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> 
         covered["tensors"] = [[str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
         digest.update(json.dumps(covered, sort_keys=True).encode())
     for name in names:  # the tensors are contiguous CPU copies: hash their bytes in place
-        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
+        data: Any = tensors[name].reshape(-1).view(torch.uint8).numpy()  # a buffer (numpy's stubs do not say so)
+        digest.update(data)
     return digest.hexdigest()
 
 

@@ -64,7 +64,7 @@ def _file_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Te
 
     def run() -> torch.Tensor:
         path = os.path.join(a.path, "graphpar_store") if os.path.isdir(a.path) else a.path
-        store = torch.distributed.FileStore(path, -1)
+        store: torch.distributed.Store = torch.distributed.FileStore(path, -1)
         if a.prefix:
             store = torch.distributed.PrefixStore(a.prefix, store)
         return _handle(distributed.register_store(store))
@@ -88,7 +88,7 @@ def _tcp_store(a: SimpleNamespace, ctx: KernelContext) -> Callable[[], torch.Ten
             raise RuntimeError(f"{where}: nothing accepted a connection")
         try:  # torch's client retries a failed connect once more after its timeout: give it what is left
             left = max(1.0, (deadline - time.monotonic()) * 1000)
-            store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
+            store: torch.distributed.Store = torch.distributed.TCPStore(a.host, a.port, None, bool(a.is_master),
                                                datetime.timedelta(milliseconds=left), False)
             store.set_timeout(timeout)  # every store operation waits at most timeout_ms
         except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError

@@ -87,7 +87,7 @@ def _fill_rule(plan: Plan, fan_dim: int | None) -> Callable[..., list[TensorSpec
         if a.input_as_shape:
             return [None]
         shape = shape_of(*inputs)
-        if fan_dim is not None and math.prod(shape):
+        if fan_dim is not None and all(shape):  # no empty dim
             _fan(shape, fan_dim, op_label(ctx.op))
         return [TensorSpec(shape, dtype_of(*inputs))]
 

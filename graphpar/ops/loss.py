@@ -107,7 +107,8 @@ def _softmax_with_loss_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[
     weighted = len(ctx.op.inputs) == 5
 
     def softmax_with_loss_grad(x: torch.Tensor, label: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        w, p, dloss = rest if weighted else (None, *rest)
+        w = rest[0] if weighted else None
+        p, dloss = rest[-2], rest[-1]
         p2 = flatten_2d(p, a.axis, ctx.op)
         w = _weights(w, p2.shape[0], p.dtype, ctx)
         if a.label_prob:

@@ -381,7 +381,7 @@ def _pool_planner(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Ten
         if max(geo.pads) > 0 or geo.stride != (1, 1):
             raise ValueError(f"{op_label(ctx.op)}: with global_pooling, pad must be 0 and stride 1 "
                              f"(a kernel is ignored), got pads {list(geo.pads)}, stride {list(geo.stride)}")
-        return lambda x: _PoolPlan(tuple(x.shape[-2:]), (1, 1), (0, 0), None)
+        return lambda x: _PoolPlan((x.shape[-2], x.shape[-1]), (1, 1), (0, 0), None)
     if geo.kernel is None:
         raise ValueError(
             f"{op_label(ctx.op)}: needs a kernel (kernel, kernel_h/kernel_w or kernels) or global_pooling=1"
@@ -455,10 +455,10 @@ def _max_pool_gradient(op: OperatorDef, g: list) -> tuple[list, list]:
     return [grad], [GI(op, 0)]
 
 
-def _pad_counts(x: torch.Tensor, p: _PoolPlan) -> torch.Tensor:
-    """How many non-padded elements each output window of an F.pad-padded input covers."""
+def _pad_counts(x: torch.Tensor, p: _PoolPlan, geo: _Geometry) -> torch.Tensor:
+    """How many non-padded elements each output window of an input padded by `geo` (F.pad) covers."""
     ones = torch.ones((1, 1, *x.shape[-2:]), dtype=x.dtype, device=x.device)
-    return F.avg_pool2d(F.pad(ones, p.geo.f_pad), p.kernel, p.stride, divisor_override=1)
+    return F.avg_pool2d(F.pad(ones, geo.f_pad), p.kernel, p.stride, divisor_override=1)
 
 
 def _average_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -469,7 +469,7 @@ def _average_pool(a: SimpleNamespace, ctx: KernelContext) -> Callable[[torch.Ten
         if p.geo is None:
             return F.avg_pool2d(x, p.kernel, p.stride, p.padding, count_include_pad=False)
         sums = F.avg_pool2d(F.pad(x, p.geo.f_pad), p.kernel, p.stride, divisor_override=1)
-        return sums / _pad_counts(x, p)
+        return sums / _pad_counts(x, p, p.geo)
 
     return average_pool
 
@@ -482,7 +482,7 @@ def _average_pool_grad(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., 
         if p.geo is None:
             return aten.avg_pool2d_backward(dy, x, p.kernel, p.stride, p.padding, False, False, None)
         dx = aten.avg_pool2d_backward(
-            dy / _pad_counts(x, p), _padded_empty(x, p.geo), p.kernel, p.stride, (0, 0), False, True, 1
+            dy / _pad_counts(x, p, p.geo), _padded_empty(x, p.geo), p.kernel, p.stride, (0, 0), False, True, 1
         )
         return _crop(dx, x, p.geo)
 

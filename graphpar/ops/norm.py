@@ -110,7 +110,7 @@ def _uses_cudnn(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, rm: to
         if x.is_cuda and torch.backends.cudnn.enabled:
             _warn_no_backend_choice()
         return False
-    return select(x, scale, bias, rm, rv, True, epsilon) == torch._C._BatchNormBackend.Cudnn
+    return bool(select(x, scale, bias, rm, rv, True, epsilon) == torch._C._BatchNormBackend.Cudnn)  # type: ignore[attr-defined]  # torch's stub misnames it
 
 
 @functools.cache

@@ -313,8 +313,8 @@ def _corrections(a: SimpleNamespace, it: torch.Tensor, where: str) -> Correction
     if torch.compiler.is_compiling():
         t = it.reshape(()).to(torch.float64)
         return 1.0 - torch.pow(a.beta1, t), torch.sqrt(1.0 - torch.pow(a.beta2, t))
-    t = _iteration(it, where)
-    return 1.0 - a.beta1 ** t, math.sqrt(1.0 - a.beta2 ** t)
+    step = _iteration(it, where)
+    return 1.0 - a.beta1 ** step, math.sqrt(1.0 - a.beta2 ** step)
 
 
 def _iteration(it: torch.Tensor, where: str) -> int:
@@ -338,7 +338,8 @@ def _adam(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tuple]:
 
 def _adam_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The update's specs from a step at t = 1 on meta tensors (the counter's value is not known)."""
-    return on_meta(lambda *xs: _adam_step(a, *xs, (1.0 - a.beta1, math.sqrt(1.0 - a.beta2))), inputs[:5])
+    return on_meta(lambda p, m1, m2, g, lr: _adam_step(a, p, m1, m2, g, lr, (1.0 - a.beta1, math.sqrt(1.0 - a.beta2))),
+                   inputs[:5])
 
 
 register_op(

@@ -139,7 +139,8 @@ def _lengths_kernel(kind: str) -> Callable[[SimpleNamespace, KernelContext], Cal
         where = op_label(ctx.op)
 
         def run(data: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-            weights, indices, lengths = rest if kind == "weighted" else (None, *rest)
+            weights = rest[0] if kind == "weighted" else None
+            indices, lengths = rest[-2], rest[-1]
             _check_index(indices, "INDICES", where)
             if indices.dim() != 1 or lengths.dim() != 1:
                 raise ValueError(f"{where}: INDICES and LENGTHS must be 1-D, got shapes {list(indices.shape)} "

@@ -258,7 +258,7 @@ def _elementwise_max(xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out if len(xs) > 1 else out.clone()
 
 
-_UNARY = (
+_UNARY: tuple[tuple[str, Callable[..., torch.Tensor], bool, str, Callable[..., torch.Tensor], Precision], ...] = (
     # name, forward, in place ok, what the gradient reads, gradient formula (saved, dY) -> dX, precision
     ("Sqr", lambda x: x * x, False, "X", lambda x, dy: 2 * x * dy, Precision.FP32),
     ("Sqrt", torch.sqrt, True, "Y", lambda y, dy: 0.5 * dy / y, Precision.FP32),
@@ -266,11 +266,11 @@ _UNARY = (
     ("Log", torch.log, False, "X", lambda x, dy: dy / x, Precision.FP32),
     ("Abs", torch.abs, False, "X", lambda x, dy: torch.sign(x) * dy, Precision.FOLLOW),
 )
-for _name, _fn, _in_place, _reads, _formula, _precision in _UNARY:
+for _name, _fn, _in_place, _reads, _derivative, _precision in _UNARY:
     register_op(_name, inplace={(0, 0)} if _in_place else (), kernel=(lambda f: lambda _a, _ctx: f)(_fn),
                 gradient=one_input_gradient(f"{_name}Gradient", _reads), precision=_precision,
                 doc=f"Y = {_name}(X) element-wise; gradient `{_name}Gradient({_reads}, dY)`.")
-    elementwise_grad(f"{_name}Gradient", _name, _formula, doc=f"dX of {_name} from {_reads} and dY.")
+    elementwise_grad(f"{_name}Gradient", _name, _derivative, doc=f"dX of {_name} from {_reads} and dY.")
 
 register_op("Negative", inplace={(0, 0)}, kernel=lambda _a, _ctx: torch.neg,
             gradient=one_input_gradient("Negative"), precision=Precision.FOLLOW, doc="Y = -X; gradient Negative(dY).")
@@ -326,7 +326,7 @@ def _reshape_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., tup
     return run
 
 
-def _reshape_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+def _reshape_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> Sequence[TensorSpec | None]:
     """Y is unknown with a shape input (its values decide); the old shape is X's rank in int64."""
     run = _reshape_kernel(a, ctx)
     if len(inputs) == 1:
@@ -408,7 +408,7 @@ def _split_kernel(a: SimpleNamespace, ctx: KernelContext) -> Callable[..., Any]:
     return run
 
 
-def _split_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> list[TensorSpec | None]:
+def _split_infer(a: SimpleNamespace, ctx: KernelContext, inputs: list[TensorSpec]) -> Sequence[TensorSpec | None]:
     """Unknown outputs with a sizes input (its values decide), else the kernel's on meta tensors."""
     run = _split_kernel(a, ctx)
     return on_meta(run, inputs) if len(inputs) == 1 else [None] * len(ctx.op.outputs)
@@ -603,7 +603,8 @@ def _weighted_sum_maker(op: OperatorDef, g: list) -> tuple[list[OperatorDef], li
     xs = [GI(op, i) for i in range(0, len(op.inputs), 2)]
     ws = [GI(op, i) for i in range(1, len(op.inputs), 2)] if on_w else []
     inputs = op.inputs if on_w else op.inputs[1::2]
-    grads = [gi for pair in zip(xs, ws or [None] * len(xs)) for gi in pair]
+    weights: list[str | None] = list(ws) if ws else [None] * len(xs)
+    grads = [gi for pair in zip(xs, weights) for gi in pair]
     return [gradient_op("WeightedSumGradient", [g[0], *inputs], xs + ws)], grads
 
 

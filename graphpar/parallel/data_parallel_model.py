@@ -72,7 +72,7 @@ from graphpar.passes.pipeline import PIPELINE, edited, run_pipeline
 from graphpar.passes.predictor import extract_predictor_net
 from graphpar.passes.reducers import DistributedReducer, PeerAccess, make_reducer
 from graphpar.passes.shards import state_gather_net, state_scatter_net
-from graphpar.passes.state import ParallelState
+from graphpar.passes.state import Blob, ParallelState
 from graphpar.passes.sync import (
     check_unprefixed,
     checkpoint_sync_names,
@@ -543,16 +543,16 @@ def enable_memory_options(model: ModelHelper, optimize_gradient_memory: bool = T
     if model.net.Proto().name in workspace.get_workspace().nets:
         raise RuntimeError(f"enable_memory_options: the train net of model {model.name!r} was created already; "
                            f"turn the options on before RunInitNet, or pass them to Parallelize")
-    asked = {"optimize_gradient_memory": optimize_gradient_memory,
-             "dynamic_memory_management": dynamic_memory_management}
-    turned_on = {name: True for name, on in asked.items() if on and not getattr(state.options, name)}
-    if not turned_on:
-        return
+    options = state.options
+    new = dataclasses.replace(options, optimize_gradient_memory=options.optimize_gradient_memory or optimize_gradient_memory,
+                              dynamic_memory_management=options.dynamic_memory_management or dynamic_memory_management)
     passes = {"optimize_gradient_memory": "share_gradient_memory", "dynamic_memory_management": "free_intermediates"}
-    wanted = {passes[name] for name in turned_on}
-    options, nets = state.options, [(net, copy.deepcopy(vars(net))) for net in (model.net, model.param_init_net)]
+    wanted = {entry for name, entry in passes.items() if getattr(new, name) and not getattr(options, name)}
+    if not wanted:
+        return
+    nets = [(net, copy.deepcopy(vars(net))) for net in (model.net, model.param_init_net)]
     try:
-        state.options = dataclasses.replace(options, **turned_on)
+        state.options = new
         run_pipeline(state, edited(PIPELINE, remove=[entry.name for entry in PIPELINE if entry.name not in wanted]))
     except BaseException:  # as it was: the options and the nets (the same Net objects)
         state.options = options
@@ -560,7 +560,7 @@ def enable_memory_options(model: ModelHelper, optimize_gradient_memory: bool = T
             vars(net).clear()
             vars(net).update(saved)
         raise
-    if "dynamic_memory_management" in turned_on and kept:
+    if "free_intermediates" in wanted and kept:
         args = model.net.Proto().args
         args[KEEP_ARG] = list(dict.fromkeys([*args.get(KEEP_ARG, ()), *kept]))
 
@@ -881,7 +881,8 @@ def FinalizeAfterCheckpoint(model: ModelHelper, blobs: Iterable[str] | None = No
         names = state.sync_names if blobs is None else checkpoint_sync_names(blobs, grouped, layout)
         names = [name for name in names if name not in sharded]  # cut into parts below, not copied whole
         for name in names:
-            grouped.setdefault(name, layout.group(name))
+            group: dict[int, Blob] = dict(layout.group(name))
+            grouped.setdefault(name, group)
         net = Net(checkpoint_sync_net("checkpoint_sync_net", names, state.reducer, iteration_counters(model)))
     _check_loaded_for(model, ws, grouped)
     scatter = _state_to_scatter(model, ws, sharded)
@@ -953,7 +954,8 @@ def AddBlobSync(model: ModelHelper, blobs: Iterable[str], net: Net | NetDef | No
     state = _state_of(model)
     names = check_unprefixed(blobs, state.layout)
     for name in names:
-        state.grouped[name] = state.layout.group(name)
+        group: dict[int, Blob] = dict(state.layout.group(name))
+        state.grouped[name] = group
     target = net if net is not None else model.net
     netdef = target.Proto() if isinstance(target, Net) else target
     sync_blobs(netdef, names, state.reducer)
@@ -1199,7 +1201,7 @@ def _log_built(state: ParallelState) -> None:
 
 def _log_init(model: ModelHelper) -> None:
     """INFO: what RunInitNet ran and created."""
-    state = model._parallel
+    state = _state_of(model)
     log.info("RunInitNet(%r): ran %s (fills, then every replica's state broadcast from %s) and created %s "
              "in workspace %r", model.name, [net.Proto().name for net in state.init_nets],
              state.layout.scoped(state.layout.master, ""),

@@ -12,11 +12,11 @@ from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.errors import ParallelizeError
 from graphpar.passes.common import DeviceLayout
 from graphpar.passes.reducers import Reducer, copies
-from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
-from graphpar.passes.state import ParallelState
+from graphpar.passes.sparse_allreduce import Gathered, allgather_slices, is_sparse
+from graphpar.passes.state import Blob, ParallelState
 
 
-def allreduce_blobs(net: NetDef, names: Iterable[str], grouped: Mapping[str, Mapping[int, str]],
+def allreduce_blobs(net: NetDef, names: Iterable[str], grouped: Mapping[str, Mapping[int, Blob]],
                     reducer: Reducer, to_all: bool = True) -> list[OperatorDef]:
     """Append to `net` the ops that sum each blob in `names` (in that order) over every replica.
 
@@ -48,7 +48,8 @@ def allreduce_gradients(state: ParallelState) -> None:
     each replica's gradient holds the sum (the first device's only, for a shared model); each sparse
     gradient's `param_to_grad` entry names the combined indices and values.
     """
-    net, to_all, gathered = state.model.net.Proto(), not state.options.shared_model, {}
+    net, to_all = state.model.net.Proto(), not state.options.shared_model
+    gathered: Gathered = {}
     for name in reversed(state.grad_names):
         if is_sparse(state.grouped[name]):
             net.ops.extend(allgather_slices(state, [name], gathered, to_all))
@@ -56,7 +57,7 @@ def allreduce_gradients(state: ParallelState) -> None:
             allreduce_blobs(net, [name], state.grouped, state.reducer, to_all)
 
 
-def checked_group(name: str, copies: Mapping[int, str], layout: DeviceLayout,
+def checked_group(name: str, copies: Mapping[int, Blob], layout: DeviceLayout,
                   across_shards: bool = False) -> list[str] | None:
     """The copies of `name` in device order, or None for a single copy (nothing to reduce), unless
     `across_shards` (a single copy, e.g. a gradient that is not data parallel, then has one per shard).

@@ -54,7 +54,8 @@ def sync_computed_params(state: ParallelState) -> None:
     """Computed params agree after every iteration: averaged (`average_computed_params`) or broadcast
     from the first device (`broadcast_computed_params`), placed before the gradient all-reduce."""
     net, names = state.model.net.Proto(), state.computed_param_names
+    grouped = {name: {d: str(blob) for d, blob in state.grouped[name].items()} for name in names}  # dense blobs
     if state.options.average_computed_params:
-        average_computed_params(net, names, state.grouped, state.reducer, state.blob_to_device)
+        average_computed_params(net, names, grouped, state.reducer, state.blob_to_device)
     else:
-        broadcast_computed_params(net, names, state.grouped, state.reducer)
+        broadcast_computed_params(net, names, grouped, state.reducer)

@@ -29,7 +29,7 @@ from graphpar.passes.allreduce import allreduce_gradients, checked_group
 from graphpar.passes.common import make_op
 from graphpar.passes.reducers import Reducer, copies
 from graphpar.passes.sparse_allreduce import allgather_slices, is_sparse
-from graphpar.passes.state import ParallelState
+from graphpar.passes.state import Blob, ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def param_specs(init_net: NetDef, params: Iterable[str], user: tuple[str, str] =
                                    f"on param_init_net cannot tell it: its shape depends on tensor values (e.g. "
                                    f"a fill with input_as_shape); give the shape as an argument (e.g. "
                                    f"XavierFill(shape=...)), or {instead}")
-    return {param: specs[param] for param in params}
+    return {param: spec for param in params if (spec := specs[param]) is not None}  # each known: checked above
 
 
 def plan_buckets(names: Sequence[str], specs: Mapping[str, BlobSpec], bucket_bytes: int,
@@ -93,7 +93,7 @@ def plan_buckets(names: Sequence[str], specs: Mapping[str, BlobSpec], bucket_byt
 
 
 def allreduce_buckets(net: NetDef, init_net: NetDef, names: Iterable[str], params: Mapping[str, str],
-                      grouped: Mapping[str, Mapping[int, str]], reducer: Reducer, bucket_bytes: int,
+                      grouped: Mapping[str, Mapping[int, Blob]], reducer: Reducer, bucket_bytes: int,
                       first_bucket_bytes: int, to_all: bool = True) -> list[OperatorDef]:
     """Append the ops that sum the gradients in `names` (in that order) over every replica, by bucket.
 
@@ -141,7 +141,7 @@ def _bucket_ops(k: int, bucket: list[str], groups: Mapping[str, list[str]], spec
     layout = reducer.layout
     positions = range(len(layout.devices))
     buffers = [bucket_name(groups[bucket[0]][i], k) for i in positions]
-    ops = []
+    ops: list[OperatorDef] = []
     for i in positions:
         device = layout.option(layout.devices[i])
         grads = [groups[name][i] for name in bucket]
@@ -165,6 +165,9 @@ def allreduce_gradient_buckets(state: ParallelState) -> None:
     default buckets on CUDA (`auto_buckets`) give way to `allreduce_gradients` when a param's size
     cannot be told."""
     model, layout, options = state.model, state.layout, state.options
+    if options.gradient_bucket_bytes is None:  # no buckets asked for
+        allreduce_gradients(state)
+        return
     params = {stripBlobName(g): str(p) for p, g in model.param_to_grad.items()
               if layout.replica_of(str(p)) == layout.master}
     if options.auto_buckets:  # the CUDA default, not asked for: fall back rather than refuse

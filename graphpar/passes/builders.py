@@ -94,13 +94,16 @@ def _check_losses(losses: Any, scope: str) -> None:
 
 def transform_before_gradients(state: ParallelState) -> None:
     """`pre_grad_net_transformer_fun(model)`, once, before the gradient ops exist."""
-    state.options.pre_grad_net_transformer_fun(state.model)
+    transform = state.options.pre_grad_net_transformer_fun
+    if transform is not None:
+        transform(state.model)
 
 
 def transform_nets(state: ParallelState) -> None:
     """`net_transformer_fun(model, num_devices, prefix, device_type)`, exactly once, after the gradients."""
-    layout = state.layout
-    state.options.net_transformer_fun(state.model, len(layout.devices), layout.prefix, layout.device_type)
+    layout, transform = state.layout, state.options.net_transformer_fun
+    if transform is not None:
+        transform(state.model, len(layout.devices), layout.prefix, layout.device_type)
 
 
 def build_updates(state: ParallelState) -> None:
@@ -111,10 +114,11 @@ def build_updates(state: ParallelState) -> None:
     state.updates_start = (len(state.model.param_init_net.Proto().ops), len(state.model.net.Proto().ops))
     if options.param_update_builder_fun is not None:
         per_replica(state, options.param_update_builder_fun)
-    else:
+    elif options.optimizer_builder_fun is not None:
         state.optimizer = options.optimizer_builder_fun(state.model)
 
 
 def build_post_sync(state: ParallelState) -> None:
     """`post_sync_builder_fun(model)` per replica, after the initial sync was added."""
-    per_replica(state, state.options.post_sync_builder_fun)
+    if state.options.post_sync_builder_fun is not None:
+        per_replica(state, state.options.post_sync_builder_fun)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import NetDef
 from graphpar.core.schema import Precision, Trait, has_trait, precision_rule
 from graphpar.passes.common import make_op
@@ -68,12 +69,12 @@ def rewrite_channels_last(net: NetDef, taken: set[str] | None = None) -> NetDef:
 
 
 def conv_filters(net: NetDef) -> list[str]:
-    """The blobs whose values the NCHW Convs of `net` read as their filter: input 1, or what a chain of
+    """The blobs whose values the NCHW convolutions of `net` read as their filter: input 1, or what a chain of
     layout-keeping ops (casts, FOLLOW/CONVERT precision rules) made it from."""
     made = {out: op for op in net.ops for out in op.outputs[:1]}
     found: dict[str, None] = {}
     for op in net.ops:
-        if op.type != "Conv" or op.args.get("order", "NCHW") != "NCHW" or len(op.inputs) < 2:
+        if not has_trait(op, Trait.CONVOLUTION) or op.args.get("order", "NCHW") != "NCHW" or len(op.inputs) < 2:
             continue
         blob, seen = op.inputs[1], set()
         while blob in made and blob not in seen and precision_rule(made[blob].type).compute in _KEEPS_LAYOUT \
@@ -96,5 +97,5 @@ def keep_channels_last(state: ParallelState) -> None:
     """Parallelize's pass: `rewrite_channels_last` on the train net (before the gradient ops exist), and
     its Convs' filters channels-last from the init net on (`filters_channels_last`)."""
     init, net = state.model.param_init_net.Proto(), state.model.net.Proto()
-    rewrite_channels_last(net, {b for op in init.ops for b in op.outputs})
+    rewrite_channels_last(net, set(dataflow(init).first_write))
     filters_channels_last(init, conv_filters(net))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 from graphpar.core.dataflow import Dataflow, dataflow, facts
@@ -129,7 +129,7 @@ def _analyze(init: NetDef, net: NetDef, flow: Dataflow, others: Collection[NetDe
     loaded = flow.loads
     numbering = _Numbering()
     after_init, _ = _number(init, {}, numbering)
-    unstable = {b for other in others for op in other.ops for b in op.outputs}
+    unstable = {b for other in others for b in dataflow(other).writers}
     start = {blob: after_init[blob] for blob in loaded if blob in after_init and blob not in unstable}
     while True:
         numbering.table.clear()
@@ -159,7 +159,7 @@ def _updates_state(op: OperatorDef, index: int, flow: Dataflow) -> bool:
     counter), or an op that writes in place a blob it loads (that no earlier op writes)."""
     if has_trait(op, Trait.INPLACE_UPDATE):
         return not has_trait(op, Trait.COUNTER)
-    return any(b in op.outputs and not flow.written_before(b, index) for b in op.inputs) and not any(
+    return any(b in op.outputs and flow.last_write_before(b, index) is None for b in op.inputs) and not any(
         has_trait(op, trait) for trait in _SIDE_EFFECTS)
 
 
@@ -237,7 +237,7 @@ def _loaded_readers(flow: Dataflow, blobs: set[str]) -> set[int]:
     return {i for b in blobs for i in flow.loaded_readers(b)}
 
 
-def _touched_between(positions: Mapping[str, tuple[int, ...]], blobs: set[str], start: int, stop: int) -> bool:
+def _touched_between(positions: Mapping[str, Sequence[int]], blobs: set[str], start: int, stop: int) -> bool:
     """Whether an op strictly between positions `start` and `stop` is among `positions` of `blobs` (a
     fact of `Dataflow`: its readers or writers)."""
     for blob in blobs:
@@ -297,8 +297,11 @@ def _without_dead(ops: list[OperatorDef], keep: set[str], removable: Any) -> lis
 def _overwritten_unread(flow: Dataflow, blob: str, index: int, dead: Collection[int]) -> bool:
     """Whether an op after op `index` writes `blob` before any op (but the `dead` ones) reads it or waits
     on it (an op reading and writing it reads it first)."""
-    def next_live(positions: tuple[int, ...]) -> int | None:
-        return next((i for i in positions[bisect.bisect_right(positions, index):] if i not in dead), None)
+    def next_live(positions: Sequence[int]) -> int | None:
+        k = bisect.bisect_right(positions, index)
+        while k < len(positions) and positions[k] in dead:
+            k += 1
+        return positions[k] if k < len(positions) else None
 
     write = next_live(flow.writers.get(blob, ()))
     if write is None:

@@ -71,12 +71,12 @@ def create_world_op(rendezvous: Rendezvous, name: str, timeout_sec: float, store
     """A `CreateCommonWorld` writing blob `name` on `store` (`store_of(rendezvous)`): over every shard,
     or over the shards of `group` (this shard among them), met under a name of the group's own, so
     that the groups of one model (the same blob on every shard) do not meet each other."""
-    inputs, store = store
+    inputs, handle = store
     size, rank, key = rendezvous.num_shards, rendezvous.shard_id, name
     if group is not None:
         size, rank, key = len(group), group.index(rendezvous.shard_id), f"{name}/{'-'.join(map(str, group))}"
     op = make_op("CreateCommonWorld", inputs, [name], DeviceOption(CPU, 0), name, size=size, rank=rank,
-                 engine=rendezvous.engine, timeout_ms=int(timeout_sec * 1000), store=store, signature=signature,
+                 engine=rendezvous.engine, timeout_ms=int(timeout_sec * 1000), store=handle, signature=signature,
                  transport=rendezvous.transport, interface=rendezvous.interface)
     if group is not None:
         op.args["name"] = key  # the op's argument (make_op's `name` is the op's own name)

@@ -40,7 +40,7 @@ def fuse_update_ops(net: NetDef) -> list[OperatorDef]:
             fused = _fuse([net.ops[i] for i in movable])
             replaced.update(dict.fromkeys(movable[:-1]))
             replaced[movable[-1]] = fused
-    net.ops[:] = [replaced.get(i, op) for i, op in enumerate(net.ops) if replaced.get(i, op) is not None]
+    net.ops[:] = [op for op in (replaced.get(i, op) for i, op in enumerate(net.ops)) if op is not None]
     return [op for op in replaced.values() if op is not None]
 
 
@@ -74,7 +74,10 @@ def _movable(net: NetDef, members: list[int]) -> list[int]:
 
 
 def _fuse(ops: list[OperatorDef]) -> OperatorDef:
-    fused_type, blocks, shared, updated = effects_of(ops[0]).multi_tensor
+    spec = effects_of(ops[0]).multi_tensor
+    if spec is None:
+        raise ValueError(f"fuse_updates: {ops[0].type} declares no multi-tensor form (Effects.multi_tensor)")
+    fused_type, blocks, shared, updated = spec
     first = ops[0]
     inputs = [op.inputs[b] for b in blocks for op in ops] + [first.inputs[i] for i in shared]
     outs = [op.outputs[o] for o in range(len(updated)) for op in ops]

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 def create_scale_state(state: ParallelState) -> None:
     """Per replica, `_loss_scale` = init_scale (and `_loss_scale_good_steps` = 0 when dynamic) in param_init_net."""
     scale, layout = state.options.loss_scale, state.layout
+    if scale is None:  # no loss scaling asked for
+        return
     init = state.model.param_init_net.Proto()
     for device in layout.devices:
         option = layout.option(device)
@@ -73,6 +75,8 @@ def grow_loss_scale(state: ParallelState) -> None:
     """Dynamic scaling: per replica, `UpdateLossScale` after the updates; and `state.loss_scale_backoff_net`,
     the net `RunNet` runs after a skipped step."""
     scale, layout, model = state.options.loss_scale, state.layout, state.model
+    if scale is None or not scale.dynamic:  # a static scale never changes
+        return
     backoff = NetDef(f"{model.net.Proto().name}_loss_scale_backoff")
     for device in layout.devices:
         blobs = [layout.scoped(device, LOSS_SCALE), layout.scoped(device, LOSS_SCALE_GOOD_STEPS)]

@@ -244,7 +244,7 @@ def _spatial_bn(value: Any, caller: str) -> bool | str | BnGroups:
         if value not in (True, False, "shard"):
             raise ParallelizeError(f"{caller}: combine_spatial_bn must be True, False, 'shard' or groups of shard "
                                    f"ids, got {value!r}")
-        return value
+        return value if isinstance(value, str) else bool(value)
     if _is_process_group(value):
         import torch.distributed as dist
 

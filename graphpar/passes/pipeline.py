@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from graphpar.core.ir import CPU, CUDA
 from graphpar.core.schema import validate_net
@@ -64,7 +65,7 @@ def forward_only(state: ParallelState) -> bool:
     return not state.training
 
 
-def _option(name: str, test: Callable[[object], bool] = bool) -> Condition:
+def _option(name: str, test: Callable[[Any], bool] = bool) -> Condition:
     """Runs when training and option `name` passes `test` (default: is truthy)."""
     return lambda state: state.training and test(getattr(state.options, name))
 
@@ -177,7 +178,7 @@ FINISH = (
     Pass("set_net_lists", finish.set_net_lists),
     Pass("remap_shared_params", shared_model.remap_shared_params, _option("shared_model")),
     Pass("check_finite_across_shards", check_losses.check_finite_across_shards,
-         lambda s: s.training and s.options.check_finite_loss and s.options.num_shards > 1),
+         lambda s: bool(s.training and s.options.check_finite_loss and s.options.num_shards > 1)),
     Pass("create_common_worlds", distributed.create_common_worlds, lambda s: s.training and s.options.num_shards > 1),
     Pass("order_collectives", finish.order_collectives),
     Pass("declare_inputs", finish.declare_inputs),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from graphpar.core.dataflow import dataflow
 from graphpar.core.ir import GradientSlice, NetDef, OperatorDef
 from graphpar.core.naming import cast_name
 from graphpar.core.schema import Precision, PrecisionRule, precision_rule
@@ -31,8 +32,7 @@ from graphpar.passes.common import make_op
 from graphpar.passes.options import check_compute_dtype
 
 if TYPE_CHECKING:
-    from graphpar.model.model_helper import ModelHelper
-    from graphpar.passes.state import ParallelState
+    from graphpar.passes.state import ModelView, ParallelState
 
 LOW_DTYPES = ("bfloat16", "float16")
 FP32 = "float32"
@@ -149,7 +149,7 @@ class _Rewriter:
         return holder
 
 
-def rewrite_net(net: NetDef, compute_dtype: str, dtypes: dict[str, str] | None = None,
+def rewrite_net(net: NetDef, compute_dtype: str | None, dtypes: dict[str, str] | None = None,
                 taken: set[str] | None = None) -> list[str]:
     """Rewrite `net`'s ops in place for `compute_dtype` (see the module docstring).
 
@@ -170,7 +170,7 @@ def rewrite_net(net: NetDef, compute_dtype: str, dtypes: dict[str, str] | None =
     return rewriter.input_casts
 
 
-def convert_model(model: ModelHelper, compute_dtype: str) -> None:
+def convert_model(model: ModelView, compute_dtype: str) -> None:
     """Mixed precision for a plain ModelHelper: rewrite `model.net` (forward ops only) for `compute_dtype`.
 
     Call it after building the forward pass and before `model.AddGradientOperators(...)`; params stay
@@ -186,9 +186,9 @@ def convert_model(model: ModelHelper, compute_dtype: str) -> None:
     _rewrite_model(model, compute_dtype)
 
 
-def _rewrite_model(model: ModelHelper, compute_dtype: str) -> None:
+def _rewrite_model(model: ModelView, compute_dtype: str | None) -> None:
     init = model.param_init_net.Proto()
-    casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), {b for op in init.ops for b in op.outputs})
+    casts = rewrite_net(model.net.Proto(), compute_dtype, init_dtypes(init), set(dataflow(init).first_write))
     model.add_input_casts(casts)
 
 
@@ -212,6 +212,8 @@ def cast_gradients_down(state: ParallelState) -> None:
     params (already low) are left alone.
     """
     low, layout, net = state.options.allreduce_dtype, state.layout, state.model.net.Proto()
+    if low is None:  # gradients all-reduced in their own dtype
+        return
     lows = init_dtypes(state.model.param_init_net.Proto())
     params = {str(g): str(p) for p, g in state.model.param_to_grad.items()}
     for name in state.grad_names:
@@ -222,8 +224,8 @@ def cast_gradients_down(state: ParallelState) -> None:
         for device, grad in group.items():
             option = layout.option(device)
             net.ops.append(make_op("Cast", [str(grad)], [cast_name(str(grad), low)], option, to=low))
-            group[device] = cast_name(str(grad), low)
-            state.blob_to_device[group[device]] = option
+            group[device] = cast = cast_name(str(grad), low)
+            state.blob_to_device[cast] = option
 
 
 FP16_OVERFLOW = ("the float16 all-reduce (allreduce_dtype='float16') overflowed: a gradient or its sum is beyond "
@@ -240,7 +242,7 @@ def cast_gradients_up(state: ParallelState) -> None:
     layout, net = state.layout, state.model.net.Proto()
     for name, original in state.lowered.items():
         for device, grad in original.items():
-            net.ops.append(make_op("Cast", [state.grouped[name][device]], [str(grad)], layout.option(device),
+            net.ops.append(make_op("Cast", [str(state.grouped[name][device])], [str(grad)], layout.option(device),
                                    to=FP32))
         state.grouped[name] = original
     if state.lowered and state.options.allreduce_dtype == "float16" and state.options.loss_scale is None:

@@ -28,8 +28,9 @@ def extract_predictor_net(net: NetDef, inputs: Sequence[str], outputs: Sequence[
     """
     inputs, outputs = [str(b) for b in inputs], [str(b) for b in outputs]
     ops = [op for op in net.ops if not op.is_gradient_op]
-    start = next((i for i, op in enumerate(ops) if set(inputs) & set(op.inputs) and not stops_gradient(op)), None)
-    stop = max((i for i, op in enumerate(ops) if set(outputs) & set(op.outputs)), default=None)
+    flow = facts(ops)
+    start = min((i for b in inputs for i in flow.readers.get(b, ()) if not stops_gradient(ops[i])), default=None)
+    stop = max((i for b in outputs for i in flow.writers.get(b, ())), default=None)
     if start is None or stop is None:
         raise ValueError(f"net {net.name!r}: no op reads {inputs} or none writes {outputs}")
     known = set(inputs) | set(net.external_inputs)

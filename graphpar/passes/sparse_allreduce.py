@@ -46,7 +46,7 @@ def _gather_part(parts: list[str], reducer: Reducer, gathered: Gathered, to_all:
     return reducer.allgather(stripBlobName(parts[0]), parts, outputs), outputs
 
 
-def allgather_slice(name: str, copies: Mapping[int, GradientSlice], reducer: Reducer, gathered: Gathered,
+def allgather_slice(name: str, copies: Mapping[int, str | GradientSlice], reducer: Reducer, gathered: Gathered,
                     to_all: bool = True) -> tuple[list[OperatorDef], dict[int, GradientSlice]]:
     """The ops concatenating one sparse gradient's copies, and its combined slice per device.
 

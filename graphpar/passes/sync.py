@@ -53,7 +53,7 @@ def compute_blobs_to_sync(init_net: NetDef, layout: DeviceLayout, params: Collec
     if absent:
         raise ParallelizeError(f"blobs {absent} are created in param_init_net for some devices but not "
                                f"for the first device {layout.master}, so they cannot be synced from it")
-    position = {d: i for i, d in enumerate(layout.devices)}
+    position: dict[int | None, int] = {d: i for i, d in enumerate(layout.devices)}
     order = {b: i for i, b in enumerate(blobs)}
     blobs = sorted(blobs, key=lambda b: (position.get(layout.replica_of(b), len(position)), order[b]))
     return blobs, names

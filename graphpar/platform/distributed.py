@@ -140,10 +140,10 @@ def _shard(rendezvous: Mapping, kv: Any, what: str) -> tuple[int, int]:
                     raise ParallelizeError(f"{what}: rendezvous[{key!r}] is {given[key]} but the default "
                                            f"group / environment says {value}")
                 given[key] = value
-    missing = [key for key, value in given.items() if value is None]
-    if missing:
-        raise ParallelizeError(f"{what}: rendezvous needs {' and '.join(missing)}")
     shard_id, num_shards = given["shard_id"], given["num_shards"]
+    if shard_id is None or num_shards is None:
+        missing = [key for key, value in given.items() if value is None]
+        raise ParallelizeError(f"{what}: rendezvous needs {' and '.join(missing)}")
     if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise ParallelizeError(f"{what}: rendezvous needs num_shards >= 1 and 0 <= shard_id < num_shards, got "
                                f"shard_id={shard_id}, num_shards={num_shards}")
@@ -309,7 +309,8 @@ def create_world(name: str, store_handle: int | None, store: Any, rank: int, siz
     Raises:
         RuntimeError: the peers did not all join within `timeout_sec` (naming the shard and the name).
     """
-    group = prefixed = None
+    group: Any = None  # a torch ProcessGroupGloo or ProcessGroupNCCL (torch's stubs give them no common base)
+    prefixed = None
     if size > 1:
         if store is None:
             store = get_store(DEFAULT_STORE if store_handle is None else store_handle, timeout_sec)

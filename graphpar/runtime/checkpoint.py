@@ -242,16 +242,16 @@ def _onto_first_device(path: str, model: Any, names: list[str]) -> dict[str, str
 
 def _feed_all(ws: Workspace, path: str, data: Mapping[str, torch.Tensor]) -> None:
     """Feed every blob, or (if placing one fails, e.g. on a missing CUDA device) none of them."""
-    old = {name: ws.blobs.get(name) for name in data}
+    old: dict[str, torch.Tensor | None] = {name: ws.blobs.get(name) for name in data}
     failing = ""
     try:
         for failing, tensor in data.items():
             ws.feed_blob(failing, tensor, device_option=_device_of(failing, old[failing]))
     except Exception as exc:
-        for name, tensor in old.items():
-            if tensor is None:
+        for name, previous in old.items():
+            if previous is None:
                 ws.blobs.pop(name, None)
             else:
-                ws.blobs[name] = tensor
+                ws.blobs[name] = previous
         raise CheckpointError(f"checkpoint {path!r}: cannot place blob {failing!r}: {exc}; "
                               f"nothing was loaded") from exc

@@ -36,7 +36,7 @@ def unsynced_replicas(reads: Iterable[str], loaded: Mapping[str, str]) -> list[t
             scoped.setdefault(stripBlobName(name), []).append(name)
     if not scoped:
         return []
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for read in reads:
         scope = parse_device_scope(read)
         if scope is None or read in loaded:  # a replica loaded from the file too holds its saved value

@@ -196,8 +196,9 @@ def scatter(batch: Any, num_devices: int, dim: int = 0, sizes: Sequence[int] | N
         if _is_array(value):
             return [_take(value, dim, bounds[i], bounds[i + 1]) for i in range(num_devices)]
         if isinstance(value, Mapping) and value:
-            columns = {k: split(v) for k, v in value.items()}
-            return [type(value)((k, columns[k][i]) for k in value) for i in range(num_devices)]
+            kind: Any = type(value)  # a dict, OrderedDict, ...: rebuilt as its own type
+            by_key = {k: split(v) for k, v in value.items()}
+            return [kind((k, by_key[k][i]) for k in value) for i in range(num_devices)]
         if _is_namedtuple(value):
             columns = [split(v) for v in value]
             return [type(value)(*(c[i] for c in columns)) for i in range(num_devices)]
@@ -235,7 +236,8 @@ def pad_to_devices(batch: Any, num_devices: int, dim: int = 0) -> tuple[Any, int
                 return np.concatenate(copies, axis=dim)
             return sys.modules["torch"].cat(copies, dim=dim)
         if isinstance(value, Mapping) and value:
-            return type(value)((k, pad(v)) for k, v in value.items())
+            kind: Any = type(value)
+            return kind((k, pad(v)) for k, v in value.items())
         if _is_namedtuple(value):
             return type(value)(*(pad(v) for v in value))
         if isinstance(value, (list, tuple)) and value:
@@ -303,7 +305,9 @@ def prepare(model: Any, batch: Any, dim: int = 0, sizes: Sequence[int] | None = 
     host: list[dict[str, Any]] = []
     ragged: list[dict[str, list[Any]]] = []
     for d, chunk in zip(devices, scatter(batch, count, dim, sizes)):
-        fed, kept, lists = {}, {}, {}
+        fed: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        lists: dict[str, list[Any]] = {}
         for name, leaf in flatten(chunk).items():
             target = fed if _feedable(leaf) else kept
             target[name] = leaf.data if isinstance(leaf, DataContainer) else leaf
@@ -422,7 +426,8 @@ def collate(samples: Sequence[Any], samples_per_device: int = 1) -> Any:
     if isinstance(first, Mapping):
         if any(not isinstance(s, Mapping) or s.keys() != first.keys() for s in samples):
             raise ValueError(f"collate: every sample must have the keys {list(first)}")
-        return type(first)((k, collate([s[k] for s in samples], samples_per_device)) for k in first)
+        kind: Any = type(first)
+        return kind((k, collate([s[k] for s in samples], samples_per_device)) for k in first)
     if isinstance(first, (list, tuple)) and not isinstance(first, str):
         if any(len(s) != len(first) for s in samples):
             raise ValueError("collate: samples of different lengths")
@@ -450,5 +455,6 @@ def _pad_and_stack(arrays: list[Any], value: float, pad_dims: int | None) -> Any
     else:
         out = np.full((len(arrays), *target), value, dtype=np.asarray(arrays[0]).dtype)
     for k, a in enumerate(arrays):
-        out[(k, *(slice(0, d) for d in a.shape))] = a
+        index = (k, *(slice(0, d) for d in a.shape))  # `out[k, *x]` would be 3.11 syntax
+        out[index] = a
     return out

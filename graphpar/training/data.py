@@ -141,10 +141,10 @@ def gather(model: Any, names: str | Sequence[str], dim: int = 0, output_device: 
         ValueError: an output_device that is not None, -1, "cpu" or one of the model's device ids.
     """
     devices = model.GetDevices()
-    single = isinstance(names, str)
     target = None if output_device is None else _output_device(model, output_device)
-    out = {}
-    for name in [names] if single else list(names):
+    out: dict[str, Any] = {}
+    wanted: list[str] = [names] if isinstance(names, str) else list(names)
+    for name in wanted:
         scoped = [device_scoped(model._device_prefix, d, name) for d in devices]
         if target is None:
             parts = [workspace.FetchBlob(n) for n in scoped]
@@ -154,7 +154,7 @@ def gather(model: Any, names: str | Sequence[str], dim: int = 0, output_device: 
 
             tensors = [workspace.FetchTensor(n).to(target) for n in scoped]
             out[name] = torch.stack(tensors) if tensors[0].ndim == 0 else torch.cat(tensors, dim=dim)
-    return out[names] if single else out
+    return out[names] if isinstance(names, str) else out
 
 
 def _output_device(model: Any, output_device: int | str) -> Any:
@@ -168,7 +168,7 @@ def _output_device(model: Any, output_device: int | str) -> Any:
     if isinstance(output_device, bool) or output_device not in model.GetDevices():
         raise ValueError(f"gather: output_device must be None (numpy on the host), -1 or 'cpu', or one of the "
                          f"model's devices {model._device_prefix}_{model.GetDevices()}, got {output_device!r}")
-    return torch_device(DeviceOption(CUDA if model._device_prefix == "gpu" else CPU, output_device))
+    return torch_device(DeviceOption(CUDA if model._device_prefix == "gpu" else CPU, int(output_device)))
 
 
 # ---- samplers and a loader for arrays ---------------------------------------------------------------

@@ -106,7 +106,8 @@ class _Checkpointer(PeriodicCheckpointer):
     """PeriodicCheckpointer that also saves the trainer's state_dict, on the main process only."""
 
     def metadata(self) -> dict[str, Any]:
-        return {"trainer": self.trainer.state_dict()}
+        state_dict = getattr(self.trainer, "state_dict", None)  # a DefaultTrainer's
+        return {"trainer": state_dict()} if callable(state_dict) else {}
 
     def after_step(self) -> None:
         if comm.is_main_process():
@@ -256,7 +257,8 @@ class DefaultTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         """{"iteration": the last iteration run (as Detectron2), "scheduler", "hooks": {hook class: its
         state_dict()}}, JSON-serialisable."""
-        hooks = {type(h).__name__: h.state_dict() for h in self.hooks if callable(getattr(h, "state_dict", None))}
+        saving = {type(h).__name__: getattr(h, "state_dict", None) for h in self.hooks}
+        hooks = {name: state_dict() for name, state_dict in saving.items() if callable(state_dict)}
         return {"iteration": self.iter, "scheduler": self.scheduler.state_dict(), "hooks": hooks}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -269,8 +271,9 @@ class DefaultTrainer(Trainer):
         self.scheduler.load_state_dict(state["scheduler"])
         for hook in self.hooks:
             saved = state.get("hooks", {}).get(type(hook).__name__)
-            if saved is not None and callable(getattr(hook, "load_state_dict", None)):
-                hook.load_state_dict(saved)
+            load = getattr(hook, "load_state_dict", None)
+            if saved is not None and callable(load):
+                load(saved)
 
     def resume_or_load(self, resume: bool = True, path: Any = None) -> int:
         """With `resume` and a checkpoint in OUTPUT_DIR: continue from the last one (params, optimizer

@@ -389,9 +389,10 @@ class Trainer:
             raise ValueError("Trainer: the model must be parallelized with an optimizer and return its losses "
                              "(data_parallel_model.Parallelize(..., optimizer_builder_fun=...))")
         if max_iter is None:
-            if not hasattr(data, "__len__"):
+            length = getattr(data, "__len__", None)
+            if length is None:
                 raise ValueError("Trainer: pass max_iter (the data has no length to make one epoch of)")
-            max_iter = len(data) // model._parallel.options.accumulate_gradients
+            max_iter = length() // model._parallel.options.accumulate_gradients
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
             raise ValueError(f"Trainer: max_iter must be an int >= 0, got {max_iter!r}")
         on_cuda = model._parallel.layout.device_type == CUDA
@@ -440,8 +441,9 @@ class Trainer:
         while True:
             if self._iterator is None:
                 for target in (self.data, getattr(self.data, "sampler", None)):
-                    if callable(getattr(target, "set_epoch", None)):
-                        target.set_epoch(self.epoch)
+                    set_epoch = getattr(target, "set_epoch", None)
+                    if callable(set_epoch):
+                        set_epoch(self.epoch)
                         break
                 self._iterator, self._in_epoch = iter(self.data), 0
             try:
@@ -779,8 +781,9 @@ def auto_scale_workers(cfg: Mapping[str, Any], num_workers: int) -> Any:
         ValueError: num_workers < 1; IMS_PER_BATCH not divisible by the reference world size, or
             the scaled batch not divisible by num_workers; a period or iteration count rounding to 0.
     """
-    frozen = callable(getattr(cfg, "is_frozen", None)) and cfg.is_frozen()
-    cfg = cfg.clone() if callable(getattr(cfg, "defrost", None)) else Config(deepcopy(dict(cfg)))
+    is_frozen, clone = getattr(cfg, "is_frozen", None), getattr(cfg, "clone", None)
+    frozen = callable(is_frozen) and is_frozen()
+    cfg = clone() if callable(clone) and callable(getattr(cfg, "defrost", None)) else Config(deepcopy(dict(cfg)))
     if frozen:
         cfg.defrost()
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -254,7 +255,8 @@ class _Epoch(Iterator[Prepared]):
             raise StopIteration
         if isinstance(item, _Failure):
             self.close()
-            item.error.add_note("(raised in the DeviceFeeder's loading thread)")
+            if sys.version_info >= (3, 11):  # Python 3.10 has no notes
+                item.error.add_note("(raised in the DeviceFeeder's loading thread)")
             raise item.error
         return item
 

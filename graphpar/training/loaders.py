@@ -100,7 +100,8 @@ class _SerializedList:
     def __getitem__(self, index: int) -> Any:
         index = range(len(self._ends))[index]  # IndexError as a list's, negative indices too
         start = int(self._ends[index - 1]) if index else 0
-        return pickle.loads(memoryview(self._bytes[start:int(self._ends[index])]))
+        data: Any = self._bytes[start:int(self._ends[index])]  # a uint8 array: a buffer (numpy's stubs do not say so)
+        return pickle.loads(memoryview(data))
 
 
 class MapDataset(torchdata.Dataset):
@@ -283,7 +284,7 @@ def _batch_size(total: int | None, per_device: int | None, num_devices: int) -> 
     if (total is None) == (per_device is None):
         raise ValueError(f"build_train_loader: pass total_batch_size (the global batch) or single_gpu_batch_size "
                          f"(per device), exactly one (got {total!r} and {per_device!r})")
-    if per_device is None:
+    if total is not None:  # per_device is None
         return single_device_batch_size(total, num_devices)
     if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
         raise ValueError(f"build_train_loader: single_gpu_batch_size must be an int >= 1, got {per_device!r}")

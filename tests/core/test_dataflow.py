@@ -31,9 +31,9 @@ def test_facts_of_a_small_net():
         ("a", {0, 1}, True), ("a", {1, 2}, False), ("b", {2, 3}, False), ("w", {3}, False)]
     assert flow.predecessors == ((), (0,), (1,), (1, 2))
     assert flow.edges[(1, 3)] == ("war", "w")
-    assert flow.readers == {"x": (0,), "a": (1, 2), "w": (1,), "b": (3,)}
-    assert flow.writers == {"a": (0, 1), "b": (2,), "w": (3,)} and flow.waiters == {"c": (2,)}
-    assert flow.loaded_readers("w") == (1,) and flow.loaded_readers("a") == () and flow.loaded_readers("c") == ()
+    assert flow.readers == {"x": [0], "a": [1, 2], "w": [1], "b": [3]}
+    assert flow.writers == {"a": [0, 1], "b": [2], "w": [3]} and flow.waiters == {"c": [2]}
+    assert list(flow.loaded_readers("w")) == [1] and not flow.loaded_readers("a") and not flow.loaded_readers("c")
     assert flow.last_write_before("a", 1) == 0 and flow.last_write_before("a", 2) == 1
     assert flow.last_write_before("a", 0) is None and flow.last_write_before("x", 3) is None
 
@@ -59,9 +59,9 @@ def test_facts_match_their_definitions_blob_by_blob(seed: int):
         if blob in flow.loads:
             assert flow.loads[blob] == Load(reads[0], ops[reads[0]].inputs.index(blob))
         assert (blob in flow.read_first) == (min(reads + waits, default=len(ops)) <= first_write and bool(reads + waits))
-        assert flow.readers.get(blob, ()) == tuple(reads) and flow.writers.get(blob, ()) == tuple(writes)
-        assert flow.waiters.get(blob, ()) == tuple(waits)
-        assert flow.loaded_readers(blob) == tuple(r for r in reads if r <= first_write)
+        assert list(flow.readers.get(blob, ())) == reads and list(flow.writers.get(blob, ())) == writes
+        assert list(flow.waiters.get(blob, ())) == waits
+        assert list(flow.loaded_readers(blob)) == [r for r in reads if r <= first_write]
         for k in range(len(ops) + 1):
             assert flow.last_write_before(blob, k) == max((w for w in writes if w < k), default=None)
         uses = sorted(reads + waits + writes)

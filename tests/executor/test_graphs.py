@@ -344,6 +344,25 @@ def test_the_split_names_each_physical_device_once() -> None:
         assert graphs.split(plan).devices == (torch.device("cpu"),)
 
 
+def test_the_split_loads_what_the_captured_steps_read_before_writing_it_each_blob_once() -> None:
+    """Static inputs: the blobs the captured steps read before writing them (a blob read twice, or read
+    and rewritten, once), in first-read order; a prologue output they read comes from the prologue."""
+    with _recording():
+        workspace.FeedBlob("x_host", np.ones(3, np.float32))
+        for name in ("gpu_0/y", "gpu_0/z"):
+            workspace.FeedBlob(name, np.ones(3, np.float32), GPU0)
+        net = _plain_net([OperatorDef("CopyCPUToGPU", ["x_host"], ["gpu_0/xc"], device_option=GPU0),
+                          OperatorDef("Add", ["gpu_0/xc", "gpu_0/y"], ["gpu_0/s"], device_option=GPU0),
+                          OperatorDef("Mul", ["gpu_0/s", "gpu_0/s"], ["gpu_0/y"], device_option=GPU0),
+                          OperatorDef("Add", ["gpu_0/y", "gpu_0/z"], ["gpu_0/z"], device_option=GPU0)])
+        workspace.CreateNet(net)
+        plan = workspace.get_workspace().nets[net.name]
+        cut = graphs.split(plan)
+    slot = plan.frame.slot
+    assert cut.prologue == (0,) and cut.captured == (1, 2, 3)
+    assert cut.loads == (slot["gpu_0/y"], slot["gpu_0/z"]) and cut.from_prologue == (slot["gpu_0/xc"],)
+
+
 def test_a_net_that_keeps_every_blob_lets_go_of_the_last_runs_values_before_capturing() -> None:
     """Only the graph's own intermediates exist while capturing, not also the last eager run's."""
     alive_at_capture: list[list[str]] = []

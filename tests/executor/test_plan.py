@@ -183,3 +183,20 @@ def test_compile_against_a_standalone_workspace_uses_its_blobs() -> None:
     ws.run_net("p")
     np.testing.assert_array_equal(ws.fetch_blob("y"), [1.0, 0.0])
     assert not workspace.HasBlob("y")
+
+
+def test_check_inputs_exist_names_the_first_missing_input_and_gains_what_the_net_writes():
+    """A blob is there when defined before or written by an earlier op (not by its reader, nor later);
+    control inputs count; on success `defined` gains every blob the net writes."""
+    net = NetDef("inputs_exist")
+    net.ops = [OperatorDef("Relu", ["a"], ["b"]), OperatorDef("Add", ["b", "c"], ["d"], control_inputs=["e"]),
+               OperatorDef("Relu", ["d"], ["d"])]
+    with pytest.raises(MissingBlobError, match=r"op #1 \(Add\).*control input 0 'e'"):
+        plan_module.check_inputs_exist(net, {"a", "c"}, "ws")
+    defined = {"a", "c", "e"}
+    plan_module.check_inputs_exist(net, defined, "ws")
+    assert defined == {"a", "b", "c", "d", "e"}
+    late = NetDef("written_later")
+    late.ops = [OperatorDef("Relu", ["x"], ["x"]), OperatorDef("Relu", ["y"], ["x"])]
+    with pytest.raises(MissingBlobError, match=r"op #0 \(Relu\).*input 0 'x'"):
+        plan_module.check_inputs_exist(late, {"y"}, "ws")

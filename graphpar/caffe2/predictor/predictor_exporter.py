@@ -86,7 +86,7 @@ def get_meta_net_def(meta: PredictorExportMeta, db_destination: str) -> MetaNetD
     extra_global = _netdef(meta.global_init_net)
     global_init = NetDef("global_init_net", [*(extra_global.ops if extra_global else []), load])
     fills = [OperatorDef("ConstantFill", [], [name], {"shape": list(shape), "value": 0.0})
-             for name, shape in meta.shapes.items() if name in meta.inputs]
+             for name, shape in (meta.shapes or {}).items() if name in meta.inputs]
     extra = _netdef(meta.extra_init_net)
     predict_init = NetDef("predict_init_net", [*(extra.ops if extra else []), *fills])
     predict = meta.predict_net

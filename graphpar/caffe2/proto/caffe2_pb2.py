@@ -11,6 +11,8 @@ as unknown fields. Device type constants: CPU, CUDA, MKLDNN, OPENGL, OPENCL, IDE
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 _F = descriptor_pb2.FieldDescriptorProto
@@ -20,7 +22,7 @@ _SCALARS = {"string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES, "float": _F.TYPE_F
 
 # message -> [(label, type, name, number[, default])]; a type that is not a scalar names a message
 # (or, for "TensorProto.DataType", the enum).
-_MESSAGES = {
+_MESSAGES: dict[str, list[tuple[Any, ...]]] = {
     "TensorProto": [
         (_REP, "int64", "dims", 1), (_OPT, "TensorProto.DataType", "data_type", 2, "FLOAT"),
         (_REP, "float", "float_data", 3), (_REP, "int32", "int32_data", 4), (_OPT, "bytes", "byte_data", 5),
