@@ -342,6 +342,11 @@ class _Launch:
         regions = self.lowered.phases[phase.index]
         first = any(r.seconds is None for r in regions if r.region.compiled)
         for region in regions:
+            # a compiled region runs every replica's ops in one program, one kernel at a time: with the whole
+            # thread budget (inductor builds its kernels for the count it compiles under)
+            threads = plan.thread_budget if region.region.compiled else phase.threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             region.run(plan, frame)
         if first:
             seconds = sum(r.seconds or 0.0 for r in regions if r.region.compiled)

@@ -29,7 +29,7 @@ from graphpar.executor.failure import op_location, recorded_at
 from graphpar.executor.frame import FrameLayout, StateCheck, StateGuard, layout_frame
 from graphpar.executor.program import Reuse
 from graphpar.executor.registry import get_executor
-from graphpar.executor.threads import intra_op_threads
+from graphpar.executor.threads import intra_op_threads, thread_budget
 from graphpar.platform.devices import cuda_is_simulated, num_cuda_devices, torch_device
 
 RandomStream = Callable[[torch.device], torch.Generator]
@@ -106,6 +106,7 @@ class CompiledNet:
     staged_from: int  # order[staged_from:] is the second phase (the updates and what depends on them)
     state_guard: StateGuard
     staged_threads: int
+    thread_budget: int  # the budget the thread counts above split (`executor.threads`), at CreateNet
     phases: tuple[Phase, ...] = field(init=False, repr=False)  # the non-empty phases, in order
 
     def __post_init__(self) -> None:
@@ -173,7 +174,7 @@ def compile_net(netdef: NetDef, workspace: BlobStore, keep_all: bool = False, in
     return CompiledNet(netdef, steps, dependencies, frame, workspace.name, intra_op_threads(cpu_replicas), updates,
                        order, len(steps) - sum(staged),
                        StateGuard(_state_checks(netdef, flow, updates, frame, workspace.blobs)),
-                       intra_op_threads(updating or cpu_replicas))
+                       intra_op_threads(updating or cpu_replicas), thread_budget())
 
 
 def _claims(netdef: NetDef, flow: Dataflow) -> list[tuple[tuple[int, int], ...]]:

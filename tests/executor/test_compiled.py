@@ -155,6 +155,24 @@ def test_compiled_trains_as_simple_with_no_graph_break_or_recompilation(config):
     assert counts["end"] == counts["warm"]
 
 
+def test_compiled_regions_run_with_the_whole_thread_budget(monkeypatch):
+    """A compiled region runs both replicas' ops one kernel at a time, so it gets the whole budget (inductor
+    builds its kernels for the count it compiles under); eager steps keep the per-replica share (1 of 2)."""
+    from graphpar.executor import compiled
+
+    seen: dict[bool, set[int]] = {True: set(), False: set()}
+    run = compiled._Region.run
+
+    def recording(self, plan, frame):
+        seen[self.region.compiled].add(torch.get_num_threads())
+        run(self, plan, frame)
+
+    monkeypatch.setattr(compiled._Region, "run", recording)
+    monkeypatch.setenv("GRAPHPAR_NUM_THREADS", "2")
+    _train(_mlp, "momentum", devices=2, steps=2, warmup=1, cpu_update_once=False)  # both replicas update
+    assert seen == {True: {2}, False: {1}}
+
+
 def test_each_phase_has_one_compiled_region_with_the_host_steps_around_it():
     """Iter and LearningRate run before the updates' compiled region (the host prologue), CheckFinite
     after the forward and backward region: one compiled program per phase."""
