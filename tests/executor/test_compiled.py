@@ -135,6 +135,8 @@ CONFIGS = {
     "mlp-2dev-accumulate": (_mlp, "momentum", 2, {"accumulate_gradients": 2}),
     "cnn-2dev-bf16-loss-scale": (_cnn, "momentum", 2, {"compute_dtype": "bfloat16", "loss_scale": 128.0}),
     "resnet18-nesterov": (_resnet, "nesterov", 1, {}),
+    "mlp-adam-2dev-sharded-state": (_mlp, "adam", 2, {"shard_optimizer_state": True}),
+    "cnn-2dev-sharded-gradients": (_cnn, "momentum", 2, {"shard_gradients": True}),
 }
 
 
