@@ -426,8 +426,11 @@ def compile_in_subprocess(name: str, opts: argparse.Namespace, seconds: float) -
         os.unlink(opts.compile_out)
     argv = [sys.executable, "-m", "benchmarks.gpu", "--compile-only", name, "--out", str(opts.compile_out),
             "--repeats", str(opts.repeats), *(["--smoke"] if opts.smoke else [])]
+    # the checkout's benchmarks package whatever the working directory (graphpar's install has only graphpar)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     # a session of its own: at the limit its whole group goes (inductor's compile workers too)
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                           start_new_session=True) as process:
         try:
             _, stderr = process.communicate(timeout=seconds)
