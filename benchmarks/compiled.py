@@ -129,15 +129,7 @@ def graphpar_step(case: Case, x: np.ndarray, y: np.ndarray, compile_: bool | dic
 
 def eager_step(case: Case, x: np.ndarray, y: np.ndarray, compiled: bool) -> Callable[[], None]:
     """One eager SGD step of `case`'s module (one compiled function of the whole step when `compiled`)."""
-    module = case.module()
-    opt = torch.optim.SGD(module.parameters(), LR, momentum=MOMENTUM)
-    data, label = torch.from_numpy(x), torch.from_numpy(y).long()
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(module(data), label).backward()
-        opt.step()
-
+    step = eager_models.sgd_step(case.module(), x, y, LR, MOMENTUM)
     return torch.compile(step) if compiled else step
 
 

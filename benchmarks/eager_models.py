@@ -6,8 +6,10 @@ the two: benchmarks compare time and memory, not numbers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -82,3 +84,17 @@ def resnet50(in_channels: int, width: int, num_classes: int) -> nn.Module:
             dim_in = dim_inner * 4
     return nn.Sequential(_conv_bn(in_channels, width, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1), *blocks,
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(dim_in, num_classes))
+
+
+def sgd_step(module: nn.Module, x: np.ndarray, y: np.ndarray, lr: float, momentum: float) -> Callable[[], None]:
+    """One eager training step of `module` on the batch (x, y): zero_grad, cross-entropy, backward and
+    `torch.optim.SGD(lr, momentum)`'s step, as the benchmarks' graphpar models train."""
+    opt = torch.optim.SGD(module.parameters(), lr, momentum=momentum)
+    data, label = torch.from_numpy(x), torch.from_numpy(y).long()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(module(data), label).backward()
+        opt.step()
+
+    return step

@@ -132,15 +132,7 @@ def eager_step(case: Case, x: np.ndarray, y: np.ndarray) -> tuple[Callable[[], o
     """One SGD step on the same batch, and the nn.Module it trains (from graphpar's initial weights)."""
     module = case.module()
     module.load_state_dict({key: workspace.FetchTensor(blob) for blob, key in case.blobs.items()}, strict=False)
-    opt = torch.optim.SGD(module.parameters(), LR, momentum=MOMENTUM)
-    data, label = torch.from_numpy(x), torch.from_numpy(y).long()
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(module(data), label).backward()
-        opt.step()
-
-    return step, module
+    return eager_models.sgd_step(module, x, y, LR, MOMENTUM), module
 
 
 def check_same_step(case: Case, graphpar: Callable[[], object], eager: Callable[[], object],
