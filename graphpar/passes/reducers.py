@@ -88,7 +88,22 @@ class Reducer(Protocol):
         ...
 
 
-class TreeReducer:
+class _InProcessShards:
+    """Sharded state between the replicas of this process: parts copied together, or cut from a whole."""
+
+    layout: DeviceLayout
+    blob_devices: BlobDevices
+
+    def gather_shards(self, name: str, shards: Sequence[str], outputs: Sequence[str], sizes: Sequence[int],
+                      shape: Sequence[int]) -> list[OperatorDef]:
+        return _gather(self.layout, name, shards, outputs, shape, self.blob_devices)
+
+    def scatter_shards(self, name: str, source: str, shards: Sequence[str],
+                       sizes: Sequence[int]) -> list[OperatorDef]:
+        return _scatter(self.layout, source, shards, sizes)
+
+
+class TreeReducer(_InProcessShards):
     """Sum trees onto the first device and copies back (CPU replicas, and CUDA without NCCL)."""
 
     num_shards, shard_id = 1, 0
@@ -157,16 +172,8 @@ class TreeReducer:
                 current[positions[0]], where[positions[0]] = target, owner
         return ops
 
-    def gather_shards(self, name: str, shards: Sequence[str], outputs: Sequence[str], sizes: Sequence[int],
-                      shape: Sequence[int]) -> list[OperatorDef]:
-        return _gather(self.layout, name, shards, outputs, shape, self.blob_devices)
 
-    def scatter_shards(self, name: str, source: str, shards: Sequence[str],
-                       sizes: Sequence[int]) -> list[OperatorDef]:
-        return _scatter(self.layout, source, shards, sizes)
-
-
-class NcclReducer:
+class NcclReducer(_InProcessShards):
     """In-place NCCL collectives over every copy (CUDA replicas); host-side blobs are copied."""
 
     num_shards, shard_id = 1, 0
@@ -207,14 +214,6 @@ class NcclReducer:
                     make_op("Slice", [flat], [shards[k]], option, starts=[start], ends=[start + sizes[k]])]
             start += sizes[k]
         return ops
-
-    def gather_shards(self, name: str, shards: Sequence[str], outputs: Sequence[str], sizes: Sequence[int],
-                      shape: Sequence[int]) -> list[OperatorDef]:
-        return _gather(self.layout, name, shards, outputs, shape, self.blob_devices)
-
-    def scatter_shards(self, name: str, source: str, shards: Sequence[str],
-                       sizes: Sequence[int]) -> list[OperatorDef]:
-        return _scatter(self.layout, source, shards, sizes)
 
 
 WORLD_PREFIX = "graphpar_cw_"  # the communicator blobs: graphpar_cw_0, graphpar_cw_1, ...
