@@ -10,23 +10,32 @@ import numpy as np
 from tests.multihost import workers
 
 
-def trainer_scalars(out: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
-                    **options: Any) -> None:
-    """Train the MLP with `graphpar.engine.Trainer` (shard `shard` gets its contiguous share of every
-    global batch) and save the losses it recorded, plus `comm`'s gathers over the model's communicator,
-    to `out` (or the error to `out + ".error"`)."""
+def _start(store: str, shard: int, num_shards: int) -> dict[str, Any] | None:
+    """A fresh seeded workspace with one intra-op thread and the file store; the rendezvous of shard
+    `shard` of `num_shards` (None for one process)."""
     import torch
 
-    from graphpar import comm, workspace
-    from graphpar.engine import Trainer
+    from graphpar import workspace
 
     torch.set_num_threads(1)
     workspace.ResetWorkspace()
     workspace.SetSeed(0)
     workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
-    rendezvous = None
-    if num_shards > 1:
-        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    if num_shards == 1:
+        return None
+    return {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+
+
+def trainer_scalars(out: str, shard: int, num_shards: int, devices: list[int], store: str, steps: int,
+                    **options: Any) -> None:
+    """Train the MLP with `graphpar.engine.Trainer` (shard `shard` gets its contiguous share of every
+    global batch) and save the losses it recorded, plus `comm`'s gathers over the model's communicator,
+    to `out` (or the error to `out + ".error"`)."""
+
+    from graphpar import comm
+    from graphpar.engine import Trainer
+
+    rendezvous = _start(store, shard, num_shards)
     share = workers.GLOBAL_BATCH // num_shards
     batches = []
     for step in range(steps * options.get("accumulate_gradients", 1)):
@@ -124,18 +133,11 @@ def bn_stats(out: str, shard: int, num_shards: int, slice_of: int, store: str, c
     """The CNN (batch norm) on devices [0, 1] for one step, fed global batch slices of shard `slice_of`
     of 2; saves the batch statistics each replica normalised with (saved mean and inverse std; the
     running ones are broadcast from shard 0 after every step) to `out` (or the error)."""
-    import torch
 
     from graphpar import data_parallel_model as dpm
     from graphpar import workspace
 
-    torch.set_num_threads(1)
-    workspace.ResetWorkspace()
-    workspace.SetSeed(0)
-    workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
-    rendezvous = None
-    if num_shards > 1:
-        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    rendezvous = _start(store, shard, num_shards)
     try:
         model = workers.build("cnn", [0, 1], rendezvous, combine_spatial_bn=combine)
         workers.feed("cnn", 0, slice_of, 2, [0, 1])
@@ -158,18 +160,11 @@ def bn_group_stats(out: str, shard: int, num_shards: int, store: str, slices: li
     """The CNN (batch norm) for one step on one device per slice of `slices` (device i fed global slice
     slices[i] of 4); saves the batch statistics each replica normalised with, the initial conv1_w and
     the params after the step to `out` (or the error)."""
-    import torch
 
     from graphpar import data_parallel_model as dpm
     from graphpar import workspace
 
-    torch.set_num_threads(1)
-    workspace.ResetWorkspace()
-    workspace.SetSeed(0)
-    workspace.RunOperatorOnce(workers._op("FileStoreHandlerCreate", [], ["store_handler"], path=store))
-    rendezvous = None
-    if num_shards > 1:
-        rendezvous = {"kv_handler": "store_handler", "shard_id": shard, "num_shards": num_shards, "timeout_sec": 20}
+    rendezvous = _start(store, shard, num_shards)
     try:
         devices = list(range(len(slices)))
         model = workers.build("cnn", devices, rendezvous, combine_spatial_bn=combine, max_concurrent_distributed_ops=1)
