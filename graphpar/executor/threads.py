@@ -7,8 +7,9 @@ CPU kernels run with `intra_op_threads = max(1, budget // cpu_replicas)` threads
 is the number of distinct CPU devices its ops run on, and the concurrent executor runs at most
 `budget // intra_op_threads` kernels at a time, so workers × intra-op threads never exceed the budget.
 A plan's second phase (its updates, `executor.plan.CompiledNet`) counts only the CPU devices that own
-updates. Every executor runs a plan with the same intra-op thread counts, so their results are
-bit-identical (reductions split across a different number of threads round differently).
+updates. Every op-by-op executor runs a plan with the same intra-op thread counts, so their results
+are bit-identical (reductions split across a different number of threads round differently); the
+compiled executor's regions, which run the replicas' kernels one after another, take the whole budget.
 
 The budget is PyTorch's intra-op thread count in the thread that creates the net
 (`torch.get_num_threads()`: the core count unless you change it with `torch.set_num_threads`), capped
